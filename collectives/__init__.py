@@ -1,0 +1,29 @@
+"""Named collectives over mesh axes, called inside `jax.shard_map`.
+
+Every function here is the only place its primitive is spelled out. Each takes an
+axis name (or a tuple of names); `None` or `()` means "no such axis in this layout",
+and the function then moves nothing. Layers call these; they never call `lax.p*`.
+"""
+from collectives.basic import (
+    all_reduce,
+    all_reduce_max,
+    all_to_all,
+    axis_index,
+    axis_size,
+    broadcast,
+    gather,
+    reduce_scatter,
+    ring_shift,
+)
+
+__all__ = [
+    "all_reduce",
+    "all_reduce_max",
+    "all_to_all",
+    "axis_index",
+    "axis_size",
+    "broadcast",
+    "gather",
+    "reduce_scatter",
+    "ring_shift",
+]

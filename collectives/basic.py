@@ -1,0 +1,110 @@
+"""Gather, reduce-scatter, all-reduce, broadcast, ring shift and all-to-all.
+
+Notation (the scaling book's): `X_a` is dim X sharded over axis `a`; `{U_a}` a partial
+sum over `a` not yet reduced. Under `check_vma=True` every value carries the set of
+axes it varies over; the adjoint pairs are
+
+    gather  (all-gather)      <->  reduce_scatter (reduce-scatter)
+    broadcast (no data moves) <->  all_reduce     (all-reduce)
+
+so `jax.grad` of a gather is a reduce-scatter and of a broadcast an all-reduce.
+"""
+from __future__ import annotations
+
+from typing import Sequence, Union
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+AxisNames = Union[None, str, Sequence[str]]
+
+
+def _names(axis: AxisNames) -> tuple[str, ...]:
+    if axis is None:
+        return ()
+    if isinstance(axis, str):
+        return (axis,)
+    return tuple(axis)
+
+
+def _varying_axes(x: jax.Array) -> frozenset:
+    """Axes `x` varies over (jax 0.10 spells it `.mat.varying`, older and newer `.vma`)."""
+    aval = jax.typeof(x)
+    mat = getattr(aval, "mat", None)
+    return mat.varying if mat is not None else aval.vma
+
+
+def axis_size(axis: AxisNames) -> int:
+    """Number of devices along `axis` (1 when absent)."""
+    size = 1
+    for name in _names(axis):
+        size *= lax.axis_size(name)
+    return size
+
+
+def axis_index(axis: AxisNames) -> jax.Array:
+    """This device's row-major index along `axis` (0 when absent)."""
+    names = _names(axis)
+    if not names:
+        return jnp.int32(0)
+    return lax.axis_index(names if len(names) > 1 else names[0])
+
+
+def gather(x: jax.Array, axis: AxisNames, dim: int) -> jax.Array:
+    """All-gather: `[.., X_axis, ..] -> [.., X, ..]` along `dim`; transpose is reduce_scatter."""
+    names = _names(axis)
+    if not names:
+        return x
+    return lax.all_gather(x, names, axis=dim, tiled=True)
+
+
+def reduce_scatter(x: jax.Array, axis: AxisNames, dim: int) -> jax.Array:
+    """Reduce-scatter: `[.., X, ..]{U_axis} -> [.., X_axis, ..]` along `dim`."""
+    names = _names(axis)
+    if not names:
+        return x
+    return lax.psum_scatter(x, names, scatter_dimension=dim, tiled=True)
+
+
+def all_reduce(x: jax.Array, axis: AxisNames) -> jax.Array:
+    """All-reduce (sum): `{U_axis} -> ` replicated; transpose is broadcast."""
+    names = _names(axis)
+    if not names:
+        return x
+    return lax.psum(x, names)
+
+
+def all_reduce_max(x: jax.Array, axis: AxisNames) -> jax.Array:
+    """All-reduce (max). Not differentiable: callers stop the gradient first."""
+    names = _names(axis)
+    if not names:
+        return x
+    return lax.pmax(x, names)
+
+
+def broadcast(x: jax.Array, axis: AxisNames) -> jax.Array:
+    """Mark a replicated value as per-device along `axis`: forward moves nothing, the
+    backward all-reduces the cotangent over `axis` (Megatron's `f` operator).
+
+    Values that already vary along an axis are left as they are along it."""
+    names = tuple(n for n in _names(axis) if n not in _varying_axes(x))
+    if not names:
+        return x
+    return lax.pcast(x, names, to="varying")
+
+
+def ring_shift(x: jax.Array, axis: str | None, shift: int = 1) -> jax.Array:
+    """Send `x` to the device `shift` steps further along the ring of `axis` (ppermute)."""
+    if axis is None:
+        return x
+    n = lax.axis_size(axis)
+    perm = [(i, (i + shift) % n) for i in range(n)]
+    return lax.ppermute(x, axis, perm)
+
+
+def all_to_all(x: jax.Array, axis: str | None, split_dim: int, concat_dim: int) -> jax.Array:
+    """All-to-all: `[.., X, .., Y_axis, ..] -> [.., X_axis, .., Y, ..]` (split X, gather Y)."""
+    if axis is None:
+        return x
+    return lax.all_to_all(x, axis, split_dim, concat_dim, tiled=True)

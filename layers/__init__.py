@@ -1,0 +1,1 @@
+"""Per-shard model math. Layers get axis names (`Axes`), never a mesh."""

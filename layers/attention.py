@@ -1,0 +1,77 @@
+"""Megatron GQA attention per shard: QKV column-parallel over heads, output row-parallel.
+
+Letter key: B batch, L query length, S key length, D model, H query heads, G kv heads,
+R = H/G query heads per kv head, K head dim. Shapes are per shard unless noted.
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+import collectives
+from layers.axes import Axes
+from layers.common import einsum
+from layers.config import ModelConfig
+from layers.rope import rope
+
+
+def reference_attention(q_BLHK, k_BSGK, v_BSGK, *, causal: bool = True) -> jax.Array:
+    """Dense softmax attention, f32 scores. GQA: query head h reads kv head h // R.
+
+    q: [B, L, H, K]; k, v: [B, S, G, K] -> o: [B, L, H, K] in q's dtype.
+    """
+    B, L, H, K = q_BLHK.shape
+    S, G = k_BSGK.shape[1], k_BSGK.shape[2]
+    q_BLGRK = q_BLHK.reshape(B, L, G, H // G, K)
+    s_BGRLS = jnp.einsum("BLGRK,BSGK->BGRLS", q_BLGRK, k_BSGK,
+                         preferred_element_type=jnp.float32) / math.sqrt(K)
+    if causal:
+        mask_LS = jnp.arange(L)[:, None] >= jnp.arange(S)[None, :]
+        s_BGRLS = jnp.where(mask_LS, s_BGRLS, jnp.finfo(jnp.float32).min)
+    p_BGRLS = jax.nn.softmax(s_BGRLS, axis=-1)
+    o_BLGRK = jnp.einsum("BGRLS,BSGK->BLGRK", p_BGRLS.astype(v_BSGK.dtype), v_BSGK,
+                         preferred_element_type=jnp.float32)
+    return o_BLGRK.reshape(B, L, H, K).astype(q_BLHK.dtype)
+
+
+def attention_kernel(name: str):
+    """The attention implementation selected by `ModelConfig.attention`."""
+    if name == "reference":
+        return reference_attention
+    raise ValueError(f"unknown attention {name!r}")
+
+
+def kv_weights_for_rank(w_DGK: jax.Array, cfg: ModelConfig, axes: Axes) -> jax.Array:
+    """This tp rank's kv-head weights.
+
+    When tp divides G the table shards kv heads over tp and w is already [D, G_tp, K].
+    When tp > G (Megatron's GQA rule) kv weights are replicated over tp: every local query
+    head belongs to one kv head g = rank * H_tp // R, sliced here: [D, G, K] -> [D, 1, K].
+    """
+    if axes.tp_size <= cfg.n_kv_heads:
+        return w_DGK
+    h_per_rank = cfg.n_heads // axes.tp_size
+    g = collectives.axis_index(axes.tp) * h_per_rank // cfg.group
+    # the slice differs per rank, so the weight becomes per-rank: its grad is all-reduced over tp
+    w_DGK = collectives.broadcast(w_DGK, axes.tp)
+    return lax.dynamic_slice_in_dim(w_DGK, g, 1, axis=1)
+
+
+def attention(x_BLD: jax.Array, p: dict, cfg: ModelConfig, axes: Axes) -> jax.Array:
+    """x: [B, L, D] replicated over tp -> [B, L, D] replicated over tp.
+
+    p (gathered over fsdp): wq [D, H_tp, K], wk/wv [D, G_tp, K], wo [H_tp, K, D].
+    """
+    dt = cfg.compute_dtype
+    x_BLD = collectives.broadcast(x_BLD, axes.tp)  # bwd: all-reduce dx over tp
+    q_BLHK = einsum("BLD,DHK->BLHK", x_BLD, p["wq"], dtype=dt)
+    k_BLGK = einsum("BLD,DGK->BLGK", x_BLD, kv_weights_for_rank(p["wk"], cfg, axes), dtype=dt)
+    v_BLGK = einsum("BLD,DGK->BLGK", x_BLD, kv_weights_for_rank(p["wv"], cfg, axes), dtype=dt)
+    q_BLHK, k_BLGK = rope(q_BLHK, theta=cfg.rope_theta), rope(k_BLGK, theta=cfg.rope_theta)
+    attend = attention_kernel(cfg.attention)
+    o_BLHK = attend(q_BLHK.astype(dt), k_BLGK.astype(dt), v_BLGK.astype(dt), causal=True)
+    y_BLD = einsum("BLHK,HKD->BLD", o_BLHK, p["wo"], dtype=dt)  # [B, L, D]{U_tp}
+    return collectives.all_reduce(y_BLD, axes.tp)

@@ -1,0 +1,18 @@
+"""Rotary position embedding (rotate-half form, as in LLaMA's HF port)."""
+import jax
+import jax.numpy as jnp
+
+
+def rope(x_BLHK: jax.Array, offset: int | jax.Array = 0, theta: float = 10_000.0) -> jax.Array:
+    """Rotate pairs (k, k + K/2) of each head by angle pos / theta^(2k/K).
+
+    x: [B, L, H, K] with positions offset + [0, L). Returns [B, L, H, K] in x's dtype.
+    """
+    _, L, _, K = x_BLHK.shape
+    freq_k = theta ** (-jnp.arange(0, K // 2, dtype=jnp.float32) * 2.0 / K)
+    pos_L = offset + jnp.arange(L, dtype=jnp.float32)
+    angle_Lk = pos_L[:, None] * freq_k[None, :]
+    cos_L1k, sin_L1k = jnp.cos(angle_Lk)[:, None, :], jnp.sin(angle_Lk)[:, None, :]
+    x1, x2 = jnp.split(x_BLHK.astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos_L1k - x2 * sin_L1k, x2 * cos_L1k + x1 * sin_L1k], axis=-1)
+    return out.astype(x_BLHK.dtype)

@@ -1,0 +1,42 @@
+"""Vocab-parallel embedding and cross-entropy over tp (Megatron): each tp rank owns a
+contiguous slice of V_tp = V / tp token ids; full logits are never built on one device."""
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+import collectives
+from layers.axes import Axes
+from layers.common import einsum
+
+
+def _local_ids(ids_BL: jax.Array, v_local: int, axes: Axes):
+    """Token ids shifted into this rank's vocab slice, and whether they fall in it."""
+    local_BL = ids_BL - collectives.axis_index(axes.tp) * v_local
+    mine_BL = (local_BL >= 0) & (local_BL < v_local)
+    return jnp.where(mine_BL, local_BL, 0), mine_BL
+
+
+def embed(tokens_BL: jax.Array, embed_VD: jax.Array, axes: Axes) -> jax.Array:
+    """tokens [B, L] -> x [B, L, D] (f32), replicated over tp.
+
+    embed_VD: [V_tp, D]. Each rank looks up the ids it owns, zeros elsewhere, all-reduce."""
+    local_BL, mine_BL = _local_ids(tokens_BL, embed_VD.shape[0], axes)
+    x_BLD = jnp.take(embed_VD, local_BL, axis=0) * mine_BL[..., None]  # [B, L, D]{U_tp}
+    return collectives.all_reduce(x_BLD.astype(jnp.float32), axes.tp)
+
+
+def cross_entropy(h_BLD, unembed_DV, targets_BL, axes: Axes, dtype) -> jax.Array:
+    """Per-token loss [B, L] (f32) of logits h @ unembed against targets.
+
+    h: [B, L, D] replicated over tp; unembed_DV: [D, V_tp]. Logits stay [B, L, V_tp]:
+    the max and the sum of exponentials are reduced over tp, and so is the target logit
+    (found on the one rank that owns it)."""
+    h_BLD = collectives.broadcast(h_BLD, axes.tp)  # bwd: all-reduce dh over tp
+    logits_BLV = einsum("BLD,DV->BLV", h_BLD, unembed_DV, dtype=dtype)
+    m_BL = collectives.all_reduce_max(lax.stop_gradient(jnp.max(logits_BLV, axis=-1)), axes.tp)
+    sumexp_BL = collectives.all_reduce(
+        jnp.sum(jnp.exp(logits_BLV - m_BL[..., None]), axis=-1), axes.tp)
+    local_BL, mine_BL = _local_ids(targets_BL, logits_BLV.shape[-1], axes)
+    target_BL = jnp.take_along_axis(logits_BLV, local_BL[..., None], axis=-1)[..., 0]
+    target_BL = collectives.all_reduce(jnp.where(mine_BL, target_BL, 0.0), axes.tp)
+    return jnp.log(sumexp_BL) + m_BL - target_BL
