@@ -1,0 +1,52 @@
+"""`python -m engine.train` as a user runs it: in a fresh process with no XLA_FLAGS."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def train(*args, timeout=600):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the CLI must force devices
+    return subprocess.run([sys.executable, "-m", "engine.train", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_tiny_run_writes_metrics(tmp_path):
+    path = tmp_path / "m.jsonl"
+    r = train("--model", "tiny", "--steps", "5", "--layout", "fsdp4xtp2", "--batch", "8",
+              "--seq", "32", "--log-every", "2", "--metrics-file", str(path))
+    assert r.returncode == 0, r.stderr
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [row["step"] for row in rows] == [1, 2, 3, 4, 5]
+    for key in ("loss", "grad_norm", "lr", "tokens_per_s", "step_time_s", "mfu"):
+        assert all(isinstance(row[key], float) for row in rows), key
+    assert "on 8 cpu device(s)" in r.stdout
+    assert "step     5/5" in r.stdout and "tok/s" in r.stdout and "MFU" in r.stdout
+
+
+@pytest.mark.parametrize("args,phrase", [
+    (["--layout", "pp2xtp4"], "unknown axis 'pp'"),
+    (["--layout", "fsdp3", "--model", "tiny"], "batch=16 not divisible by dp*fsdp=3"),
+    (["--layout", "tp8", "--model", "tiny"], "heads=4 not divisible by tp=8"),
+    (["--model", "tiny", "--mlp-dim", "190", "--layout", "tp4"], "mlp_dim=190 not divisible by tp=4"),
+    (["--steps", "0"], "steps=0 must be >= 1"),
+    (["--model", "huge"], "invalid choice: 'huge'"),
+    (["--lr", "abc"], "invalid float value: 'abc'"),
+])
+def test_bad_input_is_one_line_exit_2(args, phrase):
+    r = train(*args, timeout=60)
+    assert r.returncode == 2
+    assert phrase in r.stderr
+    assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
+    assert r.stdout == ""
+
+
+def test_help_lists_the_flags():
+    r = train("--help", timeout=60)
+    assert r.returncode == 0
+    for flag in ("--layout", "--model", "--d-model", "--kv-heads", "--remat", "--metrics-file"):
+        assert flag in r.stdout
