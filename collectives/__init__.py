@@ -14,6 +14,7 @@ from collectives.basic import (
     gather,
     reduce_scatter,
     ring_shift,
+    varying_axes,
 )
 
 __all__ = [
@@ -26,4 +27,5 @@ __all__ = [
     "gather",
     "reduce_scatter",
     "ring_shift",
+    "varying_axes",
 ]

@@ -28,7 +28,7 @@ def _names(axis: AxisNames) -> tuple[str, ...]:
     return tuple(axis)
 
 
-def _varying_axes(x: jax.Array) -> frozenset:
+def varying_axes(x: jax.Array) -> frozenset:
     """Axes `x` varies over (jax 0.10 spells it `.mat.varying`, older and newer `.vma`)."""
     aval = jax.typeof(x)
     mat = getattr(aval, "mat", None)
@@ -88,7 +88,7 @@ def broadcast(x: jax.Array, axis: AxisNames) -> jax.Array:
     backward all-reduces the cotangent over `axis` (Megatron's `f` operator).
 
     Values that already vary along an axis are left as they are along it."""
-    names = tuple(n for n in _names(axis) if n not in _varying_axes(x))
+    names = tuple(n for n in _names(axis) if n not in varying_axes(x))
     if not names:
         return x
     return lax.pcast(x, names, to="varying")

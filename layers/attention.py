@@ -15,7 +15,13 @@ import collectives
 from layers.axes import Axes
 from layers.common import einsum
 from layers.config import ModelConfig
+from layers.flash_blocked import blocked_attention
+from layers.flash_pallas import pallas_attention
 from layers.rope import rope
+
+# Sequences at least this long use the blocked flash path under `attention="auto"`: from
+# there on the dense reference's O(L^2) scores dominate memory (bench/attention.py).
+AUTO_BLOCKED_FROM = 1024
 
 
 def reference_attention(q_BLHK, k_BSGK, v_BSGK, *, causal: bool = True) -> jax.Array:
@@ -37,11 +43,16 @@ def reference_attention(q_BLHK, k_BSGK, v_BSGK, *, causal: bool = True) -> jax.A
     return o_BLGRK.reshape(B, L, H, K).astype(q_BLHK.dtype)
 
 
-def attention_kernel(name: str):
-    """The attention implementation selected by `ModelConfig.attention`."""
-    if name == "reference":
-        return reference_attention
-    raise ValueError(f"unknown attention {name!r}")
+KERNELS = {"reference": reference_attention, "blocked": blocked_attention,
+           "pallas": pallas_attention}
+
+
+def attention_kernel(name: str, seq: int):
+    """The implementation `ModelConfig.attention` names; `auto` is `blocked` for
+    sequences of AUTO_BLOCKED_FROM tokens or more, else `reference`."""
+    if name == "auto":
+        name = "blocked" if seq >= AUTO_BLOCKED_FROM else "reference"
+    return KERNELS[name]
 
 
 def kv_weights_for_rank(w_DGK: jax.Array, cfg: ModelConfig, axes: Axes) -> jax.Array:
@@ -71,7 +82,7 @@ def attention(x_BLD: jax.Array, p: dict, cfg: ModelConfig, axes: Axes) -> jax.Ar
     k_BLGK = einsum("BLD,DGK->BLGK", x_BLD, kv_weights_for_rank(p["wk"], cfg, axes), dtype=dt)
     v_BLGK = einsum("BLD,DGK->BLGK", x_BLD, kv_weights_for_rank(p["wv"], cfg, axes), dtype=dt)
     q_BLHK, k_BLGK = rope(q_BLHK, theta=cfg.rope_theta), rope(k_BLGK, theta=cfg.rope_theta)
-    attend = attention_kernel(cfg.attention)
+    attend = attention_kernel(cfg.attention, x_BLD.shape[1])
     o_BLHK = attend(q_BLHK.astype(dt), k_BLGK.astype(dt), v_BLGK.astype(dt), causal=True)
     y_BLD = einsum("BLHK,HKD->BLD", o_BLHK, p["wo"], dtype=dt)  # [B, L, D]{U_tp}
     return collectives.all_reduce(y_BLD, axes.tp)

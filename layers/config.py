@@ -23,7 +23,7 @@ class ModelConfig:
     vocab: int = 256
     dtype: str = "bf16"  # compute dtype of matmuls; params and optimizer state stay f32
     remat: str = "full"  # none | full | dots
-    attention: str = "reference"
+    attention: str = "reference"  # auto | reference | blocked | pallas (layers/attention.py)
     rope_theta: float = 10_000.0
     norm_eps: float = 1e-5
 
