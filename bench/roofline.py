@@ -1,0 +1,227 @@
+"""Predicted vs measured time per layer and per collective, and the step's roofline.
+
+    python bench/roofline.py --layout fsdp4xtp2 --model small
+    python bench/roofline.py --predict-only --hardware h100 --layout fsdp32xtp8 \\
+        --model llama3-70b --batch 256 --seq 4096
+
+Takes the training CLI's model and layout flags (`engine.train.build_parser`). Without
+--predict-only it compiles the step on forced host devices, audits its collectives
+against the ledger, times `--steps` steps (median wall clock) and attributes the time of
+`--trace-steps` profiled steps to ledger categories (engine/cost/trace.py).
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine.train import UsageError, force_host_devices, parse  # noqa: E402
+from engine.layout import LayoutError  # noqa: E402
+
+
+def own_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--hardware", default="cpu", help="cpu | v4 | v5e | v5p | a100 | h100")
+    p.add_argument("--predict-only", action="store_true", help="trace on an AbstractMesh only")
+    p.add_argument("--calibration", default=None, help="cpu profile JSON (bench/calibrate.py)")
+    p.add_argument("--trace-steps", type=int, default=2)
+    p.add_argument("--json", default=None, help="write figures as JSON")
+    p.add_argument("--plot", default=None, help="roofline PNG (needs matplotlib)")
+    return p
+
+
+def _err(pred, meas):
+    return None if meas in (None, 0) else (pred - meas) / meas
+
+
+def _fmt(x, unit=""):
+    if x is None:
+        return "-"
+    return f"{100 * x:+.0f}%" if unit == "%" else f"{x:.3g}"
+
+
+def scope_table(pred, measured):
+    """Rows per scope: FLOPs, bytes, intensity, bound, predicted, measured, error."""
+    agg = collections.defaultdict(lambda: [0.0, 0.0, 0.0, 0.0])
+    for p in pred.rows:
+        if p.row.kind == "collective":
+            continue
+        a = agg[p.row.scope]
+        a[0] += p.row.total_flops
+        a[1] += p.row.total_bytes
+        a[2] += p.seconds
+        a[3] += p.seconds if p.bound == "compute" else 0.0
+    meas = collections.Counter()
+    for (kind, scope, *_), s in (measured or {}).items():
+        if kind in ("matmul", "memory"):
+            meas[scope] += s
+    out = []
+    for scope, (flops, nbytes, t, t_compute) in sorted(agg.items(), key=lambda kv: -kv[1][2]):
+        m = meas.get(scope) if measured else None
+        out.append([scope, flops, nbytes, flops / max(nbytes, 1),
+                    "compute" if t_compute >= t / 2 else "memory", t, m, _err(t, m)])
+    return out
+
+
+def collective_table(pred, measured, mesh_axes):
+    """Rows per (HLO kind, axes): bytes/step, count, predicted, measured transfer, wait."""
+    from engine.cost.audit import _canonical_axes
+    from engine.cost.ledger import COLLECTIVES
+
+    agg = collections.defaultdict(lambda: [0.0, 0, 0.0])
+    for p in pred.rows:
+        kind = COLLECTIVES.get(p.row.primitive)
+        if p.row.kind != "collective" or kind is None or p.row.bytes == 0:
+            continue
+        a = agg[(kind, _canonical_axes(p.row.axes, mesh_axes))]
+        a[0] += p.row.total_bytes
+        a[1] += p.row.count
+        a[2] += p.seconds
+    meas, wait = collections.Counter(), collections.Counter()
+    for (kind, _, _, key), s in (measured or {}).items():
+        if kind == "collective":
+            meas[key] += s
+        elif kind == "collective wait":
+            wait[key] += s
+    out = []
+    for key, (nbytes, count, t) in sorted(agg.items(), key=lambda kv: -kv[1][2]):
+        m = meas.get(key) if measured else None
+        out.append([key[0], ",".join(key[1]), nbytes, count, t, m,
+                    wait.get(key) if measured else None, _err(t, m)])
+    return out
+
+
+def plot_roofline(srows, hw, n_devices: int, path: str) -> None:
+    """Per-scope points (FLOP/B, achieved FLOP/s per device, predicted and measured)
+    under the profile's roofs. Needs the optional `plot` extra (matplotlib)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    share = n_devices if hw.shared_host else 1
+    x = [10 ** (i / 10) for i in range(-20, 51)]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for dtype in sorted(hw.peak_flops):
+        peak = hw.matmul_peak(dtype) * hw.matmul_eff / share
+        ax.plot(x, [min(peak, i * hw.hbm * hw.mem_eff / share) for i in x], label=f"roof {dtype}")
+    for scope, flops, _, intensity, _, t_pred, t_meas, _ in srows:
+        if flops and intensity:
+            ax.scatter([intensity], [flops / t_pred], marker="o")
+            ax.annotate(scope, (intensity, flops / t_pred), fontsize=8)
+            if t_meas:
+                ax.scatter([intensity], [flops / t_meas], marker="x", color="k")
+    ax.set(xscale="log", yscale="log", xlabel="FLOP / byte", ylabel="FLOP/s per device",
+           title=f"{hw.name}: predicted (o) and measured (x) per scope")
+    ax.legend(fontsize=8)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+
+
+def measure(cfg, tcfg, layout, trainer, steps: int, trace_steps: int):
+    """(median step seconds, attributed {category: s}, hlo text)."""
+    import jax
+
+    from engine.cost import trace
+    from engine.cost.audit import _axes_by_groups
+    from engine.data import synthetic_tokens
+
+    params, opt_state = trainer.init(tcfg.seed)
+    tokens = trainer.put_batch(synthetic_tokens(tcfg.seed, 0, tcfg.batch, tcfg.seq, cfg.vocab))
+    step = trainer.train_step.lower(params, opt_state, tokens).compile()
+    text = step.as_text()
+    params, opt_state, m = step(params, opt_state, tokens)
+    jax.block_until_ready(m)
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        params, opt_state, m = step(params, opt_state, tokens)
+        jax.block_until_ready(m)
+        times.append(time.perf_counter() - t0)
+    step_s = statistics.median(times)
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d):
+            for _ in range(trace_steps):
+                params, opt_state, m = step(params, opt_state, tokens)
+                jax.block_until_ready(m)
+        events = trace.op_events(d)
+    info = trace.classify(text, _axes_by_groups(layout.mesh_axes()))
+    return step_s, trace.attribute(events, info, step_s, trace_steps), text
+
+
+def main(argv=None) -> int:
+    mine, rest = own_parser().parse_known_args(sys.argv[1:] if argv is None else argv)
+    try:
+        if "--steps" not in rest:
+            rest = [*rest, "--steps", "5"]
+        cfg, tcfg, layout, _ = parse(rest)
+    except (UsageError, LayoutError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if not mine.predict_only:
+        force_host_devices(layout.size)
+    from tabulate import tabulate
+
+    from engine.cost import hardware
+    from engine.cost.ledger import step_ledger
+    from engine.cost.price import model_flops, predict, predicted_mfu
+
+    hw = hardware.get(mine.hardware, mine.calibration)
+    rows = step_ledger(cfg, tcfg, layout)
+    pred = predict(rows, hw, layout.mesh_axes())
+    measured, step_s, audit_clean = None, None, None
+    if not mine.predict_only:
+        from engine.cost.audit import audit
+        from engine.step import Trainer
+
+        trainer = Trainer(cfg, tcfg, layout, layout.mesh())
+        step_s, measured, text = measure(cfg, tcfg, layout, trainer, tcfg.steps, mine.trace_steps)
+        a = audit(rows, text, layout.mesh_axes(), "cpu")
+        audit_clean = a.clean
+        print(f"audit: {'clean' if a.clean else 'NOT clean'}; rules applied: {a.rules}")
+        for k, n in {**a.missing, **a.extra}.items():
+            side = "dropped by compiler" if k in a.missing else "added by compiler"
+            print(f"  {side}: {n} x {k} {a.names[k]}")
+    print(f"hardware {hw.name} ({hw.source}); layout {layout}; {cfg.dtype}, remat {cfg.remat}")
+    heads = ["scope", "FLOPs", "bytes", "FLOP/B", "bound", "pred s", "meas s", "err"]
+    srows = scope_table(pred, measured)
+    print(tabulate([[r[0], *map(_fmt, r[1:4]), r[4], *map(_fmt, r[5:7]), _fmt(r[7], "%")]
+                    for r in srows], heads))
+    crows = collective_table(pred, measured, layout.mesh_axes())
+    print(tabulate([[r[0], r[1], *map(_fmt, r[2:7]), _fmt(r[7], "%")] for r in crows],
+                   ["collective", "axes", "bytes/step", "count", "pred s", "meas s", "wait s", "err"]))
+    mflops = model_flops(cfg, tcfg)
+    mfu = predicted_mfu(pred, cfg, tcfg, hw, layout.size)
+    meas_mfu = mfu * pred.step_s / step_s if step_s else None
+    print(tabulate([["compute", pred.compute_s, None], ["comm (all)", pred.comm_s, None],
+                    ["comm exposed", pred.exposed_comm_s, None],
+                    ["step", pred.step_s, step_s], ["MFU", mfu, meas_mfu]],
+                   ["step summary", "predicted", "measured"], floatfmt=".4g"))
+    if step_s:
+        print(f"step error {100 * (pred.step_s - step_s) / step_s:+.1f}% "
+              f"(model {mflops / 1e9:.1f} GFLOP/step)")
+    if mine.json:
+        Path(mine.json).write_text(json.dumps({
+            "layout": str(layout), "hardware": mine.hardware, "predicted_step_s": pred.step_s,
+            "measured_step_s": step_s, "predicted_mfu": mfu, "measured_mfu": meas_mfu,
+            "audit_clean": audit_clean, "predicted_compute_s": pred.compute_s,
+            "predicted_comm_s": pred.comm_s, "predicted_exposed_comm_s": pred.exposed_comm_s,
+            "scopes": [dict(zip(["scope", "flops", "bytes", "intensity", "bound",
+                                 "predicted_s", "measured_s", "error"], r)) for r in srows],
+            "collectives": [dict(primitive=r[0], axes=r[1].split(",") if r[1] else [],
+                                 bytes=r[2], count=r[3], predicted_s=r[4], measured_s=r[5],
+                                 wait_s=r[6]) for r in crows],
+        }, indent=1))
+    if mine.plot:
+        plot_roofline(srows, hw, layout.size, mine.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

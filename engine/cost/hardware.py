@@ -1,0 +1,132 @@
+"""Hardware profiles: what one chip computes and moves per second, from published specs.
+
+Peak figures are dense (no sparsity) per chip. Efficiency factors turn peaks into what
+well-tuned kernels reach, each justified where it is set. The `cpu` profile is measured
+on this machine by `bench/calibrate.py`, which writes `CALIBRATION_PATH`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+CALIBRATION_PATH = Path(os.environ.get("SHARDWISE_CPU_PROFILE",
+                                       Path.home() / ".cache" / "shardwise" / "cpu_profile.json"))
+
+
+@dataclasses.dataclass(frozen=True)
+class Link:
+    """One tier of interconnect as one device sees it along a mesh axis.
+
+    bandwidth: bytes/s a device sends in one ring step (for a bidirectional ring on a
+    torus axis, both directions); latency: seconds per ring hop."""
+
+    bandwidth: float
+    latency: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+    """peak_flops: matmul FLOP/s per operand dtype; vector_flops: elementwise FLOP/s;
+    hbm: memory bytes/s; fast / slow: links inside / across `fast_domain` devices (a
+    GPU node over NVLink, a TPU slice over ICI) and beyond it (InfiniBand, DCN).
+    *_eff: fraction of peak well-tuned kernels reach. overlap: FSDP weight gathers and
+    grad reduce-scatters (independent of activations) run under compute (XLA's async
+    collectives / latency-hiding scheduler); on CPU collectives are synchronous.
+    shared_host: all devices are threads of one host sharing its cores, so per-device
+    compute adds up across devices (forced host-platform devices).
+    bf16_collectives_in_f32: the runtime moves bf16 collectives as f32 (XLA on CPU; the
+    audit's `cpu_bf16_collectives_in_f32` rule), so they cost twice their ledger bytes."""
+
+    name: str
+    peak_flops: dict
+    vector_flops: float
+    hbm: float
+    fast: Link
+    slow: Link
+    fast_domain: int
+    matmul_eff: float = 1.0
+    mem_eff: float = 1.0
+    link_eff: float = 1.0
+    overlap: bool = True
+    shared_host: bool = False
+    bf16_collectives_in_f32: bool = False
+    collective_fit: dict = dataclasses.field(default_factory=dict)
+    source: str = ""
+
+    def matmul_peak(self, dtype: str) -> float:
+        return self.peak_flops.get(dtype, self.peak_flops["float32"])
+
+
+# TPU: bf16 MXU peak, HBM and ICI from Google's Cloud TPU system-architecture pages (and
+# the scaling book's table: ICI one-way 4.5e10 B/s per link on v4/v5e, 9e10 on v5p). A
+# mesh axis laid on a torus axis with wraparound is a bidirectional ring: 2 links' worth.
+# f32 operands run at the bf16 rate (JAX's default matmul precision on TPU is one bf16
+# pass). Vector units are not published as FLOP/s: peak/8 is an assumption (elementwise
+# work on TPU is HBM-bound far before the VPU limits it). matmul_eff 0.85: large bf16
+# matmuls in MaxText profiles reach 85-90% of MXU peak; HBM 0.9 (streaming copies);
+# ICI 0.9 of link rate. DCN (across slices): 25 GB/s per host over 4 chips ~ 6.25e9/chip.
+def _tpu(name, bf16, hbm, ici_one_way, fast_domain):
+    return Hardware(name, {"bfloat16": bf16, "float32": bf16}, bf16 / 8, hbm,
+                    Link(2 * ici_one_way, 1e-6), Link(6.25e9, 1e-5), fast_domain,
+                    matmul_eff=0.85, mem_eff=0.9, link_eff=0.9, source="published specs")
+
+
+# GPUs: NVIDIA A100-SXM4-80GB / H100-SXM5 datasheets: bf16 dense tensor-core peak; f32
+# matmuls at the dense TF32 tensor-core peak (JAX's default precision on Ampere and later
+# lets f32 dots use TF32); FP32 (non-tensor) for elementwise; HBM, NVLink per direction (600 / 900 GB/s bidirectional)
+# within an 8-GPU node, one 200 Gb/s HDR (A100) / 400 Gb/s NDR (H100) NIC per GPU across
+# nodes. matmul_eff: cuBLAS large bf16 GEMMs reach ~80% (A100, ~250 TFLOP/s) and ~75%
+# (H100, ~740 TFLOP/s); mem_eff 0.85 (STREAM-like copies); link_eff 0.8: nccl-tests
+# bus bandwidth ~230 GB/s of 300 (A100) and ~360 of 450 (H100).
+def _gpu(name, bf16, tf32, fp32, hbm, nvlink_dir, nic, matmul_eff):
+    return Hardware(name, {"bfloat16": bf16, "float32": tf32}, fp32, hbm,
+                    Link(nvlink_dir, 5e-6), Link(nic, 1e-5), 8,
+                    matmul_eff=matmul_eff, mem_eff=0.85, link_eff=0.8, source="published specs")
+
+
+PROFILES = {
+    "v4": _tpu("TPU v4", 275e12, 1.2e12, 4.5e10, 4096),
+    "v5e": _tpu("TPU v5e", 197e12, 8.1e11, 4.5e10, 256),
+    "v5p": _tpu("TPU v5p", 459e12, 2.765e12, 9e10, 8960),
+    "a100": _gpu("A100-SXM 80GB", 312e12, 156e12, 19.5e12, 2.039e12, 300e9, 25e9, 0.8),
+    "h100": _gpu("H100-SXM", 989e12, 494.7e12, 67e12, 3.35e12, 450e9, 50e9, 0.75),
+}
+
+# `python bench/calibrate.py` on this machine (2 Zen-5 cores, 8 forced devices, load
+# average ~5 from concurrent jobs) on 2026-11-22; used only when no calibration file
+# exists. collective_fit: kind -> (latency per ring hop s, bandwidth B/s).
+CPU_DEFAULTS = {
+    "peak_flops": {"float32": 6.5e10, "bfloat16": 4.5e10},
+    "vector_flops": 2.0e9, "hbm": 2.5e9,
+    "collective_fit": {"all-gather": (1.0e-4, 1.9e9), "reduce-scatter": (9.2e-5, 1.4e9),
+                       "all-reduce": (4.1e-5, 1.1e9), "collective-permute": (7.1e-5, 8.1e8)},
+}
+
+
+def cpu_profile(path: Path | str | None = None) -> Hardware:
+    """The calibrated CPU profile (`bench/calibrate.py` output), else CPU_DEFAULTS.
+
+    Each forced device is a thread of one host, so compute adds up across devices
+    (shared_host) and collectives are synchronous memory copies (no overlap). A
+    collective's time is `collective_fit[kind] = (latency, bandwidth)` fitted from
+    measured times vs bytes on the 8-device mesh."""
+    path = Path(path) if path else CALIBRATION_PATH
+    data, source = (json.loads(path.read_text()), f"calibrated ({path})") if path.exists() \
+        else (CPU_DEFAULTS, "built-in defaults (run bench/calibrate.py)")
+    fit = {k: tuple(v) for k, v in data["collective_fit"].items()}
+    bw, lat = fit.get("all-gather", (2e-5, data["hbm"]))[::-1]
+    return Hardware("cpu", dict(data["peak_flops"]), data["vector_flops"], data["hbm"],
+                    Link(bw, lat), Link(bw, lat), 1 << 30, overlap=False, shared_host=True,
+                    bf16_collectives_in_f32=True,
+                    collective_fit=fit, source=source)
+
+
+def get(name: str, calibration: Path | str | None = None) -> Hardware:
+    """Profile by command-line name: cpu | v4 | v5e | v5p | a100 | h100."""
+    if name == "cpu":
+        return cpu_profile(calibration)
+    if name not in PROFILES:
+        raise KeyError(f"unknown hardware {name!r} (known: cpu, {', '.join(PROFILES)})")
+    return PROFILES[name]

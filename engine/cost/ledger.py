@@ -1,0 +1,230 @@
+"""The plan: trace the real training step on an AbstractMesh and walk its jaxpr into rows.
+
+`trace_step` builds `Trainer(cfg, tcfg, layout, layout.abstract_mesh())` and runs
+`jax.make_jaxpr(trainer.train_step)` on `ShapeDtypeStruct`s, so any mesh size traces on
+one CPU. `ledger` walks the jaxpr, recursing into pjit / shard_map / scan / remat /
+custom_vjp / while / cond bodies and multiplying by scan trip counts, and emits one `Row`
+per equation (per operand for multi-operand collectives). Inside shard_map every shape is
+already per device, so every figure in a row is per device.
+
+Phase comes from the equation's name stack: `rematted_computation` -> "recompute"
+(remat re-running the forward inside the backward), a `transpose` transform -> "bwd",
+the `reduce_grads` / `optimizer` scopes -> "update", anything else -> "fwd".
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from jax._src import source_info_util
+from jax.extend import core as jcore
+
+# The named scopes the code opens (layers/, engine/step.py), outermost first.
+SCOPES = ("embed", "gather_params", "attention", "mlp", "loss", "reduce_grads", "optimizer")
+
+# jaxpr primitive -> HLO collective kind. pvary moves nothing (it only marks a value as
+# per-device for check_vma) and lowers to no HLO op: its rows carry 0 bytes.
+COLLECTIVES = {
+    "all_gather": "all-gather", "all_gather_invariant": "all-gather",
+    "reduce_scatter": "reduce-scatter",
+    "psum": "all-reduce", "psum_invariant": "all-reduce", "pmax": "all-reduce",
+    "pmin": "all-reduce",
+    "ppermute": "collective-permute",
+    "all_to_all": "all-to-all",
+    "pvary": None,
+}
+# Ops XLA turns into bitcasts or folds away: no FLOPs, no bytes.
+FREE = {"reshape", "squeeze", "expand_dims", "stop_gradient", "axis_index", "iota",
+        "broadcast_in_dim", "copy_p", "optimization_barrier", "pjit", "closed_call"}
+# Ops XLA fuses into one loop with their elementwise neighbours (loop fusion).
+FUSIBLE = {"add", "add_any", "sub", "mul", "div", "neg", "max", "min", "exp", "exp2", "log",
+           "log1p", "logistic", "rsqrt", "sqrt", "tanh", "pow", "integer_pow", "square", "abs",
+           "sign", "select_n", "erf", "sin", "cos", "eq", "ne", "ge", "gt", "le", "lt", "and",
+           "or", "not", "clamp", "convert_element_type", "broadcast_in_dim", "reshape",
+           "squeeze", "expand_dims", "iota", "concatenate", "split", "slice", "transpose",
+           "stop_gradient", "pvary"}
+REDUCTIONS = {"reduce_sum", "reduce_max", "reduce_min", "argmax", "argmin"}
+# Elementwise / reduction ops costing one FLOP per element (of the larger side).
+ARITH = {"add", "add_any", "sub", "mul", "div", "neg", "max", "min", "exp", "exp2", "log",
+         "log1p", "logistic", "rsqrt", "sqrt", "tanh", "pow", "integer_pow", "square", "abs",
+         "sign", "select_n", "reduce_sum", "reduce_max", "reduce_min", "cumsum", "erf",
+         "sin", "cos", "eq", "ne", "ge", "gt", "le", "lt", "and", "or", "not", "clamp"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One equation of the step, per device. `flops` and `bytes` are per execution;
+    the step runs it `count` times (scan trip counts multiplied in).
+
+    kind: "matmul" (dot_general), "memory" (elementwise, reductions, data movement) or
+    "collective". bytes: read + written for compute rows, under a loop-fusion model
+    (`_fusion_bytes`: a chain of elementwise ops reads its inputs and writes its
+    outputs once, as XLA's loop fusion does); for collectives the buffer
+    each device holds before reducing / after gathering (all-gather: output, others:
+    input), the `bytes` of the ring formulas.
+    """
+
+    scope: str
+    phase: str
+    kind: str
+    primitive: str
+    dtype: str
+    shape: tuple
+    flops: float
+    bytes: float
+    count: int
+    axes: tuple = ()
+    axis_size: int = 1
+
+    @property
+    def total_flops(self) -> float:
+        return self.flops * self.count
+
+    @property
+    def total_bytes(self) -> float:
+        return self.bytes * self.count
+
+
+def _shape_dtype_specs(cfg, tcfg, trainer):
+    from engine.params import param_shapes
+
+    params = param_shapes(cfg)
+    opt_state = jax.eval_shape(trainer.tx.init, params)
+    tokens_BL = jax.ShapeDtypeStruct((tcfg.batch, tcfg.seq + 1), jnp.int32)
+    return params, opt_state, tokens_BL
+
+
+def trace_step(cfg, tcfg, layout) -> jcore.ClosedJaxpr:
+    """The jaxpr of `Trainer.train_step` (the CLI's step) on `layout.abstract_mesh()`."""
+    from engine.step import Trainer
+
+    trainer = Trainer(cfg, tcfg, layout, layout.abstract_mesh())
+    return jax.make_jaxpr(trainer.train_step)(*_shape_dtype_specs(cfg, tcfg, trainer))
+
+
+def _nbytes(aval) -> int:
+    return math.prod(aval.shape) * jnp.dtype(aval.dtype).itemsize
+
+
+def _phase_scope(stack: source_info_util.NameStack) -> tuple[str, str]:
+    names = [e.name for e in stack.stack if isinstance(e, source_info_util.Scope)]
+    transforms = [e.name for e in stack.stack if isinstance(e, source_info_util.Transform)]
+    scope = next((n for n in names if n in SCOPES), "other")
+    if "rematted_computation" in names:
+        phase = "recompute"
+    elif "transpose" in transforms:
+        phase = "bwd"
+    elif scope in ("reduce_grads", "optimizer"):
+        phase = "update"
+    else:
+        phase = "fwd"
+    return phase, scope
+
+
+def _axes(eqn) -> tuple[str, ...]:
+    axes = eqn.params.get("axis_name", eqn.params.get("axes", ()))
+    return tuple(axes) if isinstance(axes, (tuple, list)) else (axes,)
+
+
+def _collective_rows(eqn, phase, scope, count, mesh_shape) -> list[Row]:
+    axes = _axes(eqn)
+    size = math.prod(mesh_shape[a] for a in axes)
+    kind = COLLECTIVES[eqn.primitive.name]
+    rows = []
+    for var_in, var_out in zip(eqn.invars, eqn.outvars):
+        buf = var_out.aval if eqn.primitive.name.startswith("all_gather") else var_in.aval
+        moved = 0 if kind is None or size == 1 else _nbytes(buf)
+        rows.append(Row(scope, phase, "collective", eqn.primitive.name, str(buf.dtype),
+                        tuple(buf.shape), 0.0, float(moved), count, axes, size))
+    return rows
+
+
+def _fusion_bytes(eqn, fused_vars: set, spilled_vars: set) -> float:
+    """Bytes an equation moves under loop fusion: inputs produced inside a fused chain
+    are not re-read; outputs only consumed by fusible ops or reductions are not written.
+    Matmuls and everything else read and write all operands."""
+    name = eqn.primitive.name
+    if name in FREE:
+        return 0.0
+    if name not in FUSIBLE and name not in REDUCTIONS:
+        return float(sum(_nbytes(v.aval) for v in (*eqn.invars, *eqn.outvars)
+                         if hasattr(v.aval, "shape")))
+    reads = sum(_nbytes(v.aval) for v in eqn.invars
+                if hasattr(v.aval, "shape") and not isinstance(v, jcore.Literal)
+                and v not in fused_vars)
+    writes = sum(_nbytes(v.aval) for v in eqn.outvars
+                 if name in REDUCTIONS or v in spilled_vars)
+    return float(reads + writes)
+
+
+def _fusion_sets(jaxpr) -> tuple[set, set]:
+    """(vars produced by fusible ops, fusible outputs that must reach memory)."""
+    fused, spilled = set(), set(v for v in jaxpr.outvars if not isinstance(v, jcore.Literal))
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in FUSIBLE:
+            fused.update(eqn.outvars)
+        elif eqn.primitive.name not in REDUCTIONS:
+            spilled.update(v for v in eqn.invars if not isinstance(v, jcore.Literal))
+    return fused, spilled & fused
+
+
+def _compute_row(eqn, phase, scope, count, moved: float) -> Row:
+    name = eqn.primitive.name
+    ins = [v.aval for v in eqn.invars if hasattr(v.aval, "shape")]
+    outs = [v.aval for v in eqn.outvars if hasattr(v.aval, "shape")]
+    out = outs[0] if outs else ins[0]
+    if name == "dot_general":
+        (contract_lhs, _), _ = eqn.params["dimension_numbers"]
+        k = math.prod(ins[0].shape[d] for d in contract_lhs)
+        flops, kind, dtype = 2.0 * math.prod(out.shape) * k, "matmul", str(ins[0].dtype)
+    else:
+        elems = max([math.prod(a.shape) for a in ins + outs] or [0])
+        flops = float(elems) if name in ARITH else 0.0
+        kind, dtype = "memory", str(out.dtype)
+    return Row(scope, phase, kind, name, dtype, tuple(out.shape), flops, float(moved), count)
+
+
+def _sub_jaxprs(eqn):
+    """(jaxpr, trip multiplier) for every body an equation carries."""
+    name = eqn.primitive.name
+    mult = eqn.params["length"] if name == "scan" else 1
+    for value in eqn.params.values():
+        for item in value if isinstance(value, (tuple, list)) else (value,):
+            if isinstance(item, jcore.ClosedJaxpr):
+                yield item.jaxpr, mult
+            elif isinstance(item, jcore.Jaxpr):
+                yield item, mult
+
+
+def _walk(jaxpr, stack, count, mesh_shape, rows):
+    fused, spilled = _fusion_sets(jaxpr)
+    for eqn in jaxpr.eqns:
+        here = stack + eqn.source_info.name_stack
+        subs = list(_sub_jaxprs(eqn))
+        if subs:
+            for sub, mult in subs:
+                _walk(sub, here, count * mult, mesh_shape, rows)
+            continue
+        phase, scope = _phase_scope(here)
+        if eqn.primitive.name in COLLECTIVES:
+            rows.extend(_collective_rows(eqn, phase, scope, count, mesh_shape))
+        else:
+            rows.append(_compute_row(eqn, phase, scope, count,
+                                     _fusion_bytes(eqn, fused, spilled)))
+
+
+def ledger(closed: jcore.ClosedJaxpr, layout) -> list[Row]:
+    """Rows of every equation in the traced step, per device, with trip counts.
+
+    while bodies count once (the step has none: layers scan, optax is loop-free) and
+    both branches of a cond are counted (an upper bound; the step has none either)."""
+    rows: list[Row] = []
+    _walk(closed.jaxpr, source_info_util.NameStack(), 1, dict(layout.mesh_axes()), rows)
+    return rows
+
+
+def step_ledger(cfg, tcfg, layout) -> list[Row]:
+    """`ledger(trace_step(...))`: the plan of one training step."""
+    return ledger(trace_step(cfg, tcfg, layout), layout)

@@ -1,0 +1,133 @@
+"""Price ledger rows on a hardware profile and predict the step.
+
+Compute rows by roofline: max(FLOPs / (peak * matmul_eff), bytes / (hbm * mem_eff)),
+matmuls at the peak of their operand dtype, other rows at the vector rate. Collectives by
+ring formulas over the slowest link tier their axes use, n = group size:
+
+    all-gather, reduce-scatter: (n-1)/n * bytes / bw + (n-1) * latency
+    all-reduce:                 2 (n-1)/n * bytes / bw + 2 (n-1) * latency
+    collective-permute:         bytes / bw + latency;  all-to-all: (n-1)/n * bytes / bw
+
+On the calibrated CPU the (latency, bandwidth) of each kind is the fitted one.
+
+Overlap model: collectives are on the critical path except FSDP weight gathers and grad
+reduce-scatters (scope `gather_params`), which depend on no activation and hide under
+the scanned blocks' compute when `hw.overlap` (XLA async collectives); only what exceeds
+that compute is exposed. Predicted step = compute + exposed communication.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from engine.cost.hardware import Hardware
+from engine.cost.ledger import COLLECTIVES, Row
+
+RING = {"all-gather": (1, 1), "reduce-scatter": (1, 1), "all-reduce": (2, 2),
+        "all-to-all": (1, 1), "collective-permute": (None, 1)}
+BLOCK_SCOPES = ("gather_params", "attention", "mlp")
+
+
+@dataclasses.dataclass(frozen=True)
+class Priced:
+    """A row with its predicted seconds per step (all `count` executions) and its bound."""
+
+    row: Row
+    seconds: float
+    bound: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Prediction:
+    """Seconds per step: compute (matmul + memory rows), comm (all collectives),
+    exposed_comm (what the overlap model leaves on the critical path), step."""
+
+    rows: tuple
+    compute_s: float
+    comm_s: float
+    exposed_comm_s: float
+    step_s: float
+    hardware: str
+
+
+def link_for(hw: Hardware, mesh_axes, axes: tuple[str, ...]):
+    """The slowest link tier any of `axes` uses: an axis stays on fast links while it and
+    every axis inside it (later in the layout) fit in one fast domain."""
+    names = [n for n, _ in mesh_axes]
+    sizes = [s for _, s in mesh_axes]
+    link = hw.fast
+    for a in axes:
+        i = names.index(a)
+        inner = 1
+        for s in sizes[i:]:
+            inner *= s
+        if inner > hw.fast_domain:
+            link = hw.slow
+    return link
+
+
+def collective_seconds(row: Row, hw: Hardware, mesh_axes) -> float:
+    """One execution of a collective row (0 for pvary and size-1 axes)."""
+    kind = COLLECTIVES.get(row.primitive)
+    n = row.axis_size
+    if kind is None or n == 1 or row.bytes == 0:
+        return 0.0
+    if kind in hw.collective_fit:
+        latency, bw = hw.collective_fit[kind]
+        eff = 1.0
+    else:
+        link = link_for(hw, mesh_axes, row.axes)
+        latency, bw, eff = link.latency, link.bandwidth, hw.link_eff
+    bw_mult, hop_mult = RING[kind]
+    frac = 1.0 if bw_mult is None else bw_mult * (n - 1) / n
+    hops = 1 if hop_mult is None else hop_mult * (n - 1)
+    nbytes = 2 * row.bytes if hw.bf16_collectives_in_f32 and row.dtype == "bfloat16" else row.bytes
+    return frac * nbytes / (bw * eff) + hops * latency
+
+
+def compute_seconds(row: Row, hw: Hardware, n_devices: int) -> tuple[float, str]:
+    """(seconds of one execution, "compute" | "memory") by roofline. On a shared host the
+    devices' work adds up: n_devices times the per-device work at the host's rate."""
+    peak = hw.matmul_peak(row.dtype) * hw.matmul_eff if row.kind == "matmul" else hw.vector_flops
+    t_flops = row.flops / peak
+    t_bytes = row.bytes / (hw.hbm * hw.mem_eff)
+    scale = n_devices if hw.shared_host else 1
+    return scale * max(t_flops, t_bytes), "compute" if t_flops >= t_bytes else "memory"
+
+
+def predict(rows: list[Row], hw: Hardware, mesh_axes) -> Prediction:
+    """Price every row and combine them with the overlap model (module doc)."""
+    n_devices = 1
+    for _, s in mesh_axes:
+        n_devices *= s
+    priced, compute, block_compute, comm, hidable = [], 0.0, 0.0, 0.0, 0.0
+    for r in rows:
+        if r.kind == "collective":
+            t, bound = collective_seconds(r, hw, mesh_axes) * r.count, "comm"
+            comm += t
+            if r.scope == "gather_params":
+                hidable += t
+        else:
+            t, bound = compute_seconds(r, hw, n_devices)
+            t *= r.count
+            compute += t
+            if r.scope in BLOCK_SCOPES:
+                block_compute += t
+        priced.append(Priced(r, t, bound))
+    exposed = comm - hidable + max(0.0, hidable - block_compute) if hw.overlap else comm
+    return Prediction(tuple(priced), compute, comm, exposed, compute + exposed, hw.name)
+
+
+def model_flops(cfg, tcfg) -> float:
+    """Model FLOPs of one step (6 per param per token + attention; no remat): the MFU
+    numerator the training CLI uses."""
+    from engine.mfu import flops_per_token
+
+    return flops_per_token(cfg, tcfg.seq) * tcfg.batch * tcfg.seq
+
+
+def predicted_mfu(pred: Prediction, cfg, tcfg, hw: Hardware, n_devices: int) -> float:
+    """Model FLOPs / (step time x peak of the compute dtype). On a shared host the peak
+    is the host's (devices share it), else per chip times chips."""
+    dtype = "bfloat16" if cfg.dtype == "bf16" else "float32"
+    peak = hw.matmul_peak(dtype) * (1 if hw.shared_host else n_devices)
+    return model_flops(cfg, tcfg) / (pred.step_s * peak)

@@ -1,0 +1,115 @@
+"""Measured time per HLO op from a profiler trace, attributed to ledger categories.
+
+`jax.profiler.ProfileData` gives one event per executed HLO op per device (stats
+`hlo_op`, `hlo_module`, `device_ordinal`). Each op of the compiled text is classified
+(`classify`): collectives by kind, replica groups and bytes (the audit's key), compute
+ops as matmul (a dot, or a fusion calling one) or memory, with phase and scope read from
+the op's `op_name` metadata (the same name stack the ledger reads).
+
+On forced host-CPU devices every device is a thread on shared cores, so op events of
+different devices overlap and stretch each other. `attribute` therefore splits the
+measured wall-clock step time across categories in proportion to summed op durations,
+after splitting each collective's events into transfer (the shortest duration among the
+devices of one execution: the last device to arrive waits least) and wait (the rest),
+which is reported as its own category, `collective wait`, rather than hidden.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import glob
+import re
+
+from engine.cost import hlo
+from engine.cost.ledger import SCOPES
+
+_FUSION_CALL = re.compile(r"calls=%?([\w.\-]+)")
+
+
+@dataclasses.dataclass(frozen=True)
+class OpInfo:
+    """What one HLO instruction is, in ledger terms. key: the audit key for collectives."""
+
+    kind: str
+    scope: str
+    phase: str
+    key: tuple | None = None
+
+
+def _phase_scope(op_name: str) -> tuple[str, str]:
+    parts = re.split(r"[/()]", op_name)
+    scope = next((p for p in parts if p in SCOPES), "other")
+    if "rematted_computation" in parts:
+        return "recompute", scope
+    if "transpose" in parts:
+        return "bwd", scope
+    return ("update" if scope in ("reduce_grads", "optimizer") else "fwd"), scope
+
+
+def classify(hlo_text: str, axes_by_groups: dict) -> dict[str, OpInfo]:
+    """{instruction name: OpInfo} for every instruction of the compiled module."""
+    comps, _ = hlo._computations(hlo_text)
+    has_dot = {name for name, lines in comps.items()
+               if any(" dot(" in ln or " convolution(" in ln for ln in lines)}
+    first_op_name = {name: next((m.group(1) for ln in lines
+                                 for m in [hlo._OP_NAME.search(ln)] if m), "")
+                     for name, lines in comps.items()}
+    info = {}
+    for lines in comps.values():
+        for line in lines:
+            m = hlo._INSTR.match(line)
+            if not m:
+                continue
+            name, opcode, rest = m.group(2), m.group(4), m.group(5)
+            m_op, m_call = hlo._OP_NAME.search(rest), _FUSION_CALL.search(rest)
+            callee = m_call.group(1) if m_call else None
+            op_name = m_op.group(1) if m_op else first_op_name.get(callee, "")
+            phase, scope = _phase_scope(op_name)
+            kind = opcode.removesuffix("-start")
+            if kind in hlo.KINDS:
+                info[name] = OpInfo("collective", scope, phase, (kind, axes_by_groups.get(
+                    hlo._groups(rest), ())))
+            elif opcode == "dot" or (callee in has_dot):
+                info[name] = OpInfo("matmul", scope, phase)
+            else:
+                info[name] = OpInfo("memory", scope, phase)
+    return info
+
+
+def op_events(profile_dir: str, module_substr: str = "train_step") -> list[tuple]:
+    """[(hlo_op, device, start_ns, duration_ns)] of the module's ops in the trace."""
+    from jax.profiler import ProfileData
+
+    events = []
+    for pb in glob.glob(f"{profile_dir}/**/*.xplane.pb", recursive=True):
+        for plane in ProfileData.from_file(pb).planes:
+            for line in plane.lines:
+                for ev in line.events:
+                    stats = dict(ev.stats)
+                    if "hlo_op" in stats and module_substr in str(stats.get("hlo_module", "")):
+                        events.append((stats["hlo_op"], stats.get("device_ordinal", 0),
+                                       ev.start_ns, ev.duration_ns))
+    return events
+
+
+def attribute(events, info: dict[str, OpInfo], step_s: float, steps: int) -> dict:
+    """Split the measured step time over (kind, scope, phase, key) categories, plus
+    ("collective wait", ...) per collective key. Returns {category: seconds per step}."""
+    by_op_device = collections.defaultdict(list)
+    for op, dev, start, dur in sorted(events, key=lambda e: e[2]):
+        by_op_device[(op, dev)].append(dur)
+    weights = collections.Counter()
+    for op in {op for op, _ in by_op_device}:
+        meta = info.get(op, OpInfo("memory", "other", "fwd"))
+        runs = [d for (o, _), d in by_op_device.items() if o == op]
+        cat = (meta.kind, meta.scope, meta.phase, meta.key)
+        if meta.kind != "collective":
+            weights[cat] += sum(map(sum, runs))
+            continue
+        for instance in zip(*runs):  # k-th execution on every device
+            fastest = min(instance)
+            weights[cat] += fastest * len(instance)
+            weights[("collective wait", meta.scope, meta.phase, meta.key)] += (
+                sum(instance) - fastest * len(instance))
+    total = sum(weights.values()) or 1.0
+    return {cat: step_s * w / total for cat, w in weights.items()}

@@ -1,0 +1,160 @@
+"""Cost model: ledger FLOPs and collective bytes against closed forms, the compiled-HLO
+audit, pricing formulas, and a 512-device prediction traced on one CPU."""
+from __future__ import annotations
+
+import collections
+import functools
+import math
+
+import pytest
+
+from engine.config import TrainConfig, model_config
+from engine.cost import hardware
+from engine.cost.audit import audit, compiled_text
+from engine.cost.ledger import Row, step_ledger
+from engine.cost.price import collective_seconds, predict, predicted_mfu
+from engine.layout import Layout
+from engine.mfu import flops_per_token
+
+# tp up to 8 needs 8 heads; G=2 exercises both kv rules (tp <= G sharded, tp > G replicated)
+CFG = dict(n_heads=8, n_kv_heads=2, head_dim=8)
+TCFG = TrainConfig(batch=8, seq=32)
+
+
+def _cfg(dtype="f32", remat="full"):
+    return model_config("tiny", dtype=dtype, remat=remat, **CFG)
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(layout: str, dtype: str) -> str:
+    from engine.step import Trainer
+
+    lay = Layout.parse(layout)
+    return compiled_text(Trainer(_cfg(dtype), TCFG, lay, lay.mesh()))
+
+
+def _flops(rows, phases, kind="matmul"):
+    return sum(r.total_flops for r in rows if r.kind == kind and r.phase in phases)
+
+
+@pytest.mark.parametrize("layout", ["single", "fsdp4xtp2"])
+def test_ledger_flops_match_model_formula(layout):
+    """fwd + bwd matmul FLOPs summed over devices = 6 * (non-embedding params) * tokens
+    + 12 N H K L * tokens (engine.mfu, PaLM's count: full, non-causal score matmuls).
+    Remat recompute is hardware FLOPs, not model FLOPs: it is checked separately against
+    the blocks' forward matmuls minus the MLP down projection, whose output the backward
+    never needs (jax dead-code-eliminates it from the rematted forward)."""
+    cfg, lay = _cfg(), Layout.parse(layout)
+    rows = step_ledger(cfg, TCFG, lay)
+    tokens = TCFG.batch * TCFG.seq
+    model = flops_per_token(cfg, TCFG.seq) * tokens
+    assert _flops(rows, ("fwd", "bwd")) * lay.size == pytest.approx(model, rel=0.02)
+    D, H, G, K, F, N, L = (cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.mlp_dim,
+                           cfg.n_layers, TCFG.seq)
+    recompute = N * tokens * (2 * D * (2 * H * K + 2 * G * K) + 4 * D * F + 4 * H * K * L)
+    assert _flops(rows, ("recompute",)) * lay.size == pytest.approx(recompute, rel=0.02)
+
+
+def _bytes_by(rows):
+    out = collections.Counter()
+    for r in rows:
+        if r.kind == "collective" and r.bytes:
+            out[(r.primitive, tuple(sorted(r.axes)))] += r.total_bytes
+    return out
+
+
+@pytest.mark.parametrize("layout", ["fsdp8", "fsdp4xtp2", "dp2xfsdp2xtp2"])
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_collective_bytes_match_hand_formulas(layout, dtype):
+    """Per device per step, with tp <= G (kv heads sharded), itemsize c of the compute
+    dtype, B_b = B / (dp * fsdp) local sequences:
+    - fsdp all-gather: block weights per tp shard, cast to c, gathered in the forward and
+      again in the remat'd backward: 2 N (2DHK + 2DGK + 3DF) / tp * c, plus the f32
+      embedding V D / tp * 4 and the unembedding D V / tp * c, once each;
+    - fsdp reduce-scatter: the same, once per step (the transpose of each gather);
+    - tp all-reduce of activations [B_b, L, D] f32: per layer 2 forward, 1 recomputed
+      (attention; the MLP output is dead in the backward), 2 backward; plus the embedding
+      forward and the loss backward: (5 N + 2) B_b L D 4;
+    - dp all-reduce of grads: every fsdp-sharded param's local shard in f32."""
+    cfg, lay = _cfg(dtype), Layout.parse(layout)
+    dp, fsdp, tp = (lay.degree(r) for r in ("dp", "fsdp", "tp"))
+    D, H, G, K, F, N, V, L = (cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
+                              cfg.mlp_dim, cfg.n_layers, cfg.vocab, TCFG.seq)
+    c = 2 if dtype == "bf16" else 4
+    block = (2 * D * H * K + 2 * D * G * K + 3 * D * F) // tp
+    got = _bytes_by(step_ledger(cfg, TCFG, lay))
+    assert got[("all_gather", ("fsdp",))] == 2 * N * block * c + V * D // tp * 4 + D * V // tp * c
+    assert got[("reduce_scatter", ("fsdp",))] == N * block * c + V * D // tp * 4 + D * V // tp * c
+    b_local = TCFG.batch // (dp * fsdp)
+    if tp > 1:
+        assert got[("psum_invariant", ("tp",))] == (
+            (5 * N + 2) * b_local * L * D * 4 + 2 * b_local * L * 4)
+    if dp > 1:
+        sharded = (2 * V * D + N * block * tp) // (fsdp * tp)
+        assert got[("psum_invariant", ("dp",))] == sharded * 4
+
+
+@pytest.mark.parametrize("layout", ["fsdp8", "tp8", "fsdp4xtp2", "dp2xfsdp2xtp2"])
+def test_audit_clean(layout):
+    """The compiled step holds exactly the ledger's collectives (kinds, groups, dtypes,
+    bytes, executions counting while-loop trips), modulo the named rules."""
+    cfg, lay = _cfg(), Layout.parse(layout)
+    rows = step_ledger(cfg, TCFG, lay)
+    result = audit(rows, _compiled(layout, "f32"), lay.mesh_axes(), "cpu")
+    assert result.clean, (result.missing, result.extra)
+    assert sum(result.matched.values()) > 0
+    assert set(result.rules) <= {"all_reduce_combiner"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["fsdp4xtp2", "tp8"])
+def test_audit_clean_bf16(layout):
+    """bf16 compute: the CPU runs bf16 gathers / reduce-scatters in f32 (named rule)."""
+    cfg, lay = _cfg("bf16"), Layout.parse(layout)
+    rows = step_ledger(cfg, TCFG, lay)
+    result = audit(rows, _compiled(layout, "bf16"), lay.mesh_axes(), "cpu")
+    assert result.clean, (result.missing, result.extra)
+    assert result.rules["cpu_bf16_collectives_in_f32"] > 0
+
+
+def test_audit_names_what_the_compiler_added():
+    """A collective the ledger does not hold is reported as extra, by key."""
+    cfg, lay = _cfg(), Layout.parse("fsdp8")
+    rows = step_ledger(cfg, TCFG, lay)
+    text = _compiled("fsdp8", "f32")
+    dropped = [r for r in rows if r.primitive != "all_gather"]
+    result = audit(dropped, text, lay.mesh_axes(), "cpu")
+    assert not result.clean and not result.missing
+    assert {k[0] for k in result.extra} == {"all-gather"}
+
+
+def test_ring_formulas_on_h100():
+    """all-gather over tp8 inside one node: 7/8 * bytes / (NVLink * eff) + 7 hops;
+    all-reduce twice that; over an axis spanning nodes: the NIC rate."""
+    hw = hardware.get("h100")
+    mesh = (("fsdp", 4), ("tp", 8))
+    row = Row("mlp", "fwd", "collective", "all_gather", "bfloat16", (1,), 0.0, 8e6, 1, ("tp",), 8)
+    expect = 7 / 8 * 8e6 / (450e9 * 0.8) + 7 * 5e-6
+    assert collective_seconds(row, hw, mesh) == pytest.approx(expect)
+    ar = Row("mlp", "fwd", "collective", "psum", "float32", (1,), 0.0, 8e6, 1, ("tp",), 8)
+    assert collective_seconds(ar, hw, mesh) == pytest.approx(2 * expect)
+    across = Row("mlp", "fwd", "collective", "all_gather", "bfloat16", (1,), 0.0, 8e6, 1,
+                 ("fsdp",), 4)
+    assert collective_seconds(across, hw, mesh) == pytest.approx(
+        3 / 4 * 8e6 / (50e9 * 0.8) + 3 * 1e-5)
+
+
+def test_predict_only_512_devices():
+    """llama3-8b on fsdp64xtp8 traces on an AbstractMesh on one CPU and prices sanely."""
+    cfg = model_config("llama3-8b", dtype="bf16", remat="full")
+    tcfg = TrainConfig(batch=64, seq=1024)
+    lay = Layout.parse("fsdp64xtp8")
+    rows = step_ledger(cfg, tcfg, lay)
+    sizes = {r.axis_size for r in rows if r.kind == "collective" and r.bytes}
+    assert sizes >= {64, 8}
+    assert _flops(rows, ("fwd", "bwd")) * lay.size == pytest.approx(
+        flops_per_token(cfg, tcfg.seq) * tcfg.batch * tcfg.seq, rel=0.02)
+    pred = predict(rows, hardware.get("h100"), lay.mesh_axes())
+    assert pred.step_s >= pred.compute_s > 0 and pred.comm_s > 0
+    assert 0 < predicted_mfu(pred, cfg, tcfg, hardware.get("h100"), lay.size) < 1
+    assert math.isfinite(pred.step_s)
