@@ -1,5 +1,41 @@
-"""Synthetic data: a learnable next-token task whose batch is a pure function of (seed, step)."""
+"""Token data. The batch of step s is a pure function of (seed, s, data), so a resumed run
+needs no iterator state, and each process builds only the rows of its own batch shard.
+
+Sources (`--data`):
+
+    synthetic       arithmetic progressions mod vocab (`synthetic_tokens`); the default
+    PATH.txt        the file's bytes, one token each (memory-mapped)
+    PATH.jsonl      the UTF-8 bytes of each line's "text" field, each followed by b"\\n"
+    PATH.bin        a flat array of uint16 (or, with --data-dtype, uint32) tokens,
+                    memory-mapped: the format nanoGPT's prepare.py writes
+    python-stdlib   the running Python's standard library sources (*.py under
+                    sysconfig's stdlib path, sorted by path, site-packages excluded), bytes
+
+Validation: files hold out their last 10% of tokens; python-stdlib holds out the files
+whose relative path has crc32 % 10 == 0 (about 10% of the files, the same on every
+machine with the same Python); synthetic draws validation batches from random streams
+the training steps never use. A training batch draws its offsets from
+`np.random.default_rng([seed, step])`, a validation batch from `[seed, i, 1]`.
+
+Loading and checking import no jax, so the CLI reports bad data before jax starts.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sysconfig
+import zlib
+
 import numpy as np
+
+BIN_DTYPES = ("uint16", "uint32")
+VAL_FRACTION = 10  # files hold out their last 1/10 of tokens
+_VAL_STREAM = 1  # third word of a validation batch's seed: [seed, i] == [seed, i, 0]
+
+
+class DataError(ValueError):
+    """Unusable data: reported as one line, exit code 2."""
 
 
 def synthetic_tokens(seed: int, step: int, batch: int, seq: int, vocab: int) -> np.ndarray:
@@ -8,7 +44,188 @@ def synthetic_tokens(seed: int, step: int, batch: int, seq: int, vocab: int) -> 
     Each sequence starts at a random token and steps by a random stride in 1..4, so the
     next token is one of 4 successors of the current one (a bigram model reaches ln 4 ~
     1.39 nats) and is exactly determined by the last two (attention can reach ~0)."""
-    rng = np.random.default_rng([seed, step])
+    return _progressions(np.random.default_rng([seed, step]), batch, seq, vocab, np.arange(batch))
+
+
+def _progressions(rng, batch: int, seq: int, vocab: int, rows_R: np.ndarray) -> np.ndarray:
+    """Rows `rows_R` of a [batch, seq + 1] progression batch -> [R, seq + 1] int32."""
     start_B1 = rng.integers(0, vocab, (batch, 1))
     stride_B1 = rng.integers(1, 5, (batch, 1))
-    return ((start_B1 + stride_B1 * np.arange(seq + 1)) % vocab).astype(np.int32)
+    return ((start_B1[rows_R] + stride_B1[rows_R] * np.arange(seq + 1)) % vocab).astype(np.int32)
+
+
+def _seed_words(seed: int, index: int, split: str) -> list[int]:
+    return [seed, index] if split == "train" else [seed, index, _VAL_STREAM]
+
+
+@dataclasses.dataclass(frozen=True)
+class Synthetic:
+    """The default task; validation batches come from streams training never draws."""
+
+    vocab: int
+    name: str = "synthetic"
+
+    def describe(self) -> str:
+        return "synthetic (arithmetic progressions)"
+
+    def max_token(self) -> int:
+        return self.vocab - 1
+
+    def rows(self, seed: int, index: int, rows_R: np.ndarray, batch: int, seq: int,
+             split: str = "train") -> np.ndarray:
+        """Rows `rows_R` of batch `index` of `split` -> [R, seq + 1] int32."""
+        rng = np.random.default_rng(_seed_words(seed, index, split))
+        return _progressions(rng, batch, seq, self.vocab, rows_R)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Corpus:
+    """A flat token stream split in two: train_T [T_train], val_T [T_val] (any uint dtype,
+    possibly memory-mapped). Every window of seq + 1 tokens is a training sequence."""
+
+    name: str
+    train_T: np.ndarray
+    val_T: np.ndarray
+    files: int = 1
+
+    def describe(self) -> str:
+        files = f"{self.files} files, " if self.files > 1 else ""
+        return (f"{self.name} ({files}{len(self.train_T):,} train / {len(self.val_T):,} "
+                f"validation tokens)")
+
+    def max_token(self) -> int:
+        """The largest token id, read in chunks (a memory-mapped file is scanned once)."""
+        chunk = 1 << 26
+        return max(int(t[i:i + chunk].max()) for t in (self.train_T, self.val_T)
+                   for i in range(0, len(t), chunk))
+
+    def rows(self, seed: int, index: int, rows_R: np.ndarray, batch: int, seq: int,
+             split: str = "train") -> np.ndarray:
+        """Rows `rows_R` of batch `index` of `split` -> [R, seq + 1] int32. The offsets of
+        the whole batch are drawn (B integers) so a row does not depend on who reads it."""
+        tokens_T = self.train_T if split == "train" else self.val_T
+        rng = np.random.default_rng(_seed_words(seed, index, split))
+        start_B = rng.integers(0, len(tokens_T) - seq, batch)
+        return np.stack([tokens_T[s:s + seq + 1] for s in start_B[rows_R]]).astype(np.int32)
+
+
+def load_data(spec: str, vocab: int, bin_dtype: str = "uint16"):
+    """`--data` value -> Synthetic | Corpus; raises DataError for a missing, empty or
+    malformed source."""
+    if spec == "synthetic":
+        return Synthetic(vocab)
+    if spec == "python-stdlib":
+        return _python_stdlib()
+    ext = os.path.splitext(spec)[1]
+    if ext not in (".txt", ".jsonl", ".bin"):
+        raise DataError(f"--data {spec!r}: want synthetic, python-stdlib, or a .txt, .jsonl "
+                        f"or .bin file")
+    if not os.path.isfile(spec):
+        raise DataError(f"data file {spec} not found")
+    if os.path.getsize(spec) == 0:
+        raise DataError(f"data file {spec} is empty")
+    try:
+        if ext == ".txt":
+            tokens_T = np.memmap(spec, np.uint8, mode="r")
+        elif ext == ".jsonl":
+            tokens_T = _jsonl_bytes(spec)
+        else:
+            tokens_T = _bin_tokens(spec, bin_dtype)
+    except OSError as e:
+        raise DataError(f"cannot read data file {spec}: {e.strerror or e}") from None
+    n_val = len(tokens_T) // VAL_FRACTION
+    return Corpus(spec, tokens_T[:len(tokens_T) - n_val], tokens_T[len(tokens_T) - n_val:])
+
+
+def _jsonl_bytes(path: str) -> np.ndarray:
+    docs = []
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                text = json.loads(line)["text"]
+            except (ValueError, KeyError, TypeError):
+                raise DataError(f"{path} line {n}: want a JSON object with a \"text\" "
+                                f"string") from None
+            if not isinstance(text, str):
+                raise DataError(f"{path} line {n}: \"text\" is {type(text).__name__}, not a string")
+            docs.append(text.encode("utf-8") + b"\n")
+    if not docs:
+        raise DataError(f"data file {path} holds no documents")
+    return np.frombuffer(b"".join(docs), np.uint8)
+
+
+def _bin_tokens(path: str, bin_dtype: str) -> np.ndarray:
+    itemsize = np.dtype(bin_dtype).itemsize
+    size = os.path.getsize(path)
+    if size % itemsize:
+        raise DataError(f"data file {path} has {size} bytes, not a whole number of "
+                        f"{bin_dtype} tokens (see --data-dtype)")
+    return np.memmap(path, np.dtype(bin_dtype), mode="r")
+
+
+def stdlib_files() -> tuple[str, list[str]]:
+    """(stdlib root, sorted relative paths of its *.py files, site-packages excluded)."""
+    root = sysconfig.get_paths()["stdlib"]
+    skip = {"site-packages", "dist-packages", "__pycache__"}
+    rel = []
+    for d, dirs, files in os.walk(root):
+        dirs[:] = [x for x in dirs if x not in skip]
+        rel += [os.path.relpath(os.path.join(d, f), root) for f in files if f.endswith(".py")]
+    return root, sorted(rel)
+
+
+def is_validation_file(rel_path: str) -> bool:
+    return zlib.crc32(rel_path.encode()) % VAL_FRACTION == 0
+
+
+def _python_stdlib() -> Corpus:
+    root, rel = stdlib_files()
+    if not rel:
+        raise DataError(f"no *.py files under the stdlib path {root}")
+    parts = {"train": [], "val": []}
+    for r in rel:
+        with open(os.path.join(root, r), "rb") as f:
+            parts["val" if is_validation_file(r) else "train"].append(f.read())
+    train_T, val_T = (np.frombuffer(b"".join(parts[k]), np.uint8) for k in ("train", "val"))
+    return Corpus("python-stdlib", train_T, val_T, files=len(rel))
+
+
+def data_problems(data, seq: int, vocab: int, need_val: bool) -> list[str]:
+    """What makes `data` unusable for sequences of `seq` tokens and a model of `vocab`."""
+    if isinstance(data, Synthetic):
+        return []
+    problems = []
+    if len(data.train_T) < seq + 1:
+        problems.append(f"{data.name} is too short: its training split has "
+                        f"{len(data.train_T)} tokens, one sequence needs seq+1={seq + 1}")
+    if need_val and len(data.val_T) < seq + 1:
+        problems.append(f"{data.name}: its validation split has {len(data.val_T)} tokens, "
+                        f"--eval-every needs seq+1={seq + 1}")
+    top = data.max_token()
+    if top >= vocab:
+        problems.append(f"{data.name} holds token {top} but the model's vocab is {vocab} "
+                        f"(need --vocab >= {top + 1})")
+    return problems
+
+
+def local_rows(sharding, global_shape: tuple[int, ...]) -> np.ndarray:
+    """[R] the batch rows held by this process's devices under `sharding`, sorted. In one
+    process that is every row."""
+    batch = global_shape[0]
+    rows = set()
+    for index in sharding.addressable_devices_indices_map(global_shape).values():
+        rows.update(range(*index[0].indices(batch)))
+    return np.asarray(sorted(rows))
+
+
+def device_batch(data, sharding, seed: int, index: int, batch: int, seq: int,
+                 split: str = "train"):
+    """Batch `index` of `split` as a global [batch, seq + 1] int32 jax.Array sharded by
+    `sharding`; this process computes only its own rows."""
+    import jax
+
+    shape = (batch, seq + 1)
+    local_RL = data.rows(seed, index, local_rows(sharding, shape), batch, seq, split)
+    return jax.make_array_from_process_local_data(sharding, local_RL, shape)

@@ -20,6 +20,7 @@ class Trainer:
     """The model, layout and optimizer bound to a mesh.
 
     train_step(params, opt_state, tokens) -> (params, opt_state, {"loss", "grad_norm"})
+    loss(params, tokens) -> loss                                 (evaluation)
     loss_and_grads(params, tokens) -> (loss, grads, grad_norm)   (for tests and tools)
     tokens: [B, L+1] int32, global; params and opt_state sharded as the param table says.
     """
@@ -38,11 +39,16 @@ class Trainer:
             shard(self._train_step, in_specs=(self.specs, self.opt_specs, self.batch_spec),
                   out_specs=(self.specs, self.opt_specs, P())),
             donate_argnums=(0, 1))
+        self.loss = jax.jit(
+            shard(self._loss, in_specs=(self.specs, self.batch_spec), out_specs=P()))
         self.loss_and_grads = jax.jit(
             shard(self._loss_and_grads, in_specs=(self.specs, self.batch_spec),
                   out_specs=(P(), self.specs, P())))
 
     # -- per-shard bodies -------------------------------------------------------------
+    def _loss(self, params, tokens_BL):
+        return model.loss(params, tokens_BL, self._dims, self.cfg, self.axes)
+
     def _loss_and_grads(self, params, tokens_BL):
         params = optim.broadcast_params(params, self.specs, self.axes)
         loss, grads = jax.value_and_grad(model.loss)(params, tokens_BL, self._dims, self.cfg,

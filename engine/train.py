@@ -15,6 +15,7 @@ import sys
 import time
 
 from engine.config import ATTENTIONS, PRESETS, TrainConfig, config_problems, model_config
+from engine.data import BIN_DTYPES, DataError, data_problems, load_data
 from engine.layout import Layout, LayoutError
 from layers.config import DTYPES, REMAT
 
@@ -45,7 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compute dtype of matmuls (params and optimizer state are f32)")
     m.add_argument("--remat", default="full", choices=REMAT,
                    help="what the backward recomputes (see layers/block.py)")
-    m.add_argument("--attention", default="reference", choices=ATTENTIONS)
+    m.add_argument("--attention", default="auto", choices=ATTENTIONS,
+                   help="auto: blocked flash from 1024 tokens, else the dense reference; "
+                        "pallas runs in interpret mode on CPU")
     t = p.add_argument_group("training")
     d = TrainConfig()
     t.add_argument("--seq", type=int, default=d.seq, help="tokens per sequence")
@@ -60,6 +63,24 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--peak-flops", type=float, default=None,
                    help="MFU denominator in FLOP/s (default: spec sheet, or a matmul "
                         "measured at start-up on CPU)")
+    g = p.add_argument_group("data (see engine/data.py)")
+    g.add_argument("--data", default="synthetic",
+                   help="synthetic, python-stdlib, or a PATH.txt / PATH.jsonl (bytes as "
+                        "tokens) / PATH.bin (flat token array, nanoGPT's format)")
+    g.add_argument("--data-dtype", default="uint16", choices=BIN_DTYPES,
+                   help="token dtype of a .bin file")
+    g.add_argument("--eval-every", type=int, default=None,
+                   help="validation loss every N steps and at the end (off when unset)")
+    g.add_argument("--eval-batches", type=int, default=4,
+                   help="validation batches averaged per evaluation")
+    c = p.add_argument_group("checkpoints (see engine/checkpoint.py)")
+    c.add_argument("--checkpoint-dir", default=None, help="where checkpoints are written")
+    c.add_argument("--checkpoint-every", type=int, default=50,
+                   help="checkpoint every N steps and at the last step")
+    c.add_argument("--keep", type=int, default=3, help="keep the newest N checkpoints")
+    c.add_argument("--resume", action="store_true",
+                   help="continue from the newest complete checkpoint in --checkpoint-dir "
+                        "(any layout; appends to --metrics-file)")
     return p
 
 
@@ -71,14 +92,34 @@ def parse(argv) -> tuple:
         dtype=args.dtype, remat=args.remat, attention=args.attention)
     tcfg = TrainConfig(batch=args.batch, seq=args.seq, steps=args.steps, lr=args.lr,
                        warmup=args.warmup, seed=args.seed)
-    problems = config_problems(cfg, tcfg)
-    if args.log_every < 1:
-        problems.append(f"log_every={args.log_every} must be >= 1")
+    problems = config_problems(cfg, tcfg) + _flag_problems(args, cfg, tcfg)
     if problems:
         raise UsageError("; ".join(problems))
     layout = Layout.parse(args.layout)
     layout.check(cfg, tcfg.batch)
     return cfg, tcfg, layout, args
+
+
+# Far beyond anything this engine trains; past them a typo, not a plan.
+LIMITS = dict(steps=10**9, batch=2**20, seq=2**20, d_model=2**17, n_layers=2**12,
+              n_heads=2**12, n_kv_heads=2**12, head_dim=2**12, mlp_dim=2**20, vocab=2**24)
+
+
+def _flag_problems(args, cfg, tcfg) -> list[str]:
+    """Non-positive, absurd or contradictory numbers among the flags."""
+    values = {**dataclasses.asdict(cfg), **dataclasses.asdict(tcfg)}
+    problems = [f"{name}={values[name]} is absurd (limit {limit:,})"
+                for name, limit in LIMITS.items() if values[name] > limit]
+    for name in ("log_every", "checkpoint_every", "keep", "eval_batches", "eval_every"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            problems.append(f"{name}={getattr(args, name)} must be >= 1")
+    if not 0 <= args.seed < 2**32:
+        problems.append(f"seed={args.seed} must be in [0, 2**32)")
+    if args.peak_flops is not None and not args.peak_flops > 0:
+        problems.append(f"peak_flops={args.peak_flops} must be > 0")
+    if args.resume and not args.checkpoint_dir:
+        problems.append("--resume needs --checkpoint-dir")
+    return problems
 
 
 def force_host_devices(n: int) -> None:
@@ -89,19 +130,83 @@ def force_host_devices(n: int) -> None:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
 
 
+def load_checked_data(cfg, tcfg, args):
+    """--data loaded and checked against the model and sequence length (no jax needed)."""
+    data = load_data(args.data, cfg.vocab, args.data_dtype)
+    problems = data_problems(data, tcfg.seq, cfg.vocab, need_val=args.eval_every is not None)
+    if problems:
+        raise DataError("; ".join(problems))
+    return data
+
+
 def run(cfg, tcfg, layout, args) -> int:
+    """Train; returns the exit code. Data and checkpoints are checked before compiling."""
+    from engine.checkpoint import CheckpointError
+
+    data = load_checked_data(cfg, tcfg, args)
+    try:
+        return _train(cfg, tcfg, layout, args, data)
+    except CheckpointError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def _open_checkpoints(cfg, args):
+    """The checkpoint to resume from (or None), after checking the directory."""
+    from engine import checkpoint
+
+    if not args.checkpoint_dir:
+        return None
+    directory = args.checkpoint_dir
+    found = checkpoint.list_checkpoints(directory)
+    if found and not args.resume:
+        raise UsageError(f"{directory} already holds checkpoints up to step {found[-1][0]}; "
+                         f"pass --resume to continue, or choose another --checkpoint-dir")
+    checkpoint.check_writable(directory)
+    ckpt = checkpoint.latest(directory) if args.resume else None
+    if args.resume and ckpt is None:
+        print(f"no checkpoint in {directory} yet; starting from step 0", flush=True)
+    if ckpt is not None:
+        checkpoint.check_model(ckpt, cfg)
+    return ckpt
+
+
+def _settings_changed(ckpt, tcfg, args) -> list[str]:
+    """Training settings that differ from the checkpoint's (allowed; they change the run)."""
+    saved = dict(ckpt.meta.get("train", {}), data=ckpt.meta.get("data", {}).get("source"))
+    now = dict(dataclasses.asdict(tcfg), data=args.data)
+    return [f"{k}={now[k]} (checkpoint: {saved.get(k)})" for k in now if now[k] != saved.get(k)]
+
+
+def _check_memory(cfg, devices) -> None:
+    """Refuse a model whose params, grads and Adam moments (4 f32 copies) exceed host RAM."""
+    from engine.params import param_count
+
+    need = 16 * param_count(cfg)
+    have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if devices[0].platform == "cpu" and need > have:
+        raise UsageError(f"model needs {need / 2**30:.1f} GiB for params, grads and Adam state "
+                         f"(16 bytes x {param_count(cfg):,} params); this host has "
+                         f"{have / 2**30:.1f} GiB")
+
+
+def _train(cfg, tcfg, layout, args, data) -> int:
     import jax
     import numpy as np
+    from jax.sharding import NamedSharding
 
-    from engine import mfu
-    from engine.data import synthetic_tokens
+    from engine import checkpoint, mfu
+    from engine.data import device_batch
     from engine.optim import schedule
     from engine.params import param_count
     from engine.step import Trainer
+    from layers.attention import resolve_attention
 
+    ckpt = _open_checkpoints(cfg, args)
     mesh = layout.mesh()
     trainer = Trainer(cfg, tcfg, layout, mesh)
     devices = list(mesh.devices.flat)
+    _check_memory(cfg, devices)
     if args.peak_flops:
         peak, peak_src = args.peak_flops, "--peak-flops"
     else:
@@ -112,21 +217,48 @@ def run(cfg, tcfg, layout, args) -> int:
           f"model {args.model} ({param_count(cfg) / 1e6:.2f}M params, D={cfg.d_model} "
           f"N={cfg.n_layers} H={cfg.n_heads} G={cfg.n_kv_heads} K={cfg.head_dim} "
           f"F={cfg.mlp_dim} V={cfg.vocab}); {cfg.dtype} compute, remat {cfg.remat}, "
-          f"{cfg.attention} attention; {tokens_per_step} tokens/step; "
+          f"{resolve_attention(cfg.attention, tcfg.seq)} attention; {tokens_per_step} tokens/step; "
           f"peak {peak / 1e12:.2f} TFLOP/s ({peak_src})", flush=True)
+    print(f"data {data.describe()}", flush=True)
+    if resolve_attention(cfg.attention, tcfg.seq) == "pallas" and devices[0].platform == "cpu":
+        print("note: no accelerator, so the Pallas kernels run in interpret mode: the same "
+              "kernel code, much slower", flush=True)
 
-    params, opt_state = trainer.init(tcfg.seed)
-    batch = lambda step: trainer.put_batch(
-        synthetic_tokens(tcfg.seed, step, tcfg.batch, tcfg.seq, cfg.vocab))
+    if ckpt is None:
+        params, opt_state = trainer.init(tcfg.seed)
+        start = 0
+    else:
+        params, opt_state = checkpoint.restore(ckpt, trainer)
+        start = ckpt.step
+        print(f"resumed from {ckpt.path} (step {start}, written under layout "
+              f"{ckpt.meta.get('layout')})", flush=True)
+        if changed := _settings_changed(ckpt, tcfg, args):
+            print("note: resuming with different settings: " + ", ".join(changed), flush=True)
+    if start >= tcfg.steps:
+        print(f"the checkpoint already reached step {start} >= --steps {tcfg.steps}; "
+              f"nothing to train", flush=True)
+        return 0
+    sharding = NamedSharding(mesh, trainer.batch_spec)
+    batch = lambda index, split="train": device_batch(data, sharding, tcfg.seed, index,
+                                                      tcfg.batch, tcfg.seq, split)
     t0 = time.perf_counter()
-    step_fn = trainer.train_step.lower(params, opt_state, batch(0)).compile()
+    step_fn = trainer.train_step.lower(params, opt_state, batch(start)).compile()
     print(f"compiled the step in {time.perf_counter() - t0:.1f} s", flush=True)
 
+    def val_loss(params) -> float:
+        losses = [trainer.loss(params, batch(i, "val"))
+                  for i in range(args.eval_batches)]
+        return float(np.mean(jax.device_get(losses)))
+
+    meta = dict(rng=dict(seed=tcfg.seed), model=dataclasses.asdict(cfg),
+                train=dataclasses.asdict(tcfg), layout=str(layout),
+                data=dict(source=args.data, dtype=args.data_dtype))
     lr_at = schedule(tcfg)
-    metrics_file = open(args.metrics_file, "w") if args.metrics_file else None
+    metrics_file = (open(args.metrics_file, "a" if args.resume else "w")
+                    if args.metrics_file else None)
     window_t, window_n = 0.0, 0
     try:
-        for step in range(tcfg.steps):
+        for step in range(start, tcfg.steps):
             tokens = batch(step)
             t0 = time.perf_counter()
             params, opt_state, metrics = step_fn(params, opt_state, tokens)
@@ -137,19 +269,31 @@ def run(cfg, tcfg, layout, args) -> int:
             if not math.isfinite(loss):
                 print(f"error: loss is {loss} at step {step + 1}; stopping", file=sys.stderr)
                 return 1
-            record = dict(step=step + 1, loss=loss, grad_norm=grad_norm,
+            done = step + 1
+            record = dict(step=done, loss=loss, grad_norm=grad_norm,
                           lr=float(lr_at(step)), tokens_per_s=tokens_per_step / dt,
                           step_time_s=dt, mfu=flops_per_step / dt / peak)
+            evaluate = args.eval_every and (done % args.eval_every == 0 or done == tcfg.steps)
+            if evaluate:
+                record["val_loss"] = val_loss(params)
             if metrics_file:
                 metrics_file.write(json.dumps(record) + "\n")
                 metrics_file.flush()
-            if (step + 1) % args.log_every == 0 or step + 1 == tcfg.steps:
+            if done % args.log_every == 0 or done == tcfg.steps:
                 avg = window_t / window_n
-                print(f"step {step + 1:>5}/{tcfg.steps} | loss {loss:.4f} | grad norm "
+                print(f"step {done:>5}/{tcfg.steps} | loss {loss:.4f} | grad norm "
                       f"{grad_norm:.3f} | lr {record['lr']:.2e} | "
                       f"{tokens_per_step / avg:,.0f} tok/s | {avg * 1e3:.0f} ms/step | "
                       f"MFU {100 * flops_per_step / avg / peak:.1f}%", flush=True)
                 window_t, window_n = 0.0, 0
+            if evaluate:
+                print(f"eval {done:>5}/{tcfg.steps} | val loss {record['val_loss']:.4f}",
+                      flush=True)
+            if args.checkpoint_dir and (done % args.checkpoint_every == 0
+                                        or done == tcfg.steps):
+                path = checkpoint.save(args.checkpoint_dir, done, params, opt_state, meta,
+                                       args.keep)
+                print(f"saved {path}", flush=True)
     except KeyboardInterrupt:
         print(f"interrupted after step {step}", file=sys.stderr)
         return 130
@@ -164,7 +308,7 @@ def main(argv=None) -> int:
         cfg, tcfg, layout, args = parse(sys.argv[1:] if argv is None else argv)
         force_host_devices(layout.size)
         return run(cfg, tcfg, layout, args)
-    except (UsageError, LayoutError) as e:
+    except (UsageError, LayoutError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 

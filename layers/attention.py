@@ -47,12 +47,16 @@ KERNELS = {"reference": reference_attention, "blocked": blocked_attention,
            "pallas": pallas_attention}
 
 
-def attention_kernel(name: str, seq: int):
-    """The implementation `ModelConfig.attention` names; `auto` is `blocked` for
-    sequences of AUTO_BLOCKED_FROM tokens or more, else `reference`."""
+def resolve_attention(name: str, seq: int) -> str:
+    """The kernel `ModelConfig.attention` names for sequences of `seq` tokens: `auto` is
+    `blocked` from AUTO_BLOCKED_FROM tokens on, else `reference`."""
     if name == "auto":
-        name = "blocked" if seq >= AUTO_BLOCKED_FROM else "reference"
-    return KERNELS[name]
+        return "blocked" if seq >= AUTO_BLOCKED_FROM else "reference"
+    return name
+
+
+def attention_kernel(name: str, seq: int):
+    return KERNELS[resolve_attention(name, seq)]
 
 
 def kv_weights_for_rank(w_DGK: jax.Array, cfg: ModelConfig, axes: Axes) -> jax.Array:

@@ -36,6 +36,14 @@ def test_tiny_run_writes_metrics(tmp_path):
     (["--steps", "0"], "steps=0 must be >= 1"),
     (["--model", "huge"], "invalid choice: 'huge'"),
     (["--lr", "abc"], "invalid float value: 'abc'"),
+    (["--checkpoint-every", "0", "--keep", "0"], "checkpoint_every=0 must be >= 1; keep=0 must be >= 1"),
+    (["--eval-every", "-1", "--seed", "-1", "--resume"],
+     "eval_every=-1 must be >= 1; seed=-1 must be in [0, 2**32); --resume needs --checkpoint-dir"),
+    (["--steps", "1000000000000", "--seq", "100000000", "--batch", "-2"],
+     "batch=-2 must be >= 1; steps=1000000000000 is absurd (limit 1,000,000,000); "
+     "seq=100000000 is absurd (limit 1,048,576)"),
+    (["--data", "/nonexistent/corpus.txt"], "data file /nonexistent/corpus.txt not found"),
+    (["--model", "llama3-70b"], "model needs 1051.3 GiB for params, grads and Adam state"),
 ])
 def test_bad_input_is_one_line_exit_2(args, phrase):
     r = train(*args, timeout=60)
