@@ -51,12 +51,17 @@ def axis_index(axis: AxisNames) -> jax.Array:
     return lax.axis_index(names if len(names) > 1 else names[0])
 
 
-def gather(x: jax.Array, axis: AxisNames, dim: int) -> jax.Array:
-    """All-gather: `[.., X_axis, ..] -> [.., X, ..]` along `dim`; transpose is reduce_scatter."""
+def gather(x: jax.Array, axis: AxisNames, dim: int, *, replicated: bool = False) -> jax.Array:
+    """All-gather: `[.., X_axis, ..] -> [.., X, ..]` along `dim`; transpose is reduce_scatter.
+
+    The result stays typed per-device (so its grad is a reduce-scatter); `replicated=True`
+    types it as the same on every device of `axis`, for values returned or compared as
+    replicated (its transpose is then a slice, not a reduce-scatter)."""
     names = _names(axis)
     if not names:
         return x
-    return lax.all_gather(x, names, axis=dim, tiled=True)
+    to = "invarying" if replicated else "varying"
+    return lax.all_gather(x, names, axis=dim, tiled=True, to=to)
 
 
 def reduce_scatter(x: jax.Array, axis: AxisNames, dim: int) -> jax.Array:

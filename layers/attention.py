@@ -75,18 +75,33 @@ def kv_weights_for_rank(w_DGK: jax.Array, cfg: ModelConfig, axes: Axes) -> jax.A
     return lax.dynamic_slice_in_dim(w_DGK, g, 1, axis=1)
 
 
+def qkv_projections(x_BLD: jax.Array, p: dict, cfg: ModelConfig, axes: Axes):
+    """Column-parallel Q, K, V before RoPE. x: [B, L, D] replicated over tp ->
+    q [B, L, H_tp, K], k and v [B, L, G_tp, K] (f32 results of compute-dtype matmuls).
+
+    p (gathered over fsdp): wq [D, H_tp, K], wk/wv [D, G_tp, K]."""
+    dt = cfg.compute_dtype
+    x_BLD = collectives.broadcast(x_BLD, axes.tp)  # bwd: all-reduce dx over tp
+    q_BLHK = einsum("BLD,DHK->BLHK", x_BLD, p["wq"], dtype=dt)
+    k_BLGK = einsum("BLD,DGK->BLGK", x_BLD, kv_weights_for_rank(p["wk"], cfg, axes), dtype=dt)
+    v_BLGK = einsum("BLD,DGK->BLGK", x_BLD, kv_weights_for_rank(p["wv"], cfg, axes), dtype=dt)
+    return q_BLHK, k_BLGK, v_BLGK
+
+
+def out_projection(o_BLHK: jax.Array, p: dict, cfg: ModelConfig, axes: Axes) -> jax.Array:
+    """Row-parallel output. o: [B, L, H_tp, K], wo [H_tp, K, D] -> [B, L, D] replicated."""
+    y_BLD = einsum("BLHK,HKD->BLD", o_BLHK, p["wo"], dtype=cfg.compute_dtype)  # {U_tp}
+    return collectives.all_reduce(y_BLD, axes.tp)
+
+
 def attention(x_BLD: jax.Array, p: dict, cfg: ModelConfig, axes: Axes) -> jax.Array:
     """x: [B, L, D] replicated over tp -> [B, L, D] replicated over tp.
 
     p (gathered over fsdp): wq [D, H_tp, K], wk/wv [D, G_tp, K], wo [H_tp, K, D].
     """
     dt = cfg.compute_dtype
-    x_BLD = collectives.broadcast(x_BLD, axes.tp)  # bwd: all-reduce dx over tp
-    q_BLHK = einsum("BLD,DHK->BLHK", x_BLD, p["wq"], dtype=dt)
-    k_BLGK = einsum("BLD,DGK->BLGK", x_BLD, kv_weights_for_rank(p["wk"], cfg, axes), dtype=dt)
-    v_BLGK = einsum("BLD,DGK->BLGK", x_BLD, kv_weights_for_rank(p["wv"], cfg, axes), dtype=dt)
+    q_BLHK, k_BLGK, v_BLGK = qkv_projections(x_BLD, p, cfg, axes)
     q_BLHK, k_BLGK = rope(q_BLHK, theta=cfg.rope_theta), rope(k_BLGK, theta=cfg.rope_theta)
     attend = attention_kernel(cfg.attention, x_BLD.shape[1])
     o_BLHK = attend(q_BLHK.astype(dt), k_BLGK.astype(dt), v_BLGK.astype(dt), causal=True)
-    y_BLD = einsum("BLHK,HKD->BLD", o_BLHK, p["wo"], dtype=dt)  # [B, L, D]{U_tp}
-    return collectives.all_reduce(y_BLD, axes.tp)
+    return out_projection(o_BLHK, p, cfg, axes)

@@ -1,0 +1,276 @@
+"""`python -m engine.generate --checkpoint-dir ck --prompt "def main("`: continue byte-level
+prompts with the newest checkpoint's model, on any layout that fits it.
+
+Prompts are UTF-8 bytes (one token per byte, so the vocab must be >= 256), right-padded
+to the longest and run through one prefill; then one compiled decode step per token
+over a static-size KV cache (engine/decode.py). A row stops at --max-new-tokens or when
+its continuation ends with --stop. Bad input exits 2 with one line on stderr.
+"""
+from __future__ import annotations
+
+import argparse
+import codecs
+import dataclasses
+import math
+import sys
+import time
+
+from engine.layout import Layout, LayoutError
+from engine.train import UsageError, force_host_devices
+from layers.config import DTYPES, ModelConfig
+
+REPLACEMENT = "\ufffd".encode()  # what a token >= 256 (not a byte) prints as
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, no usage dump
+        raise UsageError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="python -m engine.generate", description=__doc__.split("\n\n")[0],
+                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--checkpoint-dir", required=True, help="the newest checkpoint here is used")
+    p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
+    p.add_argument("--prompts-file", default=None, help="UTF-8 text, one prompt per line")
+    p.add_argument("--max-new-tokens", type=int, default=200)
+    p.add_argument("--temperature", type=float, default=0.8, help="0: greedy (argmax)")
+    p.add_argument("--top-k", type=int, default=None, help="sample among the k likeliest")
+    p.add_argument("--seed", type=int, default=0, help="sampling is a function of the seed")
+    p.add_argument("--stop", default=None,
+                   help=r"stop a row when its continuation ends with these bytes "
+                        r"(backslash escapes: '\n\n')")
+    p.add_argument("--layout", default="single", help="mesh axes, as engine.train takes them")
+    p.add_argument("--cache-len", type=int, default=None,
+                   help="KV cache slots per row (default: longest prompt + max new tokens)")
+    p.add_argument("--dtype", default=None, choices=sorted(DTYPES),
+                   help="matmul compute dtype (default: the checkpoint's)")
+    return p
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """Everything the command line asks for, checked; no jax needed to build it."""
+
+    prompts: tuple[bytes, ...]
+    max_new: int
+    cache_len: int
+    stop: bytes
+    layout: Layout
+    args: argparse.Namespace
+
+
+def read_prompts(args) -> list[bytes]:
+    """--prompt values then --prompts-file lines (blank lines skipped), as UTF-8 bytes."""
+    prompts = []
+    for i, text in enumerate(args.prompt, 1):
+        try:
+            prompts.append(text.encode("utf-8"))
+        except UnicodeEncodeError:
+            raise UsageError(f"--prompt number {i} is not valid UTF-8 text") from None
+    if args.prompts_file is not None:
+        try:
+            with open(args.prompts_file, "rb") as f:
+                raw = f.read()
+        except OSError as e:
+            raise UsageError(f"cannot read prompts file {args.prompts_file}: "
+                             f"{e.strerror or e}") from None
+        try:
+            raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise UsageError(f"prompts file {args.prompts_file} is not UTF-8 text "
+                             f"(byte {e.start}: {raw[e.start:e.start + 1]!r})") from None
+        prompts += [line for line in raw.splitlines() if line]
+    for i, prompt in enumerate(prompts, 1):
+        if not prompt:
+            raise UsageError(f"prompt {i} is empty (the model needs at least one byte)")
+    if not prompts:
+        raise UsageError("no prompt: pass --prompt TEXT or --prompts-file PATH")
+    return prompts
+
+
+def parse(argv) -> Request:
+    """argv -> Request; raises UsageError / LayoutError naming every problem."""
+    args = build_parser().parse_args(argv)
+    problems = []
+    if args.max_new_tokens < 1:
+        problems.append(f"max_new_tokens={args.max_new_tokens} must be >= 1")
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        problems.append(f"temperature={args.temperature} must be >= 0 (0 is greedy)")
+    if args.top_k is not None and args.top_k < 1:
+        problems.append(f"top_k={args.top_k} must be >= 1")
+    if not 0 <= args.seed < 2**32:
+        problems.append(f"seed={args.seed} must be in [0, 2**32)")
+    if args.cache_len is not None and args.cache_len < 1:
+        problems.append(f"cache_len={args.cache_len} must be >= 1")
+    if problems:
+        raise UsageError("; ".join(problems))
+    try:
+        stop = codecs.escape_decode(args.stop.encode("utf-8"))[0] if args.stop else b""
+    except (ValueError, UnicodeEncodeError) as e:
+        raise UsageError(f"--stop {args.stop!r}: {e}") from None
+    layout = Layout.parse(args.layout)
+    prompts = read_prompts(args)
+    longest = max(len(p) for p in prompts)
+    cache_len = args.cache_len or longest + args.max_new_tokens
+    if longest + args.max_new_tokens > cache_len:
+        which = 1 + max(range(len(prompts)), key=lambda i: len(prompts[i]))
+        raise UsageError(f"prompt {which} is {longest} bytes; with max_new_tokens="
+                         f"{args.max_new_tokens} it needs {longest + args.max_new_tokens} "
+                         f"cache slots, more than cache_len={cache_len}")
+    return Request(tuple(prompts), args.max_new_tokens, cache_len, stop, layout, args)
+
+
+@dataclasses.dataclass(frozen=True)
+class Generation:
+    """Per prompt its continuation (tokens) and why it ended; timings for all rows."""
+
+    tokens: tuple[tuple[int, ...], ...]
+    reasons: tuple[str, ...]
+    prefill_tokens: int
+    prefill_s: float
+    decode_tokens: int
+    decode_s: float
+
+
+def token_bytes(tokens) -> bytes:
+    return b"".join(bytes([t]) if t < 256 else REPLACEMENT for t in tokens)
+
+
+def generate(decoder, params, prompts, max_new: int, seed: int, stop: bytes = b"") -> Generation:
+    """Continue each prompt (a sequence of token ids) by up to `max_new` tokens.
+
+    Rows are right-padded to the longest prompt and the batch to `decoder.batch` with
+    one-token dummy rows; row b's k-th new token is written to cache slot len_b + k."""
+    import jax
+    import numpy as np
+
+    n, B = len(prompts), decoder.batch
+    lengths_B = np.ones(B, np.int32)
+    lengths_B[:n] = [len(p) for p in prompts]
+    tokens_BL = np.zeros((B, int(lengths_B.max())), np.int32)
+    for b, prompt in enumerate(prompts):
+        tokens_BL[b, :len(prompt)] = prompt
+    out = [[] for _ in range(n)]
+    reasons = [""] * n
+
+    def take(next_B):
+        for b, tok in enumerate(np.asarray(jax.device_get(next_B))[:n].tolist()):
+            if reasons[b]:
+                continue
+            out[b].append(tok)
+            if stop and token_bytes(out[b][-len(stop):]).endswith(stop):
+                reasons[b] = "stop"
+            elif len(out[b]) == max_new:
+                reasons[b] = "max tokens"
+
+    t0 = time.perf_counter()
+    cache, next_B, _ = decoder.prefill(params, tokens_BL, lengths_B, seed)
+    take(next_B)
+    prefill_s, t0 = time.perf_counter() - t0, time.perf_counter()
+    steps = 0
+    for t in range(1, max_new):
+        if all(reasons):
+            break
+        cache, next_B, _ = decoder.step(params, cache, next_B, lengths_B + t - 1, t, seed)
+        take(next_B)
+        steps += 1
+    decode_s = time.perf_counter() - t0
+    return Generation(tuple(tuple(o) for o in out), tuple(reasons),
+                      int(lengths_B[:n].sum()), prefill_s, steps * n, decode_s)
+
+
+def load_model(request: Request):
+    """(checkpoint, ModelConfig) of the newest checkpoint; raises UsageError."""
+    from engine import checkpoint
+
+    directory = request.args.checkpoint_dir
+    ckpt = checkpoint.latest(directory)
+    if ckpt is None:
+        raise UsageError(f"no checkpoint in {directory}")
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    saved = {k: v for k, v in ckpt.meta.get("model", {}).items() if k in fields}
+    cfg = ModelConfig(**saved)
+    if request.args.dtype:
+        cfg = dataclasses.replace(cfg, dtype=request.args.dtype)
+    if cfg.vocab < 256:
+        raise UsageError(f"checkpoint {ckpt.path} has vocab={cfg.vocab}; byte-level prompts "
+                         f"need vocab >= 256")
+    return ckpt, cfg
+
+
+def load_params(ckpt, cfg: ModelConfig, layout: Layout, mesh, batch: int):
+    """The checkpoint's params placed as `layout` stores them (the optimizer state it
+    also restores is dropped)."""
+    from engine import checkpoint
+    from engine.config import TrainConfig
+    from engine.step import Trainer
+
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    tcfg = TrainConfig(**{k: v for k, v in ckpt.meta.get("train", {}).items() if k in fields})
+    trainer = Trainer(cfg, dataclasses.replace(tcfg, batch=batch), layout, mesh)
+    return checkpoint.restore(ckpt, trainer)[0]
+
+
+def run(request: Request) -> int:
+    from engine.checkpoint import CheckpointError
+
+    try:
+        ckpt, cfg = load_model(request)
+        layout = request.layout
+        rows = layout.degree("dp") * layout.degree("fsdp")
+        batch = -(-len(request.prompts) // rows) * rows
+        layout.check(cfg, batch)
+        return _generate(request, ckpt, cfg, batch)
+    except CheckpointError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def _generate(request: Request, ckpt, cfg: ModelConfig, batch: int) -> int:
+    from engine.decode import Decoder, Sampling
+
+    args, layout = request.args, request.layout
+    mesh = layout.mesh()
+    params = load_params(ckpt, cfg, layout, mesh, batch)
+    sampling = Sampling(args.temperature, args.top_k)
+    decoder = Decoder(cfg, layout, mesh, batch, request.cache_len, sampling)
+    how = ("greedy" if sampling.temperature == 0 else
+           f"temperature {sampling.temperature}" + (f" top-k {sampling.top_k}"
+                                                    if sampling.top_k else "")
+           + f" seed {args.seed}")
+    devices = list(mesh.devices.flat)
+    print(f"checkpoint {ckpt.path} (step {ckpt.step}, trained under "
+          f"{ckpt.meta.get('layout')}); model D={cfg.d_model} N={cfg.n_layers} "
+          f"H={cfg.n_heads} G={cfg.n_kv_heads} K={cfg.head_dim} V={cfg.vocab}, {cfg.dtype}; "
+          f"layout {layout} on {len(devices)} {devices[0].platform} device(s); "
+          f"{len(request.prompts)} prompt(s) in a batch of {batch}; cache {request.cache_len} "
+          f"slots; {how}", flush=True)
+    seconds = decoder.compile(params, max(len(p) for p in request.prompts))
+    print(f"compiled prefill and decode step in {seconds:.1f} s", flush=True)
+    gen = generate(decoder, params, [list(p) for p in request.prompts], request.max_new,
+                   args.seed, request.stop)
+    for i, (prompt, tokens, reason) in enumerate(zip(request.prompts, gen.tokens, gen.reasons)):
+        text = token_bytes(tokens)
+        if reason == "stop":
+            text = text[:-len(request.stop)]
+        print(f"=== {i + 1}: {len(prompt)} prompt bytes + {len(tokens)} new ({reason}) ===")
+        print((prompt + text).decode("utf-8", errors="replace"), flush=True)
+    rate = lambda n, s: f"{n} tokens in {s:.3f} s ({n / s:,.0f} tok/s)" if s > 0 else f"{n} tokens"
+    print(f"prefill: {rate(gen.prefill_tokens, gen.prefill_s)} | decode: "
+          f"{rate(gen.decode_tokens, gen.decode_s)}", flush=True)
+    return 0
+
+
+def main(argv=None) -> int:
+    try:
+        request = parse(sys.argv[1:] if argv is None else argv)
+        force_host_devices(request.layout.size)
+        return run(request)
+    except (UsageError, LayoutError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
