@@ -1,22 +1,36 @@
-"""Checkpoints: one msgpack file per saved step, every array in its global shape, written
-atomically, re-sharded on load into whatever layout the reader runs.
+"""Checkpoints: per saved step, a manifest plus one shard file per process beyond the
+first; every process writes only the shards its devices hold; any process count and any
+layout reads them back, re-sharded into whatever layout the reader runs.
 
-    DIR/step_00000100.ckpt   msgpack map:
-      format, step          "shardwise-checkpoint/1", steps completed
+    DIR/step_00000100.ckpt                     the manifest (msgpack map), written last:
+      format, step          "shardwise-checkpoint/2", steps completed
       rng                   {"seed": s}: params init from jax.random.key(s); the batch of
                             step t is drawn from np.random.default_rng([s, t]) (engine.data)
       model, train          every ModelConfig and TrainConfig field
       layout, data          the writer's layout string and data source
       versions              python, jax, jaxlib, numpy, optax, ml_dtypes, shardwise
-      params, opt_state     {key path: {dtype, shape, crc32, chunks: [bytes, ...]}}
+      processes             how many processes wrote it
+      arrays                {"params"|"opt_state": {key path: {dtype, shape}}} (global)
+      pieces                process 0's pieces: {part: {key path: [piece, ...]}}
+      shards                [{file, size, crc32}] of processes 1.. (empty with one process)
+    DIR/step_00000100.ckpt.shard-00001-of-00002   {format, step, process, pieces}
 
-Key paths are `jax.tree_util.keystr` of each leaf (`['blocks']['wq']`, `[0].mu['embed']`);
-the optimizer state is restored into the structure `Trainer.tx.init` gives, so any
-structure change fails loudly. bf16 leaves round-trip through ml_dtypes.
+A piece is one device shard `{index: [[start, stop], ...] per dim, crc32, chunks}`; only
+shards with replica_id 0 are written, so each element is stored exactly once. With one
+process a checkpoint is the manifest alone, one file, as in format 1 (whole arrays, which
+`read` still accepts). Key paths are `jax.tree_util.keystr` of each leaf
+(`['blocks']['wq']`, `[0].mu['embed']`); the optimizer state is restored into the
+structure `Trainer.tx.init` gives, so any structure change fails loudly. bf16 leaves
+round-trip through ml_dtypes.
 
-A save writes `.step_XXXXXXXX.ckpt.tmp-PID`, fsyncs it, renames it into place and fsyncs
-the directory: a kill at any instant leaves every complete checkpoint intact, and
-readers never see the temporary name. One writer per directory.
+Every file is written as `.NAME.tmp-PID`, fsynced, renamed into place, and the
+directory fsynced. Shard files first; then a barrier (an all-gather of each shard file's
+size and crc32); then process 0 writes the manifest: the checkpoint exists from that
+rename on, and a shard file that is not the one its manifest names (size or crc32
+differs) is refused. A kill at any instant leaves every complete checkpoint intact and
+readers never see a temporary name; process 0 deletes temporary files and shard files
+no kept manifest names. One run per directory; a multi-host run needs a directory all
+hosts share.
 """
 from __future__ import annotations
 
@@ -36,9 +50,12 @@ from jax.sharding import NamedSharding
 
 from engine.params import param_shapes
 
-FORMAT = "shardwise-checkpoint/1"
+FORMAT = "shardwise-checkpoint/2"
+FORMAT_1 = "shardwise-checkpoint/1"  # one file, whole arrays: still read
+SHARD_FORMAT = "shardwise-checkpoint-shard/2"
 SHAPE_FIELDS = ("d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "mlp_dim", "vocab")
 _NAME = re.compile(r"step_(\d{8})\.ckpt")
+_SHARD_NAME = re.compile(r"step_(\d{8})\.ckpt\.shard-\d{5}-of-\d{5}")
 _CHUNK = 1 << 30  # msgpack bin objects hold < 4 GiB; arrays are split into 1 GiB chunks
 _DTYPES = {"bfloat16": np.dtype(ml_dtypes.bfloat16)}
 KILL_HOOK = "SHARDWISE_TEST_KILL_IN_CHECKPOINT_WRITE"  # tests: SIGKILL before the rename
@@ -98,44 +115,98 @@ def versions() -> dict:
 
 
 # -- save ------------------------------------------------------------------------------
-def _to_host(x) -> np.ndarray:
-    """The global value of a (possibly sharded) array on this host. With several
-    processes every process takes part in the gather; only process 0 writes."""
-    if not isinstance(x, jax.Array) or x.is_fully_addressable:
-        return np.asarray(x)
-    from jax.experimental import multihost_utils
-    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+def _index(index, shape) -> list[list[int]]:
+    """A shard's tuple of slices -> [[start, stop], ...] per dimension."""
+    return [list(sl.indices(n)[:2]) for sl, n in zip(index, shape)]
 
 
-def _encode(x_host: np.ndarray) -> dict:
+def _piece(index: list, x_host: np.ndarray) -> dict:
     data = np.ascontiguousarray(x_host).tobytes()
-    return {"dtype": str(x_host.dtype), "shape": list(x_host.shape), "crc32": zlib.crc32(data),
+    return {"index": index, "crc32": zlib.crc32(data),
             "chunks": [data[i:i + _CHUNK] for i in range(0, len(data), _CHUNK)] or [b""]}
 
 
-def _encode_tree(tree) -> dict:
-    return {jax.tree_util.keystr(path): _encode(_to_host(x))
-            for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+def _pieces(x) -> list[dict]:
+    """This process's share of leaf `x`: one piece per addressable shard whose replica_id
+    is 0, so across all processes every element is written exactly once. A host value
+    (numpy) is one whole-array piece, written by process 0."""
+    if not isinstance(x, jax.Array):
+        x = np.asarray(x)
+        return [_piece([[0, n] for n in x.shape], x)] if jax.process_index() == 0 else []
+    return [_piece(_index(s.index, x.shape), np.asarray(s.data))
+            for s in x.addressable_shards if s.replica_id == 0]
+
+
+def _describe(x) -> dict:
+    return {"dtype": str(np.dtype(x.dtype)), "shape": list(x.shape)}
+
+
+def _flat(tree) -> list[tuple[str, object]]:
+    return [(jax.tree_util.keystr(path), x)
+            for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
+def shard_path(path: str, process: int, processes: int) -> str:
+    return f"{path}.shard-{process:05d}-of-{processes:05d}"
 
 
 def save(directory: str, step: int, params, opt_state, meta: dict, keep: int) -> str:
-    """Write checkpoint `step` atomically, then delete all but the newest `keep` and any
-    temporary file a killed writer left. `meta` holds model/train/layout/data/rng."""
-    record = dict(meta, format=FORMAT, step=step, versions=versions(),
-                  params=_encode_tree(params), opt_state=_encode_tree(opt_state))
+    """Write checkpoint `step`; every process calls it. Process p > 0 writes its pieces to
+    a shard file; after a barrier process 0 writes the manifest (its own pieces inline,
+    the shard files' names, sizes and crc32s) atomically: the checkpoint exists from that
+    rename on. Then process 0 deletes all but the newest `keep` checkpoints, shard files
+    no manifest names, and temporary files a killed writer left."""
     path = checkpoint_path(directory, step)
-    if jax.process_index() != 0:
+    me, n = jax.process_index(), jax.process_count()
+    leaves = {part: _flat(tree) for part, tree in (("params", params), ("opt_state", opt_state))}
+    pieces = {part: {k: _pieces(x) for k, x in flat} for part, flat in leaves.items()}
+    shard = None
+    try:
+        if me > 0:
+            payload = msgpack.packb({"format": SHARD_FORMAT, "step": step, "process": me,
+                                     "pieces": pieces})
+            shard = shard_path(path, me, n)
+            _write_atomic(shard, payload, step)
+        sizes = _gather_ints([len(payload), zlib.crc32(payload)] if me > 0 else [0, 0])
+    except OSError as e:
+        raise CheckpointError(f"cannot write checkpoint {shard}: {e.strerror or e}") from None
+    if me != 0:
         return path
+    record = dict(meta, format=FORMAT, step=step, versions=versions(), processes=n,
+                  arrays={part: {k: _describe(x) for k, x in flat}
+                          for part, flat in leaves.items()},
+                  pieces=pieces,
+                  shards=[{"file": os.path.basename(shard_path(path, p, n)), "size": size,
+                           "crc32": crc} for p, (size, crc) in enumerate(sizes) if p > 0])
     try:
         _write_atomic(path, msgpack.packb(record), step)
-        for _, old in list_checkpoints(directory)[:-keep]:
-            os.remove(old)
-        for name in os.listdir(directory):
-            if ".ckpt.tmp-" in name and not name.endswith(f"-{os.getpid()}"):
-                os.remove(os.path.join(directory, name))
+        _prune(directory, keep)
     except OSError as e:
         raise CheckpointError(f"cannot write checkpoint {path}: {e.strerror or e}") from None
     return path
+
+
+def _gather_ints(values: list[int]) -> list[list[int]]:
+    """[[values of process p] for p]; also the barrier after the shard files' renames."""
+    if jax.process_count() == 1:
+        return [values]
+    from jax.experimental import multihost_utils
+    mine = np.asarray(values, np.int64).view(np.int32)  # no x64: carry int64 as 2 int32
+    out = np.asarray(multihost_utils.process_allgather(mine))
+    return [row.view(np.int64).tolist() for row in out.reshape(jax.process_count(), -1)]
+
+
+def _prune(directory: str, keep: int) -> None:
+    complete = list_checkpoints(directory)
+    for _, old in complete[:-keep]:
+        os.remove(old)
+    kept = {os.path.basename(p) for _, p in complete[-keep:]}
+    for name in os.listdir(directory):
+        stale_tmp = ".ckpt.tmp-" in name or ".ckpt.shard-" in name and ".tmp-" in name
+        if stale_tmp and not name.endswith(f"-{os.getpid()}"):
+            os.remove(os.path.join(directory, name))
+        elif (m := _SHARD_NAME.fullmatch(name)) and f"step_{m.group(1)}.ckpt" not in kept:
+            os.remove(os.path.join(directory, name))
 
 
 def _write_atomic(path: str, payload: bytes, step: int) -> None:
@@ -164,16 +235,59 @@ def _decode(key: str, entry: dict) -> np.ndarray:
     return np.frombuffer(data, dtype).reshape(entry["shape"])
 
 
+def _assemble(key: str, entry: dict, pieces: list[dict]) -> np.ndarray:
+    """The global array `entry` describes from the pieces every process wrote."""
+    dtype = _DTYPES.get(entry["dtype"]) or np.dtype(entry["dtype"])
+    out = np.empty(entry["shape"], dtype)
+    filled = 0
+    for piece in pieces:
+        data = b"".join(piece["chunks"])
+        if zlib.crc32(data) != piece["crc32"]:
+            raise ValueError(f"{key}: checksum mismatch")
+        region = tuple(slice(start, stop) for start, stop in piece["index"])
+        out[region] = np.frombuffer(data, dtype).reshape(out[region].shape)
+        filled += out[region].size
+    if filled != out.size:
+        raise ValueError(f"{key}: pieces cover {filled} of {out.size} elements")
+    return out
+
+
+def _read_shard(directory: str, entry: dict, step: int) -> dict:
+    """A shard file's pieces, after checking it is the one the manifest names."""
+    path = os.path.join(directory, entry["file"])
+    with open(path, "rb") as f:
+        payload = f.read()
+    if len(payload) != entry["size"] or zlib.crc32(payload) != entry["crc32"]:
+        raise ValueError(f"shard {entry['file']} is not the one the manifest names "
+                         f"(size or checksum differs)")
+    shard = msgpack.unpackb(payload)
+    if shard.get("format") != SHARD_FORMAT or shard.get("step") != step:
+        raise ValueError(f"shard {entry['file']} is not a shard of step {step}")
+    return shard["pieces"]
+
+
 def read(path: str) -> Checkpoint:
-    """Read and verify one checkpoint file (format, every array's checksum and size)."""
+    """Read and verify one checkpoint (the manifest, every shard file it names, every
+    piece's checksum, full coverage of every array) into global host arrays. Each reader
+    assembles every whole array: simple, and host memory bounds the model anyway (see
+    the CLI's memory check). Reads format 1 (one file, whole arrays) too."""
     try:
         with open(path, "rb") as f:
             record = msgpack.unpackb(f.read())
-        if not isinstance(record, dict) or record.get("format") != FORMAT:
+        if not isinstance(record, dict) or record.get("format") not in (FORMAT, FORMAT_1):
             raise ValueError("not a shardwise checkpoint")
-        params, opt_state = ({k: _decode(k, v) for k, v in record.pop(part).items()}
-                             for part in ("params", "opt_state"))
-        return Checkpoint(path, int(record["step"]), record, params, opt_state)
+        step = int(record["step"])
+        if record["format"] == FORMAT_1:
+            params, opt_state = ({k: _decode(k, v) for k, v in record.pop(part).items()}
+                                 for part in ("params", "opt_state"))
+            return Checkpoint(path, step, record, params, opt_state)
+        arrays, pieces = record.pop("arrays"), record.pop("pieces")
+        shards = [_read_shard(os.path.dirname(path), e, step) for e in record["shards"]]
+        parts = {part: {k: _assemble(k, entry, pieces[part][k] + [
+                            piece for s in shards for piece in s[part][k]])
+                        for k, entry in arrays[part].items()}
+                 for part in ("params", "opt_state")}
+        return Checkpoint(path, step, record, parts["params"], parts["opt_state"])
     except OSError as e:
         raise CheckpointError(f"cannot read checkpoint {path}: {e.strerror or e}") from None
     except (ValueError, KeyError, TypeError, AttributeError, msgpack.UnpackException) as e:
@@ -223,5 +337,6 @@ def _place(saved: dict, shapes, specs, mesh, path: str, part: str):
         if x.shape != want.shape or x.dtype != want.dtype:
             raise CheckpointError(f"checkpoint {path}: {part}{key} is {x.dtype}{list(x.shape)}, "
                                   f"the model needs {want.dtype}{list(want.shape)}")
-        out.append(jax.device_put(x, NamedSharding(mesh, spec)))
+        out.append(jax.make_array_from_callback(x.shape, NamedSharding(mesh, spec),
+                                                lambda index, x=x: x[index]))
     return jax.tree.unflatten(treedef, out)

@@ -2,7 +2,10 @@
 explicit FSDP + Megatron TP, one jit(shard_map) per step.
 
 On a CPU-only machine the CLI forces as many host devices as the layout needs before
-jax is imported. Bad input exits 2 with one line on stderr.
+jax is imported (layout size / processes, with several processes). Bad input exits 2
+with one line on stderr. Several processes (`--coordinator`, or a cluster's environment,
+see engine/distributed.py) run one program over all their devices; process 0 prints and
+writes the metrics file.
 """
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ import os
 import sys
 import time
 
+from engine import distributed
 from engine.config import ATTENTIONS, PRESETS, TrainConfig, config_problems, model_config
 from engine.data import BIN_DTYPES, DataError, data_problems, load_data
 from engine.layout import Layout, LayoutError
@@ -81,6 +85,13 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--resume", action="store_true",
                    help="continue from the newest complete checkpoint in --checkpoint-dir "
                         "(any layout; appends to --metrics-file)")
+    h = p.add_argument_group("several processes (see engine/distributed.py; "
+                             "python -m engine.launch starts them on one machine)")
+    h.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                   help="address of process 0's coordination service; default: a cluster's "
+                        "environment (SLURM, Open MPI, Cloud TPU), else one process")
+    h.add_argument("--num-processes", type=int, default=None, help="processes in the run")
+    h.add_argument("--process-id", type=int, default=None, help="this process, 0-based")
     return p
 
 
@@ -96,6 +107,8 @@ def parse(argv) -> tuple:
     if problems:
         raise UsageError("; ".join(problems))
     layout = Layout.parse(args.layout)
+    if problems := distributed.flag_problems(args, layout.size):
+        raise UsageError("; ".join(problems))
     layout.check(cfg, tcfg.batch)
     return cfg, tcfg, layout, args
 
@@ -144,6 +157,7 @@ def run(cfg, tcfg, layout, args) -> int:
     from engine.checkpoint import CheckpointError
 
     data = load_checked_data(cfg, tcfg, args)
+    distributed.initialize(args)
     try:
         return _train(cfg, tcfg, layout, args, data)
     except CheckpointError as e:
@@ -151,7 +165,12 @@ def run(cfg, tcfg, layout, args) -> int:
         return 2
 
 
-def _open_checkpoints(cfg, args):
+def _by_processes(ckpt) -> str:
+    n = ckpt.meta.get("processes", 1)
+    return f" by {n} processes" if n > 1 else ""
+
+
+def _open_checkpoints(cfg, args, say=print):
     """The checkpoint to resume from (or None), after checking the directory."""
     from engine import checkpoint
 
@@ -165,7 +184,7 @@ def _open_checkpoints(cfg, args):
     checkpoint.check_writable(directory)
     ckpt = checkpoint.latest(directory) if args.resume else None
     if args.resume and ckpt is None:
-        print(f"no checkpoint in {directory} yet; starting from step 0", flush=True)
+        say(f"no checkpoint in {directory} yet; starting from step 0")
     if ckpt is not None:
         checkpoint.check_model(ckpt, cfg)
     return ckpt
@@ -202,7 +221,9 @@ def _train(cfg, tcfg, layout, args, data) -> int:
     from engine.step import Trainer
     from layers.attention import resolve_attention
 
-    ckpt = _open_checkpoints(cfg, args)
+    is_main = distributed.is_main()  # process 0 prints and writes the metrics file
+    say = (lambda *a, **k: print(*a, **k, flush=True)) if is_main else (lambda *a, **k: None)
+    ckpt = _open_checkpoints(cfg, args, say)
     mesh = layout.mesh()
     trainer = Trainer(cfg, tcfg, layout, mesh)
     devices = list(mesh.devices.flat)
@@ -210,19 +231,20 @@ def _train(cfg, tcfg, layout, args, data) -> int:
     if args.peak_flops:
         peak, peak_src = args.peak_flops, "--peak-flops"
     else:
-        peak, peak_src = mfu.peak_flops(cfg.compute_dtype, devices)
+        peak, peak_src = distributed.peak_flops(cfg.compute_dtype, devices)
     tokens_per_step = tcfg.batch * tcfg.seq
     flops_per_step = mfu.flops_per_token(cfg, tcfg.seq) * tokens_per_step
-    print(f"layout {layout} on {len(devices)} {devices[0].platform} device(s); "
-          f"model {args.model} ({param_count(cfg) / 1e6:.2f}M params, D={cfg.d_model} "
-          f"N={cfg.n_layers} H={cfg.n_heads} G={cfg.n_kv_heads} K={cfg.head_dim} "
-          f"F={cfg.mlp_dim} V={cfg.vocab}); {cfg.dtype} compute, remat {cfg.remat}, "
-          f"{resolve_attention(cfg.attention, tcfg.seq)} attention; {tokens_per_step} tokens/step; "
-          f"peak {peak / 1e12:.2f} TFLOP/s ({peak_src})", flush=True)
-    print(f"data {data.describe()}", flush=True)
+    procs = f" in {jax.process_count()} processes" if jax.process_count() > 1 else ""
+    say(f"layout {layout} on {len(devices)} {devices[0].platform} device(s){procs}; "
+        f"model {args.model} ({param_count(cfg) / 1e6:.2f}M params, D={cfg.d_model} "
+        f"N={cfg.n_layers} H={cfg.n_heads} G={cfg.n_kv_heads} K={cfg.head_dim} "
+        f"F={cfg.mlp_dim} V={cfg.vocab}); {cfg.dtype} compute, remat {cfg.remat}, "
+        f"{resolve_attention(cfg.attention, tcfg.seq)} attention; {tokens_per_step} tokens/step; "
+        f"peak {peak / 1e12:.2f} TFLOP/s ({peak_src})")
+    say(f"data {data.describe()}")
     if resolve_attention(cfg.attention, tcfg.seq) == "pallas" and devices[0].platform == "cpu":
-        print("note: no accelerator, so the Pallas kernels run in interpret mode: the same "
-              "kernel code, much slower", flush=True)
+        say("note: no accelerator, so the Pallas kernels run in interpret mode: the same "
+            "kernel code, much slower")
 
     if ckpt is None:
         params, opt_state = trainer.init(tcfg.seed)
@@ -230,44 +252,43 @@ def _train(cfg, tcfg, layout, args, data) -> int:
     else:
         params, opt_state = checkpoint.restore(ckpt, trainer)
         start = ckpt.step
-        print(f"resumed from {ckpt.path} (step {start}, written under layout "
-              f"{ckpt.meta.get('layout')})", flush=True)
+        say(f"resumed from {ckpt.path} (step {start}, written under layout "
+            f"{ckpt.meta.get('layout')}{_by_processes(ckpt)})")
         if changed := _settings_changed(ckpt, tcfg, args):
-            print("note: resuming with different settings: " + ", ".join(changed), flush=True)
+            say("note: resuming with different settings: " + ", ".join(changed))
     if start >= tcfg.steps:
-        print(f"the checkpoint already reached step {start} >= --steps {tcfg.steps}; "
-              f"nothing to train", flush=True)
+        say(f"the checkpoint already reached step {start} >= --steps {tcfg.steps}; "
+            f"nothing to train")
         return 0
     sharding = NamedSharding(mesh, trainer.batch_spec)
     batch = lambda index, split="train": device_batch(data, sharding, tcfg.seed, index,
                                                       tcfg.batch, tcfg.seq, split)
     t0 = time.perf_counter()
     step_fn = trainer.train_step.lower(params, opt_state, batch(start)).compile()
-    print(f"compiled the step in {time.perf_counter() - t0:.1f} s", flush=True)
+    say(f"compiled the step in {time.perf_counter() - t0:.1f} s")
 
     def val_loss(params) -> float:
-        losses = [trainer.loss(params, batch(i, "val"))
+        losses = [distributed.host_value(trainer.loss(params, batch(i, "val")))
                   for i in range(args.eval_batches)]
-        return float(np.mean(jax.device_get(losses)))
+        return float(np.mean(np.asarray(losses, np.float32)))
 
     meta = dict(rng=dict(seed=tcfg.seed), model=dataclasses.asdict(cfg),
                 train=dataclasses.asdict(tcfg), layout=str(layout),
                 data=dict(source=args.data, dtype=args.data_dtype))
     lr_at = schedule(tcfg)
     metrics_file = (open(args.metrics_file, "a" if args.resume else "w")
-                    if args.metrics_file else None)
+                    if args.metrics_file and is_main else None)
     window_t, window_n = 0.0, 0
     try:
         for step in range(start, tcfg.steps):
             tokens = batch(step)
             t0 = time.perf_counter()
             params, opt_state, metrics = step_fn(params, opt_state, tokens)
-            loss, grad_norm = (float(v) for v in jax.device_get((metrics["loss"],
-                                                                 metrics["grad_norm"])))
+            loss, grad_norm = (distributed.host_value(metrics[k]) for k in ("loss", "grad_norm"))
             dt = time.perf_counter() - t0
             window_t, window_n = window_t + dt, window_n + 1
             if not math.isfinite(loss):
-                print(f"error: loss is {loss} at step {step + 1}; stopping", file=sys.stderr)
+                say(f"error: loss is {loss} at step {step + 1}; stopping", file=sys.stderr)
                 return 1
             done = step + 1
             record = dict(step=done, loss=loss, grad_norm=grad_norm,
@@ -281,19 +302,18 @@ def _train(cfg, tcfg, layout, args, data) -> int:
                 metrics_file.flush()
             if done % args.log_every == 0 or done == tcfg.steps:
                 avg = window_t / window_n
-                print(f"step {done:>5}/{tcfg.steps} | loss {loss:.4f} | grad norm "
-                      f"{grad_norm:.3f} | lr {record['lr']:.2e} | "
-                      f"{tokens_per_step / avg:,.0f} tok/s | {avg * 1e3:.0f} ms/step | "
-                      f"MFU {100 * flops_per_step / avg / peak:.1f}%", flush=True)
+                say(f"step {done:>5}/{tcfg.steps} | loss {loss:.4f} | grad norm "
+                    f"{grad_norm:.3f} | lr {record['lr']:.2e} | "
+                    f"{tokens_per_step / avg:,.0f} tok/s | {avg * 1e3:.0f} ms/step | "
+                    f"MFU {100 * flops_per_step / avg / peak:.1f}%")
                 window_t, window_n = 0.0, 0
             if evaluate:
-                print(f"eval {done:>5}/{tcfg.steps} | val loss {record['val_loss']:.4f}",
-                      flush=True)
+                say(f"eval {done:>5}/{tcfg.steps} | val loss {record['val_loss']:.4f}")
             if args.checkpoint_dir and (done % args.checkpoint_every == 0
                                         or done == tcfg.steps):
                 path = checkpoint.save(args.checkpoint_dir, done, params, opt_state, meta,
                                        args.keep)
-                print(f"saved {path}", flush=True)
+                say(f"saved {path}")
     except KeyboardInterrupt:
         print(f"interrupted after step {step}", file=sys.stderr)
         return 130
@@ -306,7 +326,7 @@ def _train(cfg, tcfg, layout, args, data) -> int:
 def main(argv=None) -> int:
     try:
         cfg, tcfg, layout, args = parse(sys.argv[1:] if argv is None else argv)
-        force_host_devices(layout.size)
+        force_host_devices(layout.size // distributed.process_count(args))
         return run(cfg, tcfg, layout, args)
     except (UsageError, LayoutError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)
