@@ -23,17 +23,25 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.train import UsageError, force_host_devices, parse  # noqa: E402
+from engine.train import build_parser as train_parser  # noqa: E402
 from engine.layout import LayoutError  # noqa: E402
 
 
-def own_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(add_help=False)
-    p.add_argument("--hardware", default="cpu", help="cpu | v4 | v5e | v5p | a100 | h100")
-    p.add_argument("--predict-only", action="store_true", help="trace on an AbstractMesh only")
-    p.add_argument("--calibration", default=None, help="cpu profile JSON (bench/calibrate.py)")
-    p.add_argument("--trace-steps", type=int, default=2)
-    p.add_argument("--json", default=None, help="write figures as JSON")
-    p.add_argument("--plot", default=None, help="roofline PNG (needs matplotlib)")
+def build_parser() -> argparse.ArgumentParser:
+    """The training CLI's flags plus this report's own."""
+    own = argparse.ArgumentParser(add_help=False)
+    g = own.add_argument_group("roofline report")
+    g.add_argument("--hardware", default="cpu", choices=("cpu", "v4", "v5e", "v5p", "a100", "h100"),
+                   help="profile to price with; cpu = the calibrated profile")
+    g.add_argument("--predict-only", action="store_true",
+                   help="trace on an AbstractMesh only: no devices, no run")
+    g.add_argument("--calibration", default=None, help="cpu profile JSON (bench/calibrate.py)")
+    g.add_argument("--trace-steps", type=int, default=2, help="steps to profile")
+    g.add_argument("--json", default=None, help="write figures as JSON")
+    g.add_argument("--plot", default=None, help="roofline PNG (needs matplotlib)")
+    p = train_parser(prog="python bench/roofline.py", description=__doc__.split("\n\n")[0],
+                     parents=[own])
+    p.set_defaults(steps=5)  # steps timed for the measured column
     return p
 
 
@@ -156,11 +164,8 @@ def measure(cfg, tcfg, layout, trainer, steps: int, trace_steps: int):
 
 
 def main(argv=None) -> int:
-    mine, rest = own_parser().parse_known_args(sys.argv[1:] if argv is None else argv)
     try:
-        if "--steps" not in rest:
-            rest = [*rest, "--steps", "5"]
-        cfg, tcfg, layout, _ = parse(rest)
+        cfg, tcfg, layout, mine = parse(sys.argv[1:] if argv is None else argv, build_parser())
     except (UsageError, LayoutError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -33,9 +33,12 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m engine.train", description=__doc__.split("\n\n")[0],
-                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+def build_parser(prog: str = "python -m engine.train", description: str | None = None,
+                 parents=()) -> argparse.ArgumentParser:
+    """The training flags; tools that take the same model flags pass their own prog,
+    description and parent parsers (for their extra flags)."""
+    p = _Parser(prog=prog, description=description or __doc__.split("\n\n")[0],
+                parents=list(parents), formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--layout", default="single",
                    help="mesh axes outermost first with sizes: single, dp8, fsdp8, tp8, "
                         "fsdp4xtp2, dp2xfsdp2xtp2, ...")
@@ -95,9 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def parse(argv) -> tuple:
+def parse(argv, parser: argparse.ArgumentParser | None = None) -> tuple:
     """argv -> (ModelConfig, TrainConfig, Layout, args); raises UsageError/LayoutError."""
-    args = build_parser().parse_args(argv)
+    args = (parser or build_parser()).parse_args(argv)
     cfg = model_config(args.model, **{k: getattr(args, k) for k in (
         "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "mlp_dim", "vocab")},
         dtype=args.dtype, remat=args.remat, attention=args.attention)
