@@ -8,7 +8,7 @@ it plain math on global arrays, under `jax.jit` with only `NamedSharding` annota
 params and optimizer state as the param table stores them, the batch over the batch
 axes. XLA's SPMD partitioner then decides every collective. Both builds start from the
 same params and batch, use the same optimizer (for GSPMD the plain global norm is
-right, the arrays being global) and are timed in the same process, alternating.
+right, the arrays being global) and are timed one after the other in the same process.
 Prints tokens/s, their ratio, compile time, per-device temp and argument memory
 (`memory_analysis`), collective count and bytes per step from each compiled HLO, and
 the first step's loss of each.
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -57,6 +56,7 @@ def measure(step_fn, trainer, tokens, steps: int) -> dict:
     """Compile, then time `steps` steps after one warm-up; figures of the compiled step."""
     import jax
 
+    from bench.timing import time_steps
     from engine.cost.hlo import collectives
 
     params, opt_state = trainer.init(trainer.tcfg.seed)
@@ -65,15 +65,8 @@ def measure(step_fn, trainer, tokens, steps: int) -> dict:
     compile_s = time.perf_counter() - t0
     mem = compiled.memory_analysis()
     colls = collectives(compiled.as_text())
-    params, opt_state, metrics = compiled(params, opt_state, tokens)
-    first_loss = float(jax.device_get(metrics["loss"]))
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        params, opt_state, metrics = compiled(params, opt_state, tokens)
-        jax.block_until_ready(metrics)
-        times.append(time.perf_counter() - t0)
-    step_s = statistics.median(times)
+    step_s, _, _, first = time_steps(compiled, params, opt_state, tokens, steps)
+    first_loss = float(jax.device_get(first["loss"]))
     n_tokens = tokens.shape[0] * (tokens.shape[1] - 1)  # tokens: [B, L+1]
     return dict(tokens_per_s=n_tokens / step_s, step_s=step_s,
                 compile_s=compile_s, loss=first_loss,

@@ -14,10 +14,8 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -136,6 +134,7 @@ def measure(cfg, tcfg, layout, trainer, steps: int, trace_steps: int):
     """(median step seconds, attributed {category: s}, hlo text)."""
     import jax
 
+    from bench.timing import time_steps
     from engine.cost import trace
     from engine.cost.audit import _axes_by_groups
     from engine.data import synthetic_tokens
@@ -144,15 +143,7 @@ def measure(cfg, tcfg, layout, trainer, steps: int, trace_steps: int):
     tokens = trainer.put_batch(synthetic_tokens(tcfg.seed, 0, tcfg.batch, tcfg.seq, cfg.vocab))
     step = trainer.train_step.lower(params, opt_state, tokens).compile()
     text = step.as_text()
-    params, opt_state, m = step(params, opt_state, tokens)
-    jax.block_until_ready(m)
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        params, opt_state, m = step(params, opt_state, tokens)
-        jax.block_until_ready(m)
-        times.append(time.perf_counter() - t0)
-    step_s = statistics.median(times)
+    step_s, params, opt_state, _ = time_steps(step, params, opt_state, tokens, steps)
     with tempfile.TemporaryDirectory() as d:
         with jax.profiler.trace(d):
             for _ in range(trace_steps):
