@@ -26,9 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from jax import lax  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
+import collectives  # noqa: E402
 from engine.cost.hardware import CALIBRATION_PATH  # noqa: E402
 from engine.cost.price import RING  # noqa: E402
 
@@ -68,10 +68,10 @@ def collective_times(sizes_bytes) -> dict:
     """{kind: [(bytes per device, seconds)]} over all 8 devices on one axis."""
     mesh = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
     ops = {
-        "all-gather": lambda x: lax.all_gather(x, "x", tiled=True),
-        "reduce-scatter": lambda x: lax.psum_scatter(x, "x", tiled=True),
-        "all-reduce": lambda x: lax.psum(x, "x"),
-        "collective-permute": lambda x: lax.ppermute(x, "x", [(i, (i + 1) % 8) for i in range(8)]),
+        "all-gather": lambda x: collectives.gather(x, "x", dim=0),
+        "reduce-scatter": lambda x: collectives.reduce_scatter(x, "x", dim=0),
+        "all-reduce": lambda x: collectives.all_reduce(x, "x"),
+        "collective-permute": lambda x: collectives.ring_shift(x, "x"),
     }
     out = {}
     for kind, op in ops.items():

@@ -16,19 +16,14 @@ import sys
 import time
 
 from engine.layout import Layout, LayoutError
-from engine.train import UsageError, force_host_devices
+from engine.train import OneLineParser, UsageError, force_host_devices
 from layers.config import DTYPES, ModelConfig
 
 REPLACEMENT = "\ufffd".encode()  # what a token >= 256 (not a byte) prints as
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, no usage dump
-        raise UsageError(message)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m engine.generate", description=__doc__.split("\n\n")[0],
+    p = OneLineParser(prog="python -m engine.generate", description=__doc__.split("\n\n")[0],
                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--checkpoint-dir", required=True, help="the newest checkpoint here is used")
     p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")

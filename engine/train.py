@@ -28,8 +28,10 @@ class UsageError(Exception):
     """Bad input: reported as one line, exit code 2."""
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, no usage dump
+class OneLineParser(argparse.ArgumentParser):
+    """argparse whose errors raise UsageError (one line, exit 2) instead of printing usage."""
+
+    def error(self, message):
         raise UsageError(message)
 
 
@@ -37,7 +39,7 @@ def build_parser(prog: str = "python -m engine.train", description: str | None =
                  parents=()) -> argparse.ArgumentParser:
     """The training flags; tools that take the same model flags pass their own prog,
     description and parent parsers (for their extra flags)."""
-    p = _Parser(prog=prog, description=description or __doc__.split("\n\n")[0],
+    p = OneLineParser(prog=prog, description=description or __doc__.split("\n\n")[0],
                 parents=list(parents), formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--layout", default="single",
                    help="mesh axes outermost first with sizes: single, dp8, fsdp8, tp8, "
