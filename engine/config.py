@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from layers.config import DTYPES, REMAT, ModelConfig
+from layers.config import DTYPES, REMAT, TP_COMM, ZERO, ModelConfig
 
 PRESETS: dict[str, dict] = {
     "tiny": dict(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, mlp_dim=192, vocab=256),
@@ -57,6 +57,12 @@ def config_problems(cfg: ModelConfig, tcfg: TrainConfig) -> list[str]:
         problems.append(f"dtype={cfg.dtype!r} not one of {sorted(DTYPES)}")
     if cfg.remat not in REMAT:
         problems.append(f"remat={cfg.remat!r} not one of {list(REMAT)}")
+    if cfg.tp_comm not in TP_COMM:
+        problems.append(f"tp_comm={cfg.tp_comm!r} not one of {list(TP_COMM)}")
+    if cfg.zero not in ZERO:
+        problems.append(f"zero={cfg.zero} not one of {list(ZERO)}")
+    if cfg.prefetch and cfg.zero != 3:
+        problems.append(f"--prefetch needs --zero 3 (zero {cfg.zero} keeps params replicated)")
     if not tcfg.lr > 0 or tcfg.lr > 10:
         problems.append(f"lr={tcfg.lr} must be in (0, 10]")
     if tcfg.warmup < 0:

@@ -21,7 +21,7 @@ from engine import distributed
 from engine.config import ATTENTIONS, PRESETS, TrainConfig, config_problems, model_config
 from engine.data import BIN_DTYPES, DataError, data_problems, load_data
 from engine.layout import Layout, LayoutError
-from layers.config import DTYPES, REMAT
+from layers.config import DTYPES, REMAT, TP_COMM, ZERO
 
 
 class UsageError(Exception):
@@ -58,6 +58,17 @@ def build_parser(prog: str = "python -m engine.train", description: str | None =
     m.add_argument("--attention", default="auto", choices=ATTENTIONS,
                    help="auto: blocked flash from 1024 tokens, else the dense reference; "
                         "pallas runs in interpret mode on CPU")
+    x = p.add_argument_group("where bytes move (see docs/architecture.md)")
+    x.add_argument("--tp-comm", default="allreduce", choices=TP_COMM,
+                   help="allreduce: Megatron TP; sequence: sequence parallel (activations "
+                        "sharded over tp along the sequence between blocks); ring: sequence "
+                        "parallel with collective matmuls (ppermute steps interleaved with "
+                        "partial matmuls)")
+    x.add_argument("--zero", type=int, default=3, choices=ZERO,
+                   help="on the fsdp axis: 1 shards optimizer state, 2 also grads, 3 also "
+                        "params (gathered per layer inside the scan)")
+    x.add_argument("--prefetch", action="store_true",
+                   help="zero 3: gather layer i+1's weights before layer i's compute")
     t = p.add_argument_group("training")
     d = TrainConfig()
     t.add_argument("--seq", type=int, default=d.seq, help="tokens per sequence")
@@ -105,7 +116,8 @@ def parse(argv, parser: argparse.ArgumentParser | None = None) -> tuple:
     args = (parser or build_parser()).parse_args(argv)
     cfg = model_config(args.model, **{k: getattr(args, k) for k in (
         "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "mlp_dim", "vocab")},
-        dtype=args.dtype, remat=args.remat, attention=args.attention)
+        dtype=args.dtype, remat=args.remat, attention=args.attention,
+        tp_comm=args.tp_comm, zero=args.zero, prefetch=args.prefetch)
     tcfg = TrainConfig(batch=args.batch, seq=args.seq, steps=args.steps, lr=args.lr,
                        warmup=args.warmup, seed=args.seed)
     problems = config_problems(cfg, tcfg) + _flag_problems(args, cfg, tcfg)
@@ -115,6 +127,9 @@ def parse(argv, parser: argparse.ArgumentParser | None = None) -> tuple:
     if problems := distributed.flag_problems(args, layout.size):
         raise UsageError("; ".join(problems))
     layout.check(cfg, tcfg.batch)
+    if cfg.tp_comm != "allreduce" and tcfg.seq % layout.degree("tp"):
+        raise UsageError(f"--tp-comm {cfg.tp_comm} shards the sequence over tp: "
+                         f"seq={tcfg.seq} not divisible by tp={layout.degree('tp')}")
     return cfg, tcfg, layout, args
 
 
