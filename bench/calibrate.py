@@ -8,6 +8,8 @@ dtype (f32; bf16 with f32 accumulation) on the shapes the `small` model runs and
 chain of exp/mul/add on a cache-resident array); and all-gather / reduce-scatter /
 all-reduce / ppermute time vs bytes on the forced 8-device mesh, fitted to
 `t = latency * hops + ring_fraction * bytes / bandwidth` (engine/cost/price.py).
+`bench/roofline.py` re-measures the rates its step needs in the same run
+(engine/cost/microbench.py); this file is the profile for `--predict-only --hardware cpu`.
 """
 from __future__ import annotations
 
@@ -26,34 +28,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+from jax.sharding import Mesh  # noqa: E402
 
-import collectives  # noqa: E402
 from engine.cost.hardware import CALIBRATION_PATH  # noqa: E402
-from engine.cost.price import RING  # noqa: E402
-
-
-def timed(f, *args, reps: int = 7) -> float:
-    """Median seconds of `f(*args)` after one warm-up call."""
-    jax.block_until_ready(f(*args))
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(f(*args))
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
+from engine.cost.microbench import call_overhead, collective_times, fit, timed  # noqa: E402
 
 
 def matmul_flops(m: int, k: int, n: int, dtype) -> float:
     a, b = jnp.ones((m, k), dtype), jnp.ones((k, n), dtype)
     f = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32))
-    return 2 * m * k * n / timed(f, a, b)
+    return 2 * m * k * n / timed(f, a, b, reps=7)
 
 
 def memory_bandwidth(n_bytes: int = 64 << 20) -> float:
     x = jnp.ones(n_bytes // 4, jnp.float32)
     f = jax.jit(lambda x, y: 1.5 * x + y)
-    return 3 * n_bytes / timed(f, x, x)
+    return 3 * n_bytes / timed(f, x, x, reps=7)
 
 
 def vector_flops(n: int = 1 << 18, depth: int = 16) -> float:
@@ -61,40 +51,7 @@ def vector_flops(n: int = 1 << 18, depth: int = 16) -> float:
         for _ in range(depth):
             x = jnp.exp(-x * x) + 0.5
         return x
-    return 4 * depth * n / timed(jax.jit(chain), jnp.ones(n, jnp.float32))
-
-
-def collective_times(sizes_bytes) -> dict:
-    """{kind: [(bytes per device, seconds)]} over all 8 devices on one axis."""
-    mesh = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
-    ops = {
-        "all-gather": lambda x: collectives.gather(x, "x", dim=0),
-        "reduce-scatter": lambda x: collectives.reduce_scatter(x, "x", dim=0),
-        "all-reduce": lambda x: collectives.all_reduce(x, "x"),
-        "collective-permute": lambda x: collectives.ring_shift(x, "x"),
-    }
-    out = {}
-    for kind, op in ops.items():
-        f = jax.jit(jax.shard_map(op, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
-        out[kind] = []
-        for nbytes in sizes_bytes:
-            # `bytes` as the ledger counts it: the gathered output / the pre-reduce input
-            per_device = nbytes // 8 if kind == "all-gather" else nbytes
-            x = jax.device_put(np.ones(8 * per_device // 4, np.float32),
-                               NamedSharding(mesh, P("x")))
-            out[kind].append((nbytes, timed(f, x)))
-    return out
-
-
-def fit(kind: str, points, n: int = 8) -> tuple[float, float]:
-    """Least-squares (latency per hop, bandwidth) of t = hops*lat + frac*bytes/bw."""
-    bw_mult, hop_mult = RING[kind]
-    frac = 1.0 if bw_mult is None else bw_mult * (n - 1) / n
-    hops = 1 if hop_mult is None else hop_mult * (n - 1)
-    x = np.array([frac * b for b, _ in points])
-    t = np.array([s for _, s in points])
-    slope, intercept = np.polyfit(x, t, 1)
-    return max(float(intercept) / hops, 0.0), 1.0 / max(float(slope), 1e-15)
+    return 4 * depth * n / timed(jax.jit(chain), jnp.ones(n, jnp.float32), reps=7)
 
 
 def main(argv=None) -> int:
@@ -107,11 +64,13 @@ def main(argv=None) -> int:
                 for dt, dtype in (("float32", jnp.float32), ("bfloat16", jnp.bfloat16))}
     peak = {dt: statistics.median(v for k, v in measured.items() if k.endswith(dt)
                                   and not k.startswith("cube")) for dt in ("float32", "bfloat16")}
-    points = collective_times([1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22])
+    mesh = Mesh(np.array(jax.devices()[:8]), ("d",))
+    points = collective_times(mesh, [1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22],
+                              overhead=call_overhead(mesh))
     profile = {
         "peak_flops": peak, "matmul_measured": measured,
         "hbm": memory_bandwidth(), "vector_flops": vector_flops(),
-        "collective_fit": {k: fit(k, v) for k, v in points.items()},
+        "collective_fit": {k: fit(k, v, mesh.size) for k, v in points.items()},
         "collective_points": points,
         "when": time.strftime("%Y-%m-%d %H:%M"), "load_avg": os.getloadavg(),
     }

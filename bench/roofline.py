@@ -34,6 +34,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--predict-only", action="store_true",
                    help="trace on an AbstractMesh only: no devices, no run")
     g.add_argument("--calibration", default=None, help="cpu profile JSON (bench/calibrate.py)")
+    g.add_argument("--in-run-rates", action=argparse.BooleanOptionalAction, default=True,
+                   help="cpu, when running: price with rates measured in this run just "
+                        "before the step is timed, each dot at its own shapes, all devices "
+                        "at once (engine/cost/microbench.py), instead of the calibration file")
     g.add_argument("--trace-steps", type=int, default=2, help="steps to profile")
     g.add_argument("--json", default=None, help="write figures as JSON")
     g.add_argument("--plot", default=None, help="roofline PNG (needs matplotlib)")
@@ -170,13 +174,18 @@ def main(argv=None) -> int:
 
     hw = hardware.get(mine.hardware, mine.calibration)
     rows = step_ledger(cfg, tcfg, layout)
-    pred = predict(rows, hw, layout.mesh_axes())
     measured, step_s, audit_clean = None, None, None
     if not mine.predict_only:
         from engine.cost.audit import audit
         from engine.step import Trainer
 
         trainer = Trainer(cfg, tcfg, layout, layout.mesh())
+        if mine.hardware == "cpu" and mine.in_run_rates:
+            from engine.cost.microbench import in_run_profile
+
+            hw = in_run_profile(hw, rows, trainer.mesh.devices.flatten().tolist())
+    pred = predict(rows, hw, layout.mesh_axes())
+    if not mine.predict_only:
         step_s, measured, text = measure(cfg, tcfg, layout, trainer, tcfg.steps, mine.trace_steps)
         a = audit(rows, text, layout.mesh_axes(), "cpu")
         audit_clean = a.clean

@@ -158,3 +158,25 @@ def test_predict_only_512_devices():
     assert pred.step_s >= pred.compute_s > 0 and pred.comm_s > 0
     assert 0 < predicted_mfu(pred, cfg, tcfg, hardware.get("h100"), lay.size) < 1
     assert math.isfinite(pred.step_s)
+
+
+def test_in_run_rates_price_every_dot_by_its_measurement():
+    """The in-run profile times each distinct dot of the ledger on all devices at once;
+    pricing then charges each matmul row exactly its measured seconds x count, and
+    compute is no longer multiplied by the device count."""
+    import jax
+
+    from engine.cost.microbench import in_run_profile
+
+    lay = Layout.parse("fsdp2")
+    rows = step_ledger(_cfg(), TCFG, lay)
+    hw = in_run_profile(hardware.get("cpu"), rows, jax.devices()[:2],
+                        collective_sizes=[1 << 12, 1 << 14])
+    dots = [r for r in rows if r.kind == "matmul"]
+    assert dots and all(r.dot in hw.dot_seconds for r in dots)
+    assert len(hw.dot_seconds) == len({r.dot for r in dots}) > 1
+    assert not hw.shared_host and hw.hbm > 0 and hw.vector_flops > 0
+    pred = predict(rows, hw, lay.mesh_axes())
+    priced = sum(p.seconds for p in pred.rows if p.row.kind == "matmul")
+    assert priced == pytest.approx(sum(hw.dot_seconds[r.dot] * r.count for r in dots))
+    assert set(hw.collective_fit) >= {"all-gather", "reduce-scatter", "all-reduce"}

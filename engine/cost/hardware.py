@@ -53,6 +53,9 @@ class Hardware:
     shared_host: bool = False
     bf16_collectives_in_f32: bool = False
     collective_fit: dict = dataclasses.field(default_factory=dict)
+    # Row.dot -> measured seconds of one execution (engine/cost/microbench.py); a dot
+    # found here is priced by its measurement instead of the roofline
+    dot_seconds: dict = dataclasses.field(default_factory=dict)
     source: str = ""
 
     def matmul_peak(self, dtype: str) -> float:

@@ -35,9 +35,11 @@ COLLECTIVES = {
     "all_to_all": "all-to-all",
     "pvary": None,
 }
-# Ops XLA turns into bitcasts or folds away: no FLOPs, no bytes.
+# Ops XLA turns into bitcasts or folds away: no FLOPs, no bytes. (`broadcast_in_dim` is
+# not free: fused it costs nothing, but a broadcast feeding a loop or a dot, such as the
+# zeros a scan's gradient accumulators start from, is written to memory.)
 FREE = {"reshape", "squeeze", "expand_dims", "stop_gradient", "axis_index", "iota",
-        "broadcast_in_dim", "copy_p", "optimization_barrier", "pjit", "closed_call"}
+        "copy_p", "optimization_barrier", "pjit", "closed_call"}
 # Ops XLA fuses into one loop with their elementwise neighbours (loop fusion).
 FUSIBLE = {"add", "add_any", "sub", "mul", "div", "neg", "max", "min", "exp", "exp2", "log",
            "log1p", "logistic", "rsqrt", "sqrt", "tanh", "pow", "integer_pow", "square", "abs",
@@ -77,6 +79,9 @@ class Row:
     count: int
     axes: tuple = ()
     axis_size: int = 1
+    # matmuls: (lhs shape, rhs shape, lhs dtype, rhs dtype, dimension_numbers, result
+    # dtype), enough to re-run the same dot_general alone (engine/cost/microbench.py)
+    dot: tuple | None = None
 
     @property
     def total_flops(self) -> float:
@@ -175,15 +180,19 @@ def _compute_row(eqn, phase, scope, count, moved: float) -> Row:
     ins = [v.aval for v in eqn.invars if hasattr(v.aval, "shape")]
     outs = [v.aval for v in eqn.outvars if hasattr(v.aval, "shape")]
     out = outs[0] if outs else ins[0]
+    dot = None
     if name == "dot_general":
-        (contract_lhs, _), _ = eqn.params["dimension_numbers"]
-        k = math.prod(ins[0].shape[d] for d in contract_lhs)
+        dims = eqn.params["dimension_numbers"]
+        k = math.prod(ins[0].shape[d] for d in dims[0][0])
         flops, kind, dtype = 2.0 * math.prod(out.shape) * k, "matmul", str(ins[0].dtype)
+        dot = (tuple(ins[0].shape), tuple(ins[1].shape), str(ins[0].dtype), str(ins[1].dtype),
+               tuple(tuple(map(tuple, pair)) for pair in dims), str(out.dtype))
     else:
         elems = max([math.prod(a.shape) for a in ins + outs] or [0])
         flops = float(elems) if name in ARITH else 0.0
         kind, dtype = "memory", str(out.dtype)
-    return Row(scope, phase, kind, name, dtype, tuple(out.shape), flops, float(moved), count)
+    return Row(scope, phase, kind, name, dtype, tuple(out.shape), flops, float(moved), count,
+               dot=dot)
 
 
 def _sub_jaxprs(eqn):

@@ -1,7 +1,9 @@
 """Price ledger rows on a hardware profile and predict the step.
 
 Compute rows by roofline: max(FLOPs / (peak * matmul_eff), bytes / (hbm * mem_eff)),
-matmuls at the peak of their operand dtype, other rows at the vector rate. Collectives by
+matmuls at the peak of their operand dtype, other rows at the vector rate; a matmul whose
+exact dot the profile has timed (`Hardware.dot_seconds`, measured in the same run by
+`engine/cost/microbench.py`) costs its measured time. Collectives by
 ring formulas over the slowest link tier their axes use, n = group size:
 
     all-gather, reduce-scatter: (n-1)/n * bytes / bw + (n-1) * latency
@@ -85,8 +87,11 @@ def collective_seconds(row: Row, hw: Hardware, mesh_axes) -> float:
 
 
 def compute_seconds(row: Row, hw: Hardware, n_devices: int) -> tuple[float, str]:
-    """(seconds of one execution, "compute" | "memory") by roofline. On a shared host the
-    devices' work adds up: n_devices times the per-device work at the host's rate."""
+    """(seconds of one execution, "compute" | "memory") by roofline, or a dot's measured
+    seconds when the profile has them. On a shared host the devices' work adds up:
+    n_devices times the per-device work at the host's rate."""
+    if row.dot in hw.dot_seconds:
+        return hw.dot_seconds[row.dot], "compute"
     peak = hw.matmul_peak(row.dtype) * hw.matmul_eff if row.kind == "matmul" else hw.vector_flops
     t_flops = row.flops / peak
     t_bytes = row.bytes / (hw.hbm * hw.mem_eff)

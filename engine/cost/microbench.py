@@ -1,0 +1,167 @@
+"""Microbenchmarks for the `cpu` profile, run on all devices of the mesh at once.
+
+On forced host-CPU devices every device is a thread of one host: the rate one device
+gets depends on what the others do at the same time. So each microbenchmark runs under
+`shard_map` over every device, each device doing one device's share, and its wall time
+is what the step pays for that op (no x n_devices afterwards):
+
+- `dot_seconds`: each distinct `dot_general` of a ledger (operand shapes, dtypes,
+  dimension numbers; `Row.dot`), run alone with those per-device operands;
+- `bandwidth`: a fused `1.5 * x + y` on per-device arrays of the step's typical
+  activation size (reads two, writes one);
+- `vector_rate`: an `exp` chain on the same arrays (FLOPs counted as the ledger counts
+  them: one per elementwise op per element);
+- `collective_times` / `fit`: each collective's time vs bytes over one axis of all
+  devices, fitted to `latency * hops + ring_fraction * bytes / bandwidth`.
+
+`in_run_profile` measures all of these for one ledger just before the step is timed,
+so predictions and measurement see the same machine load (`bench/roofline.py`);
+`bench/calibrate.py` writes the generic ones to the calibration file.
+"""
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import collectives
+from engine.cost.hardware import Hardware
+from engine.cost.price import RING
+
+
+def timed(f, *args, reps: int = 5) -> float:
+    """Median seconds of `f(*args)` after one warm-up call."""
+    jax.block_until_ready(f(*args))
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(*args))
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def _flat_mesh(devices) -> Mesh:
+    return Mesh(np.array(devices), ("d",))
+
+
+def _per_device(mesh: Mesh, fn, shapes_dtypes, reps: int = 5) -> float:
+    """Wall seconds of `fn` run on every device at once, each on its own operands of
+    `shapes_dtypes` [(shape, dtype)]."""
+    n = mesh.size
+    sharding = NamedSharding(mesh, P("d"))
+    args = [jax.device_put(jnp.full((n, *shape), 0.5, dtype), sharding)
+            for shape, dtype in shapes_dtypes]
+    f = jax.jit(jax.shard_map(lambda *xs: fn(*(x[0] for x in xs))[None], mesh=mesh,
+                              in_specs=P("d"), out_specs=P("d")))
+    return timed(f, *args, reps=reps)
+
+
+def call_overhead(mesh: Mesh) -> float:
+    """Seconds of dispatching a trivial all-device program: subtracted from each timing,
+    since ops inside the compiled step do not pay it."""
+    return _per_device(mesh, lambda x: x + 1, [((8,), jnp.float32)], reps=9)
+
+
+def dot_seconds(rows, mesh: Mesh, overhead: float = 0.0) -> dict:
+    """{Row.dot: seconds of one execution on every device at once} for every distinct dot."""
+    out = {}
+    for key in {r.dot for r in rows if r.dot is not None}:
+        lhs, rhs, lt, rt, dims, result = key
+        fn = lambda a, b, dims=dims, result=result: lax.dot_general(
+            a, b, dims, preferred_element_type=jnp.dtype(result))
+        out[key] = max(_per_device(mesh, fn, [(lhs, jnp.dtype(lt)), (rhs, jnp.dtype(rt))])
+                       - overhead, 1e-7)
+    return out
+
+
+def typical_elems(rows) -> int:
+    """f32 elements of the step's typical memory row: the byte-weighted median of one
+    execution's bytes / 3 (a fused elementwise op reads about two arrays, writes one)."""
+    sizes = sorted((r.bytes, r.total_bytes) for r in rows if r.kind == "memory" and r.bytes)
+    half, acc = sum(t for _, t in sizes) / 2, 0.0
+    for one, total in sizes:
+        acc += total
+        if acc >= half:
+            return max(int(one / 12), 1024)
+    return 1 << 20
+
+
+def bandwidth(mesh: Mesh, elems: int, overhead: float = 0.0) -> float:
+    """Bytes/s one device moves while every device streams `1.5 * x + y` at once."""
+    t = _per_device(mesh, lambda x, y: 1.5 * x + y, [((elems,), jnp.float32)] * 2)
+    return 12 * elems / max(t - overhead, 1e-7)
+
+
+def vector_rate(mesh: Mesh, elems: int, depth: int = 8, overhead: float = 0.0) -> float:
+    """Elementwise FLOP/s one device gets (4 ledger FLOPs per element per link of an
+    `exp(-x * x) + 0.5` chain) while every device runs it."""
+    def chain(x):
+        for _ in range(depth):
+            x = jnp.exp(-x * x) + 0.5
+        return x
+    t = _per_device(mesh, chain, [((elems,), jnp.float32)])
+    return 4 * depth * elems / max(t - overhead, 1e-7)
+
+
+COLLECTIVE_OPS = {
+    "all-gather": lambda x: collectives.gather(x, "d", dim=0),
+    "reduce-scatter": lambda x: collectives.reduce_scatter(x, "d", dim=0),
+    "all-reduce": lambda x: collectives.all_reduce(x, "d"),
+    "collective-permute": lambda x: collectives.ring_shift(x, "d"),
+}
+
+
+def collective_times(mesh: Mesh, sizes_bytes, reps: int = 5, overhead: float = 0.0) -> dict:
+    """{kind: [(bytes as the ledger counts them, seconds)]} over one axis of all devices.
+    Ledger bytes: the gathered output for all-gather, the pre-reduce input otherwise."""
+    n = mesh.size
+    out = {}
+    for kind, op in COLLECTIVE_OPS.items():
+        f = jax.jit(jax.shard_map(op, mesh=mesh, in_specs=P("d"), out_specs=P("d")))
+        out[kind] = []
+        for nbytes in sizes_bytes:
+            per_device = nbytes // n if kind == "all-gather" else nbytes
+            x = jax.device_put(np.ones(n * per_device // 4, np.float32),
+                               NamedSharding(mesh, P("d")))
+            out[kind].append((nbytes, max(timed(f, x, reps=reps) - overhead, 1e-7)))
+    return out
+
+
+def fit(kind: str, points, n: int) -> tuple[float, float]:
+    """Least-squares (latency per hop, bandwidth) of t = hops*lat + frac*bytes/bw."""
+    bw_mult, hop_mult = RING[kind]
+    frac = 1.0 if bw_mult is None else bw_mult * (n - 1) / n
+    hops = 1 if hop_mult is None else hop_mult * (n - 1)
+    x = np.array([frac * b for b, _ in points])
+    t = np.array([s for _, s in points])
+    slope, intercept = np.polyfit(x, t, 1)
+    return max(float(intercept) / hops, 0.0), 1.0 / max(float(slope), 1e-15)
+
+
+def in_run_profile(hw: Hardware, rows, devices, collective_sizes=None) -> Hardware:
+    """`hw` with every rate the ledger's rows need measured now on `devices`, all at
+    once: per-dot seconds, bandwidth and vector rate at the step's activation size, and
+    (with more than one device) the collective fits. Compute is then not multiplied by
+    the device count (the measurements already share the host)."""
+    mesh = _flat_mesh(devices)
+    overhead = call_overhead(mesh)
+    elems = typical_elems(rows)
+    fit_ = dict(hw.collective_fit)
+    if mesh.size > 1:
+        big = max((r.bytes for r in rows if r.kind == "collective"), default=1 << 20)
+        sizes = collective_sizes or sorted({1 << 14, 1 << 17, 1 << 20,
+                                            max(1 << 14, int(big) // 64 * 64)})
+        sizes = [s - s % (4 * mesh.size) for s in sizes]
+        fit_ = {k: fit(k, pts, mesh.size)
+                for k, pts in collective_times(mesh, sizes, overhead=overhead).items()}
+    return dataclasses.replace(
+        hw, dot_seconds=dot_seconds(rows, mesh, overhead),
+        hbm=bandwidth(mesh, elems, overhead), vector_flops=vector_rate(mesh, elems, overhead=overhead),
+        mem_eff=1.0, shared_host=False, collective_fit=fit_,
+        source=f"measured in this run on {mesh.size} devices at once")
