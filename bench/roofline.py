@@ -81,11 +81,12 @@ def scope_table(pred, measured):
 
 
 def collective_table(pred, measured, mesh_axes):
-    """Rows per (HLO kind, axes): bytes/step, count, predicted, measured transfer, wait."""
+    """Rows per (HLO kind, axes): bytes/step, count, predicted, predicted exposed,
+    measured transfer, wait, error."""
     from engine.cost.audit import _canonical_axes
     from engine.cost.ledger import COLLECTIVES
 
-    agg = collections.defaultdict(lambda: [0.0, 0, 0.0])
+    agg = collections.defaultdict(lambda: [0.0, 0, 0.0, 0.0])
     for p in pred.rows:
         kind = COLLECTIVES.get(p.row.primitive)
         if p.row.kind != "collective" or kind is None or p.row.bytes == 0:
@@ -94,6 +95,7 @@ def collective_table(pred, measured, mesh_axes):
         a[0] += p.row.total_bytes
         a[1] += p.row.count
         a[2] += p.seconds
+        a[3] += p.exposed
     meas, wait = collections.Counter(), collections.Counter()
     for (kind, _, _, key), s in (measured or {}).items():
         if kind == "collective":
@@ -101,9 +103,9 @@ def collective_table(pred, measured, mesh_axes):
         elif kind == "collective wait":
             wait[key] += s
     out = []
-    for key, (nbytes, count, t) in sorted(agg.items(), key=lambda kv: -kv[1][2]):
+    for key, (nbytes, count, t, exposed) in sorted(agg.items(), key=lambda kv: -kv[1][2]):
         m = meas.get(key) if measured else None
-        out.append([key[0], ",".join(key[1]), nbytes, count, t, m,
+        out.append([key[0], ",".join(key[1]), nbytes, count, t, exposed, m,
                     wait.get(key) if measured else None, _err(t, m)])
     return out
 
@@ -184,7 +186,7 @@ def main(argv=None) -> int:
             from engine.cost.microbench import in_run_profile
 
             hw = in_run_profile(hw, rows, trainer.mesh.devices.flatten().tolist())
-    pred = predict(rows, hw, layout.mesh_axes())
+    pred = predict(rows, hw, layout.mesh_axes(), prefetch=cfg.prefetch)
     if not mine.predict_only:
         step_s, measured, text = measure(cfg, tcfg, layout, trainer, tcfg.steps, mine.trace_steps)
         a = audit(rows, text, layout.mesh_axes(), "cpu")
@@ -199,8 +201,12 @@ def main(argv=None) -> int:
     print(tabulate([[r[0], *map(_fmt, r[1:4]), r[4], *map(_fmt, r[5:7]), _fmt(r[7], "%")]
                     for r in srows], heads))
     crows = collective_table(pred, measured, layout.mesh_axes())
-    print(tabulate([[r[0], r[1], *map(_fmt, r[2:7]), _fmt(r[7], "%")] for r in crows],
-                   ["collective", "axes", "bytes/step", "count", "pred s", "meas s", "wait s", "err"]))
+    print(tabulate([[r[0], r[1], *map(_fmt, r[2:8]), _fmt(r[8], "%")] for r in crows],
+                   ["collective", "axes", "bytes/step", "count", "pred s", "pred exposed s",
+                    "meas s", "wait s", "err"]))
+    if not hw.overlap:
+        print("  (no overlap on this hardware: every collective is exposed; on forced CPU "
+              "devices collectives run synchronously, so measured time is all exposed)")
     mflops = model_flops(cfg, tcfg)
     mfu = predicted_mfu(pred, cfg, tcfg, hw, layout.size)
     meas_mfu = mfu * pred.step_s / step_s if step_s else None
@@ -220,8 +226,9 @@ def main(argv=None) -> int:
             "scopes": [dict(zip(["scope", "flops", "bytes", "intensity", "bound",
                                  "predicted_s", "measured_s", "error"], r)) for r in srows],
             "collectives": [dict(primitive=r[0], axes=r[1].split(",") if r[1] else [],
-                                 bytes=r[2], count=r[3], predicted_s=r[4], measured_s=r[5],
-                                 wait_s=r[6]) for r in crows],
+                                 bytes=r[2], count=r[3], predicted_s=r[4],
+                                 predicted_exposed_s=r[5], predicted_hidden_s=r[4] - r[5],
+                                 measured_s=r[6], wait_s=r[7]) for r in crows],
         }, indent=1))
     if mine.plot:
         plot_roofline(srows, hw, layout.size, mine.plot)

@@ -12,10 +12,21 @@ ring formulas over the slowest link tier their axes use, n = group size:
 
 On the calibrated CPU the (latency, bandwidth) of each kind is the fitted one.
 
-Overlap model: collectives are on the critical path except FSDP weight gathers and grad
-reduce-scatters (scope `gather_params`), which depend on no activation and hide under
-the scanned blocks' compute when `hw.overlap` (XLA async collectives); only what exceeds
-that compute is exposed. Predicted step = compute + exposed communication.
+Overlap model (only when `hw.overlap`: XLA's async collectives and latency-hiding
+scheduler on accelerators; on CPU every collective is synchronous and exposed). A
+collective can hide under the scanned blocks' compute when nothing that compute needs
+waits for it:
+- FSDP grad reduce-scatters (scope `gather_params`, backward): layer i's grads reduce
+  while layer i-1's backward computes;
+- FSDP weight all-gathers (scope `gather_params`, forward and remat recompute) only
+  with prefetch, which issues layer i+1's gather before layer i's compute; without it
+  the gather feeds the very next matmul and is exposed;
+- collective-permutes of the ring collective matmuls (`--tp-comm ring`): each step's
+  ppermute runs under the partial matmul of the chunk already held.
+Everything else (tp all-reduces, sequence-parallel gathers / reduce-scatters, grad
+all-reduces over dp, the loss's reductions) sits between dependent computations and is
+exposed. Hideable time beyond the blocks' compute is exposed too (scaled evenly).
+Predicted step = compute + exposed communication.
 """
 from __future__ import annotations
 
@@ -31,11 +42,13 @@ BLOCK_SCOPES = ("gather_params", "attention", "mlp")
 
 @dataclasses.dataclass(frozen=True)
 class Priced:
-    """A row with its predicted seconds per step (all `count` executions) and its bound."""
+    """A row with its predicted seconds per step (all `count` executions), its bound,
+    and for collectives the part left on the critical path by the overlap model."""
 
     row: Row
     seconds: float
     bound: str
+    exposed: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,7 +112,14 @@ def compute_seconds(row: Row, hw: Hardware, n_devices: int) -> tuple[float, str]
     return scale * max(t_flops, t_bytes), "compute" if t_flops >= t_bytes else "memory"
 
 
-def predict(rows: list[Row], hw: Hardware, mesh_axes) -> Prediction:
+def hideable(row: Row, prefetch: bool = False) -> bool:
+    """Whether the overlap model lets this collective run under block compute."""
+    if row.scope == "gather_params":
+        return row.phase == "bwd" or prefetch
+    return COLLECTIVES.get(row.primitive) == "collective-permute" and row.scope in BLOCK_SCOPES
+
+
+def predict(rows: list[Row], hw: Hardware, mesh_axes, prefetch: bool = False) -> Prediction:
     """Price every row and combine them with the overlap model (module doc)."""
     n_devices = 1
     for _, s in mesh_axes:
@@ -109,8 +129,7 @@ def predict(rows: list[Row], hw: Hardware, mesh_axes) -> Prediction:
         if r.kind == "collective":
             t, bound = collective_seconds(r, hw, mesh_axes) * r.count, "comm"
             comm += t
-            if r.scope == "gather_params":
-                hidable += t
+            hidable += t if hw.overlap and hideable(r, prefetch) else 0.0
         else:
             t, bound = compute_seconds(r, hw, n_devices)
             t *= r.count
@@ -118,7 +137,11 @@ def predict(rows: list[Row], hw: Hardware, mesh_axes) -> Prediction:
             if r.scope in BLOCK_SCOPES:
                 block_compute += t
         priced.append(Priced(r, t, bound))
-    exposed = comm - hidable + max(0.0, hidable - block_compute) if hw.overlap else comm
+    hidden_frac = min(1.0, block_compute / hidable) if hidable else 0.0
+    priced = [dataclasses.replace(p, exposed=p.seconds * (
+        1 - hidden_frac if hw.overlap and hideable(p.row, prefetch) else 1))
+        if p.bound == "comm" else p for p in priced]
+    exposed = sum(p.exposed for p in priced)
     return Prediction(tuple(priced), compute, comm, exposed, compute + exposed, hw.name)
 
 
