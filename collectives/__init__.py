@@ -16,16 +16,28 @@ from collectives.basic import (
     ring_shift,
     varying_axes,
 )
+from collectives.ring import (
+    COMMS,
+    apply_reduce_scatter,
+    column_parallel,
+    gather_apply,
+    row_parallel,
+)
 
 __all__ = [
+    "COMMS",
     "all_reduce",
     "all_reduce_max",
     "all_to_all",
+    "apply_reduce_scatter",
     "axis_index",
     "axis_size",
     "broadcast",
+    "column_parallel",
     "gather",
+    "gather_apply",
     "reduce_scatter",
     "ring_shift",
+    "row_parallel",
     "varying_axes",
 ]

@@ -76,32 +76,44 @@ def kv_weights_for_rank(w_DGK: jax.Array, cfg: ModelConfig, axes: Axes) -> jax.A
 
 
 def qkv_projections(x_BLD: jax.Array, p: dict, cfg: ModelConfig, axes: Axes):
-    """Column-parallel Q, K, V before RoPE. x: [B, L, D] replicated over tp ->
-    q [B, L, H_tp, K], k and v [B, L, G_tp, K] (f32 results of compute-dtype matmuls).
+    """Column-parallel Q, K, V before RoPE, over the whole sequence.
 
+    x: [B, L, D] replicated over tp (tp_comm allreduce) or [B, L_tp, D] (sequence, ring)
+    -> q [B, L, H_tp, K], k and v [B, L, G_tp, K] (f32 results of compute-dtype matmuls).
     p (gathered over fsdp): wq [D, H_tp, K], wk/wv [D, G_tp, K]."""
     dt = cfg.compute_dtype
-    x_BLD = collectives.broadcast(x_BLD, axes.tp)  # bwd: all-reduce dx over tp
-    q_BLHK = einsum("BLD,DHK->BLHK", x_BLD, p["wq"], dtype=dt)
-    k_BLGK = einsum("BLD,DGK->BLGK", x_BLD, kv_weights_for_rank(p["wk"], cfg, axes), dtype=dt)
-    v_BLGK = einsum("BLD,DGK->BLGK", x_BLD, kv_weights_for_rank(p["wv"], cfg, axes), dtype=dt)
-    return q_BLHK, k_BLGK, v_BLGK
+    wq_DHK = p["wq"]
+    wk_DGK, wv_DGK = (kv_weights_for_rank(p[w], cfg, axes) for w in ("wk", "wv"))
+
+    def qkv(x_BLD):  # the whole sequence, or (ring) one chunk of it at a time
+        return (einsum("BLD,DHK->BLHK", x_BLD, wq_DHK, dtype=dt),
+                einsum("BLD,DGK->BLGK", x_BLD, wk_DGK, dtype=dt),
+                einsum("BLD,DGK->BLGK", x_BLD, wv_DGK, dtype=dt))
+
+    # allreduce: broadcast (bwd all-reduce dx); sequence: all-gather along L (bwd
+    # reduce-scatter dx); ring: the gather as ppermutes interleaved with the matmuls
+    return collectives.column_parallel(x_BLD, qkv, axes.tp, dim=1, comm=cfg.tp_comm)
 
 
 def out_projection(o_BLHK: jax.Array, p: dict, cfg: ModelConfig, axes: Axes) -> jax.Array:
-    """Row-parallel output. o: [B, L, H_tp, K], wo [H_tp, K, D] -> [B, L, D] replicated."""
-    y_BLD = einsum("BLHK,HKD->BLD", o_BLHK, p["wo"], dtype=cfg.compute_dtype)  # {U_tp}
-    return collectives.all_reduce(y_BLD, axes.tp)
+    """Row-parallel output. o: [B, L, H_tp, K], wo [H_tp, K, D] -> [B, L, D] replicated
+    over tp (tp_comm allreduce) or [B, L_tp, D] (sequence, ring)."""
+    out = lambda o_BLHK: einsum("BLHK,HKD->BLD", o_BLHK, p["wo"], dtype=cfg.compute_dtype)
+    # partial sums {U_tp}: all-reduce (allreduce), reduce-scatter along L (sequence),
+    # or reduce-scatter as ppermutes interleaved with the matmuls (ring)
+    return collectives.row_parallel(o_BLHK, out, axes.tp, dim=1, comm=cfg.tp_comm)
 
 
 def attention(x_BLD: jax.Array, p: dict, cfg: ModelConfig, axes: Axes) -> jax.Array:
-    """x: [B, L, D] replicated over tp -> [B, L, D] replicated over tp.
+    """x: [B, L, D] replicated over tp -> [B, L, D] replicated over tp (tp_comm
+    allreduce); x: [B, L_tp, D] -> [B, L_tp, D] (sequence, ring: the projections see the
+    whole sequence, so RoPE and the causal mask use global positions).
 
     p (gathered over fsdp): wq [D, H_tp, K], wk/wv [D, G_tp, K], wo [H_tp, K, D].
     """
     dt = cfg.compute_dtype
     q_BLHK, k_BLGK, v_BLGK = qkv_projections(x_BLD, p, cfg, axes)
     q_BLHK, k_BLGK = rope(q_BLHK, theta=cfg.rope_theta), rope(k_BLGK, theta=cfg.rope_theta)
-    attend = attention_kernel(cfg.attention, x_BLD.shape[1])
+    attend = attention_kernel(cfg.attention, q_BLHK.shape[1])
     o_BLHK = attend(q_BLHK.astype(dt), k_BLGK.astype(dt), v_BLGK.astype(dt), causal=True)
     return out_projection(o_BLHK, p, cfg, axes)

@@ -11,6 +11,7 @@ right-padded prompt's padding (overwritten before any query can see them), are m
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Mapping, NamedTuple
 
@@ -98,7 +99,10 @@ def forward(params: dict, cache: KVCache, tokens_BL, start_B, last_B,
     the cache with the new tokens written).
 
     params: local shards as stored (engine/params.py); tokens: [B, L]; start_B: the
-    cache slot of each row's first new token; last_B: index in [0, L)."""
+    cache slot of each row's first new token; last_B: index in [0, L). Decoding always
+    keeps activations replicated over tp (tp_comm allreduce): a step has one token per row.
+    """
+    cfg = dataclasses.replace(cfg, tp_comm="allreduce")
     with jax.named_scope("embed"):
         embed_VD = collectives.gather(params["embed"], axes.fsdp, dim=fsdp_dims["embed"])
         x_BLD = vocab.embed(tokens_BL, embed_VD, axes)

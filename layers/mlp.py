@@ -8,14 +8,18 @@ from layers.config import ModelConfig
 
 
 def mlp(x_BLD: jax.Array, p: dict, cfg: ModelConfig, axes: Axes) -> jax.Array:
-    """x: [B, L, D] replicated over tp -> [B, L, D] replicated over tp.
+    """x: [B, L, D] replicated over tp -> [B, L, D] replicated over tp (tp_comm
+    allreduce); x: [B, L_tp, D] -> [B, L_tp, D] (sequence, ring).
 
     p (gathered over fsdp): wg, wu [D, F_tp], wd [F_tp, D].
     """
     dt = cfg.compute_dtype
-    x_BLD = collectives.broadcast(x_BLD, axes.tp)  # bwd: all-reduce dx over tp
-    g_BLF = einsum("BLD,DF->BLF", x_BLD, p["wg"], dtype=dt)
-    u_BLF = einsum("BLD,DF->BLF", x_BLD, p["wu"], dtype=dt)
+    gate_up = lambda x_BLD: (einsum("BLD,DF->BLF", x_BLD, p["wg"], dtype=dt),
+                             einsum("BLD,DF->BLF", x_BLD, p["wu"], dtype=dt))
+    down = lambda h_BLF: einsum("BLF,FD->BLD", h_BLF, p["wd"], dtype=dt)  # [B, L, D]{U_tp}
+    # allreduce: broadcast (bwd all-reduce dx); sequence: all-gather along L (bwd
+    # reduce-scatter dx); ring: the gather as ppermutes interleaved with the matmuls
+    g_BLF, u_BLF = collectives.column_parallel(x_BLD, gate_up, axes.tp, dim=1, comm=cfg.tp_comm)
     h_BLF = jax.nn.silu(g_BLF) * u_BLF
-    y_BLD = einsum("BLF,FD->BLD", h_BLF, p["wd"], dtype=dt)  # [B, L, D]{U_tp}
-    return collectives.all_reduce(y_BLD, axes.tp)
+    # all-reduce (allreduce), reduce-scatter along L (sequence), or its ring (ring)
+    return collectives.row_parallel(h_BLF, down, axes.tp, dim=1, comm=cfg.tp_comm)

@@ -16,23 +16,34 @@ def _local_ids(ids_BL: jax.Array, v_local: int, axes: Axes):
     return jnp.where(mine_BL, local_BL, 0), mine_BL
 
 
-def embed(tokens_BL: jax.Array, embed_VD: jax.Array, axes: Axes) -> jax.Array:
-    """tokens [B, L] -> x [B, L, D] (f32), replicated over tp.
+def embed(tokens_BL: jax.Array, embed_VD: jax.Array, axes: Axes,
+          comm: str = "allreduce") -> jax.Array:
+    """tokens [B, L] -> x (f32) [B, L, D] replicated over tp (comm allreduce) or
+    [B, L_tp, D] (sequence, ring).
 
-    embed_VD: [V_tp, D]. Each rank looks up the ids it owns, zeros elsewhere, all-reduce."""
-    local_BL, mine_BL = _local_ids(tokens_BL, embed_VD.shape[0], axes)
-    x_BLD = jnp.take(embed_VD, local_BL, axis=0) * mine_BL[..., None]  # [B, L, D]{U_tp}
-    return collectives.all_reduce(x_BLD.astype(jnp.float32), axes.tp)
+    embed_VD: [V_tp, D]. Each rank looks up the ids it owns, zeros elsewhere; the partial
+    sums are all-reduced, or reduce-scattered along L (as a ring for comm ring)."""
+
+    def lookup(tokens_BL):  # the whole sequence, or (ring) one chunk of it at a time
+        local_BL, mine_BL = _local_ids(tokens_BL, embed_VD.shape[0], axes)
+        x_BLD = jnp.take(embed_VD, local_BL, axis=0) * mine_BL[..., None]  # [B, L, D]{U_tp}
+        return x_BLD.astype(jnp.float32)
+
+    return collectives.row_parallel(tokens_BL, lookup, axes.tp, dim=1, comm=comm)
 
 
-def cross_entropy(h_BLD, unembed_DV, targets_BL, axes: Axes, dtype) -> jax.Array:
+def cross_entropy(h_BLD, unembed_DV, targets_BL, axes: Axes, dtype,
+                  comm: str = "allreduce") -> jax.Array:
     """Per-token loss [B, L] (f32) of logits h @ unembed against targets.
 
-    h: [B, L, D] replicated over tp; unembed_DV: [D, V_tp]. Logits stay [B, L, V_tp]:
-    the max and the sum of exponentials are reduced over tp, and so is the target logit
-    (found on the one rank that owns it)."""
-    h_BLD = collectives.broadcast(h_BLD, axes.tp)  # bwd: all-reduce dh over tp
-    logits_BLV = einsum("BLD,DV->BLV", h_BLD, unembed_DV, dtype=dtype)
+    h: [B, L, D] replicated over tp (comm allreduce) or [B, L_tp, D] (sequence, ring:
+    gathered along L, as a ring for ring); unembed_DV: [D, V_tp]. Logits stay
+    [B, L, V_tp]: the max and the sum of exponentials are reduced over tp, and so is the
+    target logit (found on the one rank that owns it)."""
+    logits = lambda h_BLD: einsum("BLD,DV->BLV", h_BLD, unembed_DV, dtype=dtype)
+    # allreduce: broadcast (bwd all-reduce dh); sequence: all-gather along L (bwd
+    # reduce-scatter dh); ring: the gather as ppermutes interleaved with the matmuls
+    logits_BLV = collectives.column_parallel(h_BLD, logits, axes.tp, dim=1, comm=comm)
     m_BL = collectives.all_reduce_max(lax.stop_gradient(jnp.max(logits_BLV, axis=-1)), axes.tp)
     sumexp_BL = collectives.all_reduce(
         jnp.sum(jnp.exp(logits_BLV - m_BL[..., None]), axis=-1), axes.tp)

@@ -4,6 +4,7 @@ Every device's local block is one row of a stacked array X[dev, ...] (dev row-ma
 the mesh); the reference computes each device's result by looping over devices, with no
 collectives, so its gradient is an independent check of the collective's transpose."""
 import itertools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -145,3 +146,96 @@ def test_absent_axis_moves_nothing():
               lambda v: collectives.ring_shift(v, None), lambda v: collectives.all_reduce_max(v, None)):
         np.testing.assert_array_equal(f(x), x)
     assert collectives.axis_size(None) == 1 and int(collectives.axis_index(None)) == 0
+
+
+# -- collective matmuls (collectives/ring.py) ---------------------------------------------
+# Each ring helper against the plain collective it decomposes (checked above against the
+# per-device loop), values and grads, with a per-device weight as a tp-sharded one would be.
+RING_CASES = [((8,), "a", 1), ((4, 2), "a", 0), ((4, 2), "b", 1)]
+
+
+def ring_inputs(seed, x_shape, w_shape):
+    rng = np.random.default_rng(seed)
+    return tuple(jnp.asarray(rng.normal(size=(8, *s)), jnp.float32) for s in (x_shape, w_shape))
+
+
+def run_pair(mesh, f, X, W):
+    """f(x, w) per device on rows X[dev], W[dev]; outputs (a tree) stacked the same way."""
+    spec = P(mesh.axis_names)
+    g = lambda x, w: jax.tree.map(lambda y: y[None], f(x[0], w[0]))
+    return jax.shard_map(g, mesh=mesh, in_specs=(spec, spec), out_specs=spec)(X, W)
+
+
+def assert_same_values_and_grads(mesh, got_f, want_f, X, W, what):
+    got = jax.jit(lambda x, w: run_pair(mesh, got_f, x, w))(X, W)
+    want = jax.jit(lambda x, w: run_pair(mesh, want_f, x, w))(X, W)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5, err_msg=what)
+    rng = np.random.default_rng(7)
+    R = jax.tree.map(lambda y: jnp.asarray(rng.normal(size=y.shape), jnp.float32), want)
+
+    def dot(f):  # <f(x, w), R>: its grad is the transpose of f applied to R
+        return lambda x, w: sum(jnp.sum(y * r) for y, r in
+                                zip(jax.tree.leaves(run_pair(mesh, f, x, w)), jax.tree.leaves(R)))
+
+    g_got = jax.jit(jax.grad(dot(got_f), argnums=(0, 1)))(X, W)
+    g_want = jax.jit(jax.grad(dot(want_f), argnums=(0, 1)))(X, W)
+    for g, w, name in zip(g_got, g_want, ("dx", "dw")):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5, err_msg=f"{what} {name}")
+
+
+@pytest.mark.parametrize("shape,axis,dim", RING_CASES)
+def test_gather_apply_is_f_of_gather(shape, axis, dim):
+    """A tuple-valued f (as Q, K, V share one ring), chunk-wise along `dim`."""
+    mesh = make_mesh(shape)
+    X, W = ring_inputs(2, (2, 4, 3) if dim == 1 else (4, 2, 3), (3, 5))
+    f = lambda x, w: (jnp.einsum("BLD,DF->BLF", x, w), jnp.tanh(x))
+    assert_same_values_and_grads(
+        mesh, lambda x, w: collectives.gather_apply(x, lambda c: f(c, w), axis, dim),
+        lambda x, w: f(collectives.gather(x, axis, dim), w), X, W, f"gather_apply over {axis}")
+
+
+@pytest.mark.parametrize("shape,axis,dim", RING_CASES)
+def test_apply_reduce_scatter_is_reduce_scatter_of_f(shape, axis, dim):
+    mesh = make_mesh(shape)
+    n = shape[MESHES[shape].index(axis)]
+    X, W = ring_inputs(3, (2, 4 * n, 5) if dim == 1 else (4 * n, 2, 5), (5, 3))
+    f = lambda h, w: jnp.einsum("BLF,FD->BLD", h, w)
+    assert_same_values_and_grads(
+        mesh, lambda h, w: collectives.apply_reduce_scatter(h, lambda c: f(c, w), axis, dim),
+        lambda h, w: collectives.reduce_scatter(f(h, w), axis, dim), X, W,
+        f"apply_reduce_scatter over {axis}")
+
+
+COLLECTIVE_OP = r"(all-gather|reduce-scatter|all-reduce|collective-permute|all-to-all)(?:-start)?\("
+
+
+def test_ring_matmuls_compile_to_collective_permutes_only():
+    """Forward and backward of both rings: ppermutes, no all-gather or reduce-scatter."""
+    mesh = make_mesh((8,))
+    X, W = ring_inputs(4, (2, 4, 3), (3, 5))
+    rings = {
+        "gather_apply": lambda x, w: collectives.gather_apply(
+            x, lambda c: jnp.einsum("BLD,DF->BLF", c, w), "a", 1),
+        "apply_reduce_scatter": lambda x, w: collectives.apply_reduce_scatter(
+            jnp.tile(x, (1, 8, 1)), lambda c: jnp.einsum("BLD,DF->BLF", c, w), "a", 1),
+    }
+    for name, f in rings.items():
+        loss = lambda x, w: jnp.sum(jnp.sin(run_pair(mesh, f, x, w)))
+        hlo = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(X, W).compile().as_text()
+        ops = re.findall(COLLECTIVE_OP, hlo)
+        assert ops.count("collective-permute") >= 2 * 7, f"{name}: {ops}"
+        assert not {"all-gather", "reduce-scatter"} & set(ops), f"{name}: {ops}"
+
+
+def test_ring_helpers_without_an_axis_are_plain_f():
+    x = jnp.arange(24.0).reshape(2, 4, 3)
+    f = lambda c: (c * 2.0, jnp.sum(c, axis=-1, keepdims=True))
+    for ring in (collectives.gather_apply, collectives.apply_reduce_scatter):
+        for got, want in zip(ring(x, f, None, 1), f(x)):
+            np.testing.assert_array_equal(got, want)
+    for comm in collectives.COMMS:
+        np.testing.assert_array_equal(collectives.column_parallel(x, jnp.sin, None, 1, comm),
+                                      jnp.sin(x))
+        np.testing.assert_array_equal(collectives.row_parallel(x, jnp.sin, None, 1, comm),
+                                      jnp.sin(x))

@@ -1,0 +1,67 @@
+"""`ModelConfig.tp_comm`: sequence parallel and its collective-matmul ring equal `single`.
+
+Each (tp_comm, layout) compiles one `loss_and_grads` and compares loss, every grad and the
+grad norm with the single-device step (tolerances as in test_step.py), then checks that
+the compiled step moves its activations the way the mode says. Params are drawn once
+with numpy and placed in each layout: compiling `Trainer.init` per layout would cost more
+than the step itself (its layout invariance is tested in test_step.py). Every program,
+the reference too, is compiled with XLA's backend (LLVM) optimization off: that halves
+the compile time, which is nearly all of this file's, and leaves the HLO's collectives
+as they are.
+"""
+import dataclasses
+import re
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+
+from engine.params import param_shapes
+from test_step import CFG, RTOL, TCFG, assert_tree_close, host, tokens, trainer
+
+LAYOUTS = ["fsdp4xtp2", "fsdp2xtp4", "tp8"]
+FAST_COMPILE = {"xla_backend_optimization_level": 0}
+COLLECTIVE_OP = r"(all-gather|reduce-scatter|all-reduce|collective-permute|all-to-all)(?:-start)?\("
+
+
+def loss_and_grads(layout, init, cfg=CFG):
+    """(loss, grads, grad norm, the compiled program's collective ops) from host params."""
+    t = trainer(layout, cfg)
+    params = jax.device_put(init, jax.tree.map(lambda s: NamedSharding(t.mesh, s), t.specs))
+    batch = t.put_batch(tokens())
+    compiled = t.loss_and_grads.lower(params, batch).compile(compiler_options=FAST_COMPILE)
+    loss, grads, gnorm = compiled(params, batch)
+    ops = set(re.findall(COLLECTIVE_OP, compiled.as_text()))
+    return float(loss), host(grads), float(gnorm), ops
+
+
+@pytest.fixture(scope="module")
+def init():
+    """Host params [global shapes]: matrices N(0, 0.1²), norm scales 1 + N(0, 0.1²)."""
+    rng = np.random.default_rng(TCFG.seed)
+    draw = lambda path, s: (("norm" in jax.tree_util.keystr(path))
+                            + 0.1 * rng.normal(size=s.shape)).astype(np.float32)
+    return jax.tree_util.tree_map_with_path(draw, param_shapes(CFG))
+
+
+@pytest.fixture(scope="module")
+def single(init):
+    return loss_and_grads("single", init)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("tp_comm", ["sequence", "ring"])
+def test_tp_comm_matches_single(tp_comm, layout, init, single):
+    loss, grads, gnorm, ops = loss_and_grads(layout, init,
+                                             dataclasses.replace(CFG, tp_comm=tp_comm))
+    want_loss, want_grads, want_gnorm, _ = single
+    assert abs(loss - want_loss) <= RTOL * abs(want_loss)
+    assert abs(gnorm - want_gnorm) <= RTOL * want_gnorm
+    assert_tree_close(grads, want_grads, what=f"{tp_comm} {layout} grads ")
+    if tp_comm == "ring":
+        # tp8 has no fsdp: every all-gather / reduce-scatter left would be a tp one
+        assert "collective-permute" in ops, ops
+        assert layout != "tp8" or not {"all-gather", "reduce-scatter"} & ops, ops
+    else:
+        assert "collective-permute" not in ops and {"all-gather", "reduce-scatter"} <= ops, ops
