@@ -22,6 +22,7 @@ _CALLEES = re.compile(r"(?:body|to_apply|calls|true_computation|false_computatio
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _GROUPS = re.compile(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}")
+_PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 
 
@@ -81,10 +82,29 @@ def _multiplicities(comps: dict[str, list[str]], entry: str) -> dict[str, int]:
     return mult
 
 
+def _pair_groups(pairs: str) -> frozenset:
+    """A collective-permute's devices grouped into the cycles its pairs form (a ring
+    shift along a mesh axis: that axis' replica groups)."""
+    parent: dict[int, int] = {}
+
+    def root(d):
+        while parent.setdefault(d, d) != d:
+            d = parent[d]
+        return d
+
+    for a, b in re.findall(r"\{(\d+),(\d+)\}", pairs):
+        parent[root(int(a))] = root(int(b))
+    comps: dict[int, set] = {}
+    for d in list(parent):
+        comps.setdefault(root(d), set()).add(d)
+    return frozenset(frozenset(c) for c in comps.values())
+
+
 def _groups(rest: str) -> frozenset:
     m = _GROUPS.search(rest)
     if not m or not m.group(1):
-        return frozenset()
+        pairs = _PAIRS.search(rest)
+        return _pair_groups(pairs.group(1)) if pairs else frozenset()
     return frozenset(frozenset(int(d) for d in g.split(",") if d)
                      for g in re.findall(r"\{([\d,]*)\}", m.group(1)))
 
