@@ -1,11 +1,16 @@
 """AdamW (optax) on local shards, with the sharding-aware pieces written out:
-param broadcast / grad all-reduce over the batch axes a param is replicated on, and a
-global grad norm that counts every param once."""
+param broadcast / grad all-reduce over the batch axes a param is replicated on, a
+global grad norm that counts every param once, and the ZeRO-1/2 pieces (slice a whole
+param to its fsdp shard, gather updated shards back, ZeRO-2's resident gather)."""
 from __future__ import annotations
+
+import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 import optax
+from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import collectives
@@ -80,3 +85,73 @@ def opt_state_specs(tx: optax.GradientTransformation, param_shapes, param_specs)
     return optax.tree_map_params(tx, lambda _, spec: spec, state_shapes, param_specs,
                                  transform_non_params=lambda _: P(),
                                  is_leaf=lambda x: isinstance(x, P))
+
+
+# -- ZeRO-1 / ZeRO-2: params stored whole on every fsdp device, optimizer state sharded ----
+def fsdp_dim(spec: P, axis: str | None) -> int | None:
+    """The dim `spec` shards over `axis` (None if it does not, or there is no axis)."""
+    if axis is None:
+        return None
+    return next((d for d, entry in enumerate(spec) if entry == axis), None)
+
+
+def fsdp_shards(tree, shard_specs, axis: str | None):
+    """This device's fsdp shard of every whole leaf: `[.., X, ..] -> [.., X_fsdp, ..]`,
+    the slice at its index along `axis` on the dim `shard_specs` shards (leaves they do
+    not shard over `axis` pass through). Moves nothing."""
+
+    def shard(x, spec):
+        dim = fsdp_dim(spec, axis)
+        if dim is None:
+            return x
+        size = x.shape[dim] // collectives.axis_size(axis)
+        return lax.dynamic_slice_in_dim(x, collectives.axis_index(axis) * size, size, axis=dim)
+
+    return jax.tree.map(shard, tree, shard_specs)
+
+
+def gather_shards(tree, shard_specs, axis: str | None):
+    """The inverse of `fsdp_shards`: all-gather every sharded leaf over `axis`, typed
+    replicated (the whole params every fsdp device stores under ZeRO-1/2)."""
+
+    def whole(x, spec):
+        dim = fsdp_dim(spec, axis)
+        return x if dim is None else collectives.gather(x, axis, dim, replicated=True)
+
+    return jax.tree.map(whole, tree, shard_specs)
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["shard", "whole"],
+                   meta_fields=["axis"])
+@dataclasses.dataclass(frozen=True)
+class Resident:
+    """A ZeRO-2 param: `shard`, this device's fsdp slice (what the step differentiates),
+    and `whole`, the stored param it was sliced from, already on every device. One
+    pytree, so per-layer slices of both travel through the scan over layers together;
+    `layers.block.gather_weights` calls `gather` where ZeRO-3 all-gathers a shard."""
+
+    shard: jax.Array
+    whole: jax.Array
+    axis: str
+
+    def gather(self, dim: int, dtype=None) -> jax.Array:
+        """`whole`, typed per-device like `collectives.gather(shard)`'s result, with no
+        bytes moved; the backward reduce-scatters the cotangent onto `shard` over `axis`
+        along `dim`, as the transpose of that gather would. Both cast to `dtype` first."""
+        shard, whole = ((self.shard, self.whole) if dtype is None
+                        else (self.shard.astype(dtype), self.whole.astype(dtype)))
+        return _resident_gather(self.axis, dim)(shard, whole)
+
+
+def _mark_like(shard, whole):
+    return collectives.broadcast(whole, tuple(collectives.varying_axes(shard)))
+
+
+@functools.cache
+def _resident_gather(axis: str, dim: int):
+    """custom_vjp (shard, whole) -> whole; cotangent -> reduce_scatter onto the shard
+    (`whole` is a constant of the step: its cotangent is zero)."""
+    gather = jax.custom_vjp(_mark_like)
+    gather.defvjp(lambda shard, whole: (_mark_like(shard, whole), None),
+                  lambda _, ct: (collectives.reduce_scatter(ct, axis, dim), None))
+    return gather

@@ -67,9 +67,24 @@ def param_shapes(cfg: ModelConfig) -> dict:
 
 
 def param_specs(cfg: ModelConfig, layout: Layout) -> dict:
-    """Storage PartitionSpec of every param under `layout`, nested like the params."""
+    """The table's PartitionSpec of every param under `layout` (sharded over fsdp where
+    the table says), nested like the params. This is how ZeRO-3 stores params and how
+    every ZeRO level shards the optimizer state (and ZeRO-2 its grads); `fsdp_dims`
+    names the same dims. `storage_specs` is how params are kept between steps."""
     return _nest({name: P(*(_resolve(r, cfg, layout) for r in roles))
                   for name, (_, roles, _) in PARAM_TABLE.items()})
+
+
+def storage_specs(cfg: ModelConfig, layout: Layout) -> dict:
+    """How params are stored between steps under `cfg.zero`: `param_specs` for ZeRO-3;
+    ZeRO-1 and ZeRO-2 keep every param whole on each fsdp device (the fsdp entry
+    dropped), so their forward gathers nothing."""
+    specs = param_specs(cfg, layout)
+    fsdp = layout.role_axes().fsdp
+    if cfg.zero == 3 or fsdp is None:
+        return specs
+    return jax.tree.map(lambda spec: P(*(None if e == fsdp else e for e in spec)), specs,
+                        is_leaf=lambda x: isinstance(x, P))
 
 
 def fsdp_dims() -> dict:
@@ -96,14 +111,14 @@ def _init_leaf(key, shape, kind: str, n_layers: int):
 
 
 def init_params(cfg: ModelConfig, layout: Layout, mesh, seed: int) -> dict:
-    """Params from `seed`, stored sharded as the table says.
+    """Params from `seed`, stored as `storage_specs` says.
 
     Layout-invariant: each param's key is folded from its name's place in the table, and
     jax's partitionable threefry makes every element a function of (key, global index)
     only, so with `out_shardings` each device generates just its own shard and the global
     values are bit-identical under every layout."""
     shapes = param_shapes(cfg)
-    specs = param_specs(cfg, layout)
+    specs = storage_specs(cfg, layout)
     names = list(PARAM_TABLE)
 
     def init():

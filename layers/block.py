@@ -15,7 +15,8 @@ from layers.norm import rms_norm
 
 # What each remat mode keeps for the backward pass; everything else is recomputed.
 # `full`: only the scan carry (the residual stream between blocks), so the backward
-# re-gathers each layer's weights over fsdp instead of holding them (ZeRO-3).
+# re-gathers each layer's weights over fsdp instead of holding them (ZeRO-3; with
+# prefetch the gathered weights are in the carry, so they are held, see `blocks`).
 # `dots`: also matmul outputs without batch dims (projections: QKV, out, MLP), so
 # only attention scores, norms and activations are recomputed.
 REMAT_POLICIES = {
@@ -28,33 +29,73 @@ def gather_weights(p: dict, fsdp_dims: Mapping[str, int | None], axes: Axes, dty
     """All-gather each weight over fsdp along the dim the param table shards.
 
     Matrices are cast to the compute dtype first, so the gather moves compute-dtype
-    bytes; weights not sharded over fsdp (norm scales) pass through in f32."""
-    return {
-        name: w if fsdp_dims[name] is None
-        else collectives.gather(w.astype(dtype), axes.fsdp, dim=fsdp_dims[name])
-        for name, w in p.items()
-    }
+    bytes; weights not sharded over fsdp (norm scales) pass through in f32. A weight that
+    is not an array already holds its whole (ZeRO-2's `engine.optim.Resident`: stored
+    replicated, differentiated as its fsdp shard): its `gather(dim, dtype)` returns the
+    whole without moving bytes, and its backward reduce-scatters the grad as a gather's."""
+
+    def one(w, dim):
+        if dim is None:
+            return w
+        if not isinstance(w, jax.Array):
+            return w.gather(dim, dtype)
+        return collectives.gather(w.astype(dtype), axes.fsdp, dim=dim)
+
+    return {name: one(w, fsdp_dims[name]) for name, w in p.items()}
 
 
 def block(x_BLD: jax.Array, p: dict, cfg: ModelConfig, axes: Axes) -> jax.Array:
-    """Pre-norm decoder block. x: [B, L, D] -> [B, L, D]; p gathered over fsdp."""
+    """Pre-norm decoder block; p gathered over fsdp. x: [B, L, D] -> [B, L, D] replicated
+    over tp (cfg.tp_comm allreduce) or [B, L_tp, D] -> [B, L_tp, D] (sequence, ring)."""
+    # sequence, ring: the norms run on x's sequence shard, so their scales' grads are
+    # partial sums over tp, all-reduced by the broadcast's bwd
+    seq_tp = None if cfg.tp_comm == "allreduce" else axes.tp
     with jax.named_scope("attention"):
-        x_BLD = x_BLD + attention(rms_norm(x_BLD, p["attn_norm"], cfg.norm_eps), p, cfg, axes)
+        scale_D = collectives.broadcast(p["attn_norm"], seq_tp)
+        x_BLD = x_BLD + attention(rms_norm(x_BLD, scale_D, cfg.norm_eps), p, cfg, axes)
     with jax.named_scope("mlp"):
-        x_BLD = x_BLD + mlp(rms_norm(x_BLD, p["mlp_norm"], cfg.norm_eps), p, cfg, axes)
+        scale_D = collectives.broadcast(p["mlp_norm"], seq_tp)
+        x_BLD = x_BLD + mlp(rms_norm(x_BLD, scale_D, cfg.norm_eps), p, cfg, axes)
     return x_BLD
 
 
 def blocks(x_BLD: jax.Array, stacked: dict, fsdp_dims: Mapping[str, int | None],
            cfg: ModelConfig, axes: Axes) -> jax.Array:
-    """`lax.scan` over N stacked blocks. stacked: {name: [N, ...local shard...]}."""
+    """`lax.scan` over N stacked blocks. stacked: {name: [N, ...local shard...]}.
 
-    def body(x_BLD, p_layer):
+    cfg.prefetch: layer i+1's gather is issued in the scan body before layer i's compute,
+    which does not wait for it, so the two can overlap. Layer 0 is gathered before the
+    scan, the carry holds the gathered weights of the layer the body computes, the scan
+    runs over layers 1..N-1 (gathering each for the next iteration) and the last layer
+    is computed after it: each weight is gathered exactly N times in the forward, as
+    without prefetch. Only the block is rematted, so its gathered weights (the carry)
+    are saved for the backward: N layers' whole weights in the compute dtype, and no
+    re-gather in the backward (without prefetch, remat re-gathers instead). The last
+    layer is not rematted: its backward follows its forward at once, and XLA would
+    merge the recompute into the forward (dropping the recompute's collectives)."""
+
+    def gather(p_layer):
         with jax.named_scope("gather_params"):
-            p = gather_weights(p_layer, fsdp_dims, axes, cfg.compute_dtype)
-        return block(x_BLD, p, cfg, axes), None
+            return gather_weights(p_layer, fsdp_dims, axes, cfg.compute_dtype)
 
-    if cfg.remat != "none":
-        body = jax.checkpoint(body, policy=REMAT_POLICIES[cfg.remat], prevent_cse=False)
-    x_BLD, _ = lax.scan(body, x_BLD, stacked)
-    return x_BLD
+    def remat(f):
+        if cfg.remat == "none":
+            return f
+        return jax.checkpoint(f, policy=REMAT_POLICIES[cfg.remat], prevent_cse=False)
+
+    if not cfg.prefetch:
+        body = remat(lambda x_BLD, p_layer: (block(x_BLD, gather(p_layer), cfg, axes), None))
+        x_BLD, _ = lax.scan(body, x_BLD, stacked)
+        return x_BLD
+
+    layer = remat(lambda x_BLD, p: block(x_BLD, p, cfg, axes))
+
+    def prefetch_body(carry, p_next):
+        x_BLD, p = carry
+        p_next = gather(p_next)  # layer i+1's weights, for the next iteration
+        return (layer(x_BLD, p), p_next), None
+
+    first = jax.tree.map(lambda w: w[0], stacked)
+    rest = jax.tree.map(lambda w: w[1:], stacked)
+    (x_BLD, p_last), _ = lax.scan(prefetch_body, (x_BLD, gather(first)), rest)
+    return block(x_BLD, p_last, cfg, axes)
