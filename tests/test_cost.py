@@ -3,6 +3,7 @@ audit, pricing formulas, and a 512-device prediction traced on one CPU."""
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import math
 
@@ -104,6 +105,29 @@ def test_audit_clean(layout):
     assert result.clean, (result.missing, result.extra)
     assert sum(result.matched.values()) > 0
     assert set(result.rules) <= {"all_reduce_combiner"}
+
+
+SWITCHES = [dict(tp_comm="sequence"), dict(tp_comm="ring"), dict(zero=2), dict(prefetch=True),
+            pytest.param(dict(zero=1), marks=pytest.mark.slow),
+            pytest.param(dict(tp_comm="ring", zero=2), marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("switches", SWITCHES, ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()))
+def test_audit_clean_under_each_switch(switches):
+    """Each --tp-comm / --zero / --prefetch setting on fsdp4xtp2: the compiled step still
+    holds exactly the collectives the ledger placed (the ring's collective-permutes, the
+    sequence-parallel gathers and reduce-scatters, ZeRO-1/2's param gathers after the
+    update, prefetch's N gathers per weight)."""
+    from engine.step import Trainer
+
+    cfg, lay = dataclasses.replace(_cfg(), **switches), Layout.parse("fsdp4xtp2")
+    rows = step_ledger(cfg, TCFG, lay)
+    text = compiled_text(Trainer(cfg, TCFG, lay, lay.mesh()),
+                         compiler_options={"xla_backend_optimization_level": 0})
+    result = audit(rows, text, lay.mesh_axes(), "cpu")
+    assert result.clean, (result.missing, result.extra)
+    kinds = {k[0] for k in result.matched}
+    assert ("collective-permute" in kinds) == (cfg.tp_comm == "ring")
 
 
 @pytest.mark.slow

@@ -114,8 +114,10 @@ def audit(rows: list[Row], hlo_text: str, mesh_axes, platform: str) -> Audit:
                  all_names, dict(rules))
 
 
-def compiled_text(trainer) -> str:
-    """HLO text of `trainer.train_step` compiled for its (concrete) mesh, from shapes only."""
+def compiled_text(trainer, compiler_options: dict | None = None) -> str:
+    """HLO text of `trainer.train_step` compiled for its (concrete) mesh, from shapes only.
+    (`compiler_options={"xla_backend_optimization_level": 0}` halves compile time and
+    leaves the HLO, which XLA optimizes before the LLVM backend, as it is.)"""
     import jax
     from jax.sharding import NamedSharding
 
@@ -128,4 +130,4 @@ def compiled_text(trainer) -> str:
     args = (jax.tree.map(place, params, trainer.specs),
             jax.tree.map(place, opt_state, trainer.opt_specs),
             place(tokens, trainer.batch_spec))
-    return trainer.train_step.lower(*args).compile().as_text()
+    return trainer.train_step.lower(*args).compile(compiler_options=compiler_options).as_text()
