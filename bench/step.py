@@ -21,8 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.layout import LayoutError  # noqa: E402
-from engine.train import UsageError, force_host_devices, parse  # noqa: E402
+from engine.train import force_host_devices, parse_or_exit  # noqa: E402
 from engine.train import build_parser as train_parser  # noqa: E402
 
 
@@ -60,11 +59,7 @@ def compile_seconds(cfg, tcfg, layout) -> float:
 
 
 def main(argv=None) -> int:
-    try:
-        cfg, tcfg, layout, mine = parse(sys.argv[1:] if argv is None else argv, build_parser())
-    except (UsageError, LayoutError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    cfg, tcfg, layout, mine = parse_or_exit(argv, build_parser())
     force_host_devices(layout.size)
     import dataclasses
 

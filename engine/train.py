@@ -133,6 +133,16 @@ def parse(argv, parser: argparse.ArgumentParser | None = None) -> tuple:
     return cfg, tcfg, layout, args
 
 
+def parse_or_exit(argv, parser: argparse.ArgumentParser) -> tuple:
+    """`parse` for tools sharing the training flags: bad input prints one line and
+    exits 2 (SystemExit), like the training CLI."""
+    try:
+        return parse(sys.argv[1:] if argv is None else argv, parser)
+    except (UsageError, LayoutError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
 # Far beyond anything this engine trains; past them a typo, not a plan.
 LIMITS = dict(steps=10**9, batch=2**20, seq=2**20, d_model=2**17, n_layers=2**12,
               n_heads=2**12, n_kv_heads=2**12, head_dim=2**12, mlp_dim=2**20, vocab=2**24)
