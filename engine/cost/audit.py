@@ -118,16 +118,6 @@ def compiled_text(trainer, compiler_options: dict | None = None) -> str:
     """HLO text of `trainer.train_step` compiled for its (concrete) mesh, from shapes only.
     (`compiler_options={"xla_backend_optimization_level": 0}` halves compile time and
     leaves the HLO, which XLA optimizes before the LLVM backend, as it is.)"""
-    import jax
-    from jax.sharding import NamedSharding
+    from engine.cost.memory import compile_step
 
-    from engine.cost.ledger import _shape_dtype_specs
-
-    def place(sds, spec):
-        return jax.ShapeDtypeStruct(sds.shape, sds.dtype, sharding=NamedSharding(trainer.mesh, spec))
-
-    params, opt_state, tokens = _shape_dtype_specs(trainer.cfg, trainer.tcfg, trainer)
-    args = (jax.tree.map(place, params, trainer.specs),
-            jax.tree.map(place, opt_state, trainer.opt_specs),
-            place(tokens, trainer.batch_spec))
-    return trainer.train_step.lower(*args).compile(compiler_options=compiler_options).as_text()
+    return compile_step(trainer, compiler_options).as_text()

@@ -1,0 +1,202 @@
+"""The issue-6 switches side by side: tokens/s, memory and predicted step time per config.
+
+    python bench/switches.py --layout fsdp4xtp2 --model medium --steps 3 --json out.json
+    python bench/switches.py --layout fsdp4xtp2 --model tiny --configs "tp_comm=ring,zero=2" zero=1
+
+Takes the training CLI's flags (`engine.train.build_parser`); they give the base config,
+and each `--configs` entry (comma-separated `field=value` over `ModelConfig`:
+`tp_comm=sequence`, `zero=2`, `prefetch` or `prefetch=1`, `remat=dots`, ...) overrides it.
+Default: allreduce+zero3, sequence+zero3, ring+zero3, allreduce+zero3+prefetch,
+allreduce+zero2, allreduce+zero1. For each config, one row:
+
+- tokens/s: median of `--steps` steps after a warm-up (bench/timing.py);
+- peak MiB per device, measured: the compiled step's `memory_analysis()`, arguments +
+  temp + unaliased outputs (engine/cost/memory.py defines it), and predicted by
+  `engine.cost.memory.predict`, with the error;
+- predicted step on `cpu`: the ledger priced with rates measured in this run just before
+  the step is timed (`engine.cost.microbench.in_run_profile`, as bench/roofline.py),
+  with its error against the measured median;
+- predicted step and exposed communication on `h100`, the same layout's devices
+  (`engine.cost.price.predict` with the overlap model; prefetch lets FSDP gathers hide).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine.layout import LayoutError  # noqa: E402
+from engine.train import UsageError, force_host_devices, parse_or_exit  # noqa: E402
+from engine.train import build_parser as train_parser  # noqa: E402
+
+DEFAULT_CONFIGS = ("tp_comm=allreduce,zero=3", "tp_comm=sequence,zero=3",
+                   "tp_comm=ring,zero=3", "tp_comm=allreduce,zero=3,prefetch",
+                   "tp_comm=allreduce,zero=2", "tp_comm=allreduce,zero=1")
+MiB = 2 ** 20
+
+
+def build_parser() -> argparse.ArgumentParser:
+    own = argparse.ArgumentParser(add_help=False)
+    g = own.add_argument_group("switches bench")
+    g.add_argument("--configs", nargs="+", default=list(DEFAULT_CONFIGS), metavar="K=V,...",
+                   help="configs to run, each comma-separated ModelConfig overrides of the "
+                        "base flags (default: the six issue-6 switch settings)")
+    g.add_argument("--calibration", default=None,
+                   help="cpu profile JSON the in-run rates start from (bench/calibrate.py)")
+    g.add_argument("--json", default=None, help="write every row as JSON")
+    p = train_parser(prog="python bench/switches.py", description=__doc__.split("\n\n")[0],
+                     parents=[own])
+    p.set_defaults(steps=5)  # timed steps (median), after one warm-up step
+    return p
+
+
+def parse_config(text: str, base):
+    """'tp_comm=ring,zero=2,prefetch' -> base with those ModelConfig fields replaced."""
+    fields = {f.name: f for f in dataclasses.fields(base)}
+    kw = {}
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        key, eq, value = item.partition("=")
+        key = key.strip().replace("-", "_")
+        if key not in fields:
+            raise UsageError(f"--configs {text!r}: unknown field {key!r}")
+        kind = type(getattr(base, key))
+        if kind is bool:
+            if eq and value.lower() not in ("1", "0", "true", "false", "yes", "no"):
+                raise UsageError(f"--configs {text!r}: {key}={value!r} is not a boolean")
+            kw[key] = not eq or value.lower() in ("1", "true", "yes")
+        else:
+            if not eq:
+                raise UsageError(f"--configs {text!r}: {key} needs a value")
+            try:
+                kw[key] = kind(value)
+            except ValueError:
+                raise UsageError(f"--configs {text!r}: {key}={value!r} is not a "
+                                 f"{kind.__name__}") from None
+    return dataclasses.replace(base, **kw)
+
+
+def label(cfg) -> str:
+    return (f"{cfg.tp_comm} zero{cfg.zero}{' +prefetch' if cfg.prefetch else ''}"
+            f"{'' if cfg.remat == 'full' else f' remat {cfg.remat}'}")
+
+
+def check(cfg, tcfg, layout) -> None:
+    """The training CLI's validation for one derived config (raises UsageError)."""
+    from engine.config import config_problems
+
+    if problems := config_problems(cfg, tcfg):
+        raise UsageError(f"{label(cfg)}: " + "; ".join(problems))
+    layout.check(cfg, tcfg.batch)
+    if cfg.tp_comm != "allreduce" and tcfg.seq % layout.degree("tp"):
+        raise UsageError(f"{label(cfg)}: seq={tcfg.seq} not divisible by "
+                         f"tp={layout.degree('tp')}")
+
+
+def run_one(cfg, tcfg, layout, steps: int, calibration) -> dict:
+    """Compile, predict, profile and time one config; one dict of figures."""
+    import jax
+
+    from bench.timing import time_steps
+    from engine.cost import hardware, memory
+    from engine.cost.ledger import step_ledger
+    from engine.cost.microbench import in_run_profile
+    from engine.cost.price import predict
+    from engine.data import synthetic_tokens
+    from engine.step import Trainer
+
+    trainer = Trainer(cfg, tcfg, layout, layout.mesh())
+    params, opt_state = trainer.init(tcfg.seed)
+    tokens = trainer.put_batch(synthetic_tokens(tcfg.seed, 0, tcfg.batch, tcfg.seq, cfg.vocab))
+    t0 = time.perf_counter()
+    step = trainer.train_step.lower(params, opt_state, tokens).compile()
+    compile_s = time.perf_counter() - t0
+    measured = memory.measure(step)
+    try:
+        mem = memory.predict(cfg, tcfg, layout, "cpu", trainer=trainer)
+    except memory.Unsupported as e:
+        print(f"  {label(cfg)}: no memory prediction: {e}", file=sys.stderr)
+        mem = None
+    rows = step_ledger(cfg, tcfg, layout)
+    mesh_axes = layout.mesh_axes()
+    cpu = in_run_profile(hardware.get("cpu", calibration), rows,
+                         trainer.mesh.devices.flatten().tolist())
+    pred_cpu = predict(rows, cpu, mesh_axes, prefetch=cfg.prefetch)
+    pred_h100 = predict(rows, hardware.get("h100"), mesh_axes, prefetch=cfg.prefetch)
+    step_s, params, opt_state, first = time_steps(step, params, opt_state, tokens, steps)
+    loss = float(jax.device_get(first["loss"]))
+    del params, opt_state, tokens, step, first
+    gc.collect()
+    return dict(
+        config=label(cfg), tp_comm=cfg.tp_comm, zero=cfg.zero, prefetch=cfg.prefetch,
+        remat=cfg.remat, tokens_per_s=tcfg.batch * tcfg.seq / step_s, step_s=step_s,
+        compile_s=compile_s, first_loss=loss,
+        measured_peak_bytes=measured["peak"], measured_memory=measured,
+        predicted_peak_bytes=mem.peak if mem else None,
+        peak_error=memory.error(mem, measured) if mem else None,
+        predicted_memory=dict(params=mem.params, opt_state=mem.opt_state, tokens=mem.tokens,
+                              grads=mem.grads, grads_live=mem.grads_live,
+                              residuals=mem.residuals, transient=mem.transient,
+                              phase=mem.phase, items=mem.items) if mem else None,
+        predicted_cpu_step_s=pred_cpu.step_s, cpu_step_error=(pred_cpu.step_s - step_s) / step_s,
+        predicted_h100_step_s=pred_h100.step_s,
+        predicted_h100_exposed_comm_s=pred_h100.exposed_comm_s,
+        predicted_h100_comm_s=pred_h100.comm_s)
+
+
+def main(argv=None) -> int:
+    cfg, tcfg, layout, mine = parse_or_exit(argv, build_parser())
+    try:
+        configs = [parse_config(text, cfg) for text in mine.configs]
+        for c in configs:
+            check(c, tcfg, layout)
+    except (UsageError, LayoutError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    force_host_devices(layout.size)
+    from tabulate import tabulate
+
+    load = os.getloadavg()
+    print(f"{layout}, model {mine.model}, batch {tcfg.batch}, seq {tcfg.seq}, {cfg.dtype}, "
+          f"attention {cfg.attention}; median of {tcfg.steps} steps after one warm-up; "
+          f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}", flush=True)
+    out = []
+    for c in configs:
+        r = run_one(c, tcfg, layout, tcfg.steps, mine.calibration)
+        out.append(r)
+        print(f"  done {r['config']}: {r['tokens_per_s']:.0f} tokens/s, "
+              f"{r['measured_peak_bytes'] / MiB:.1f} MiB", file=sys.stderr, flush=True)
+
+    def pct(x):
+        return "-" if x is None else f"{100 * x:+.1f}%"
+
+    def mib(x):
+        return "-" if x is None else f"{x / MiB:.1f}"
+
+    table = [[r["config"], f"{r['tokens_per_s']:.0f}", f"{1e3 * r['step_s']:.0f}",
+              mib(r["measured_peak_bytes"]), mib(r["predicted_peak_bytes"]), pct(r["peak_error"]),
+              f"{1e3 * r['predicted_cpu_step_s']:.0f}", pct(r["cpu_step_error"]),
+              f"{1e3 * r['predicted_h100_step_s']:.2f}",
+              f"{1e3 * r['predicted_h100_exposed_comm_s']:.2f}"] for r in out]
+    print(tabulate(table, ["config", "tokens/s", "ms/step", "peak MiB", "pred MiB", "mem err",
+                           "pred cpu ms", "cpu err", "pred h100 ms", "h100 exposed comm ms"],
+                   disable_numparse=True, stralign="right"))
+    end = os.getloadavg()
+    print(f"peak = arguments + temp + unaliased outputs per device (memory_analysis); "
+          f"load average at the end {end[0]:.2f} {end[1]:.2f} {end[2]:.2f}")
+    if mine.json:
+        Path(mine.json).write_text(json.dumps({
+            "layout": str(layout), "model": mine.model, "batch": tcfg.batch, "seq": tcfg.seq,
+            "dtype": cfg.dtype, "steps": tcfg.steps, "load_average_start": load,
+            "load_average_end": end, "rows": out}, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
