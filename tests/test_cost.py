@@ -204,3 +204,15 @@ def test_in_run_rates_price_every_dot_by_its_measurement():
     priced = sum(p.seconds for p in pred.rows if p.row.kind == "matmul")
     assert priced == pytest.approx(sum(hw.dot_seconds[r.dot] * r.count for r in dots))
     assert set(hw.collective_fit) >= {"all-gather", "reduce-scatter", "all-reduce"}
+
+
+def test_canonical_dot_keeps_the_matmul():
+    """The canonical [batch, M, K] x [batch, K, N] form of each ledger dot does the same
+    FLOPs as the dot the ledger counted."""
+    from engine.cost.microbench import canonical_dot
+
+    rows = [r for r in step_ledger(_cfg(), TCFG, Layout.parse("fsdp4xtp2")) if r.dot]
+    assert len({r.dot for r in rows}) > 5
+    for r in rows:
+        (b, m, k), (b2, k2, n) = canonical_dot(*r.dot[:2], r.dot[4])
+        assert (b, k) == (b2, k2) and 2 * b * m * k * n == r.flops, r.dot

@@ -7,10 +7,10 @@ is what the step pays for that op (no x n_devices afterwards):
 
 - `dot_seconds`: each distinct `dot_general` of a ledger (operand shapes, dtypes,
   dimension numbers; `Row.dot`), run alone with those per-device operands;
-- `bandwidth`: a fused `1.5 * x + y` on per-device arrays of the step's typical
-  activation size (reads two, writes one);
-- `vector_rate`: an `exp` chain on the same arrays (FLOPs counted as the ledger counts
-  them: one per elementwise op per element);
+- `bandwidth`: `y = 1.5 * x + y` passes in a loop on per-device arrays of the step's
+  typical activation size (reads two, writes one);
+- `vector_rate`: `exp(-x * x) + 0.5` passes in a loop on the same arrays (FLOPs counted
+  as the ledger counts them: one per elementwise op per element);
 - `collective_times` / `fit`: each collective's time vs bytes over one axis of all
   devices, fitted to `latency * hops + ring_fraction * bytes / bandwidth`.
 
@@ -21,6 +21,7 @@ so predictions and measurement see the same machine load (`bench/roofline.py`);
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
 import time
 
@@ -52,31 +53,70 @@ def _flat_mesh(devices) -> Mesh:
 
 def _per_device(mesh: Mesh, fn, shapes_dtypes, reps: int = 5) -> float:
     """Wall seconds of `fn` run on every device at once, each on its own operands of
-    `shapes_dtypes` [(shape, dtype)]."""
+    `shapes_dtypes` [(shape, dtype)], less the dispatch time of a trivial program on the
+    same operands (ops inside the compiled step do not pay it)."""
     n = mesh.size
     sharding = NamedSharding(mesh, P("d"))
     args = [jax.device_put(jnp.full((n, *shape), 0.5, dtype), sharding)
             for shape, dtype in shapes_dtypes]
-    f = jax.jit(jax.shard_map(lambda *xs: fn(*(x[0] for x in xs))[None], mesh=mesh,
-                              in_specs=P("d"), out_specs=P("d")))
-    return timed(f, *args, reps=reps)
+
+    def compiled(g):
+        return jax.jit(jax.shard_map(lambda *xs: g(*(x[0] for x in xs))[None], mesh=mesh,
+                                     in_specs=P("d"), out_specs=P("d")))
+
+    trivial = lambda *xs: sum(x.reshape(-1)[:1].astype(jnp.float32) for x in xs)
+    t = timed(compiled(fn), *args, reps=reps)
+    return max(t - timed(compiled(trivial), *args, reps=reps), 1e-7)
+
+
+def _looped(body, k: int):
+    """x -> body applied k times in a while loop (each pass depends on the last), so
+    one dispatch is amortized over k executions."""
+    return lambda x, *rest: lax.fori_loop(0, k, lambda _, y: body(y, *rest), x)
 
 
 def call_overhead(mesh: Mesh) -> float:
-    """Seconds of dispatching a trivial all-device program: subtracted from each timing,
-    since ops inside the compiled step do not pay it."""
-    return _per_device(mesh, lambda x: x + 1, [((8,), jnp.float32)], reps=9)
+    """Seconds of dispatching a trivial all-device program (subtracted from collective
+    timings, which ops inside the compiled step do not pay)."""
+    n = mesh.size
+    x = jax.device_put(jnp.ones((n, 8)), NamedSharding(mesh, P("d")))
+    f = jax.jit(jax.shard_map(lambda x: x + 1, mesh=mesh, in_specs=P("d"), out_specs=P("d")))
+    return timed(f, x, reps=9)
 
 
-def dot_seconds(rows, mesh: Mesh, overhead: float = 0.0) -> dict:
-    """{Row.dot: seconds of one execution on every device at once} for every distinct dot."""
+def canonical_dot(lhs: tuple, rhs: tuple, dims) -> tuple[tuple, tuple]:
+    """The same matmul as `dot_general(lhs, rhs, dims)` in XLA's preferred layout:
+    [batch, M, K] x [batch, K, N] shapes (free and contracted dims flattened)."""
+    (lc, rc), (lb, rb) = dims
+    prod = lambda shape, ds: math.prod(shape[d] for d in ds)
+    batch, k = prod(lhs, lb), prod(lhs, lc)
+    m = prod(lhs, [d for d in range(len(lhs)) if d not in (*lc, *lb)])
+    n = prod(rhs, [d for d in range(len(rhs)) if d not in (*rc, *rb)])
+    return (batch, m, k), (batch, k, n)
+
+
+def dot_seconds(rows, mesh: Mesh, canonical: bool = False) -> dict:
+    """{Row.dot: seconds of one execution on every device at once} for every distinct dot,
+    timed as written (row-major operands, so the transposes XLA adds around a dot whose
+    dims are not in [batch, M, K] x [batch, K, N] order are in its time), or with
+    `canonical` as that canonical matmul alone (`canonical_dot`). Inside the step XLA's
+    layout assignment removes some of those transposes, so the truth lies between: on
+    `small` as written predicted the four layouts' steps at -10.4%, +7.8%, -6.4%, -12.9%,
+    canonical at -12.5%, -7.4%, -15.9%, -10.0% (single, fsdp8, fsdp4xtp2,
+    dp2xfsdp2xtp2). A dot of mixed operand dtypes (an f32 cotangent times a bf16 weight) is timed
+    with both in the wider dtype: XLA converts the narrow one first, and that convert is
+    priced as a row of its own."""
     out = {}
+    batched = (((2,), (1,)), ((0,), (0,)))
     for key in {r.dot for r in rows if r.dot is not None}:
         lhs, rhs, lt, rt, dims, result = key
+        if lt != rt:
+            lt = rt = max(lt, rt, key=lambda d: jnp.dtype(d).itemsize)
+        if canonical:
+            lhs, rhs, dims = *canonical_dot(lhs, rhs, dims), batched
         fn = lambda a, b, dims=dims, result=result: lax.dot_general(
             a, b, dims, preferred_element_type=jnp.dtype(result))
-        out[key] = max(_per_device(mesh, fn, [(lhs, jnp.dtype(lt)), (rhs, jnp.dtype(rt))])
-                       - overhead, 1e-7)
+        out[key] = _per_device(mesh, fn, [(lhs, jnp.dtype(lt)), (rhs, jnp.dtype(rt))])
     return out
 
 
@@ -92,21 +132,18 @@ def typical_elems(rows) -> int:
     return 1 << 20
 
 
-def bandwidth(mesh: Mesh, elems: int, overhead: float = 0.0) -> float:
-    """Bytes/s one device moves while every device streams `1.5 * x + y` at once."""
-    t = _per_device(mesh, lambda x, y: 1.5 * x + y, [((elems,), jnp.float32)] * 2)
-    return 12 * elems / max(t - overhead, 1e-7)
+def bandwidth(mesh: Mesh, elems: int, k: int = 20) -> float:
+    """Bytes/s one device moves while every device streams `y = 1.5 * x + y` (k passes
+    in a loop) at once."""
+    t = _per_device(mesh, _looped(lambda y, x: 1.5 * x + y, k), [((elems,), jnp.float32)] * 2)
+    return 12 * k * elems / t
 
 
-def vector_rate(mesh: Mesh, elems: int, depth: int = 8, overhead: float = 0.0) -> float:
-    """Elementwise FLOP/s one device gets (4 ledger FLOPs per element per link of an
-    `exp(-x * x) + 0.5` chain) while every device runs it."""
-    def chain(x):
-        for _ in range(depth):
-            x = jnp.exp(-x * x) + 0.5
-        return x
-    t = _per_device(mesh, chain, [((elems,), jnp.float32)])
-    return 4 * depth * elems / max(t - overhead, 1e-7)
+def vector_rate(mesh: Mesh, elems: int, k: int = 20) -> float:
+    """Elementwise FLOP/s one device gets (4 ledger FLOPs per element for each pass of
+    `exp(-x * x) + 0.5`, k passes in a loop) while every device runs it."""
+    t = _per_device(mesh, _looped(lambda x: jnp.exp(-x * x) + 0.5, k), [((elems,), jnp.float32)])
+    return 4 * k * elems / t
 
 
 COLLECTIVE_OPS = {
@@ -161,7 +198,7 @@ def in_run_profile(hw: Hardware, rows, devices, collective_sizes=None) -> Hardwa
         fit_ = {k: fit(k, pts, mesh.size)
                 for k, pts in collective_times(mesh, sizes, overhead=overhead).items()}
     return dataclasses.replace(
-        hw, dot_seconds=dot_seconds(rows, mesh, overhead),
-        hbm=bandwidth(mesh, elems, overhead), vector_flops=vector_rate(mesh, elems, overhead=overhead),
+        hw, dot_seconds=dot_seconds(rows, mesh),
+        hbm=bandwidth(mesh, elems), vector_flops=vector_rate(mesh, elems),
         mem_eff=1.0, shared_host=False, collective_fit=fit_,
         source=f"measured in this run on {mesh.size} devices at once")
