@@ -199,7 +199,7 @@ def test_in_run_rates_price_every_dot_by_its_measurement():
     dots = [r for r in rows if r.kind == "matmul"]
     assert dots and all(r.dot in hw.dot_seconds for r in dots)
     assert len(hw.dot_seconds) == len({r.dot for r in dots}) > 1
-    assert not hw.shared_host and hw.hbm > 0 and hw.vector_flops > 0
+    assert hw.concurrent_rates and hw.hbm > 0 and hw.vector_flops > 0
     pred = predict(rows, hw, lay.mesh_axes())
     priced = sum(p.seconds for p in pred.rows if p.row.kind == "matmul")
     assert priced == pytest.approx(sum(hw.dot_seconds[r.dot] * r.count for r in dots))

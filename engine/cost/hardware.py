@@ -56,6 +56,9 @@ class Hardware:
     # Row.dot -> measured seconds of one execution (engine/cost/microbench.py); a dot
     # found here is priced by its measurement instead of the roofline
     dot_seconds: dict = dataclasses.field(default_factory=dict)
+    # the rates were measured with every device running at once (microbench), so a
+    # shared host's compute is not multiplied by the device count again
+    concurrent_rates: bool = False
     source: str = ""
 
     def matmul_peak(self, dtype: str) -> float:

@@ -185,7 +185,7 @@ def in_run_profile(hw: Hardware, rows, devices, collective_sizes=None) -> Hardwa
     """`hw` with every rate the ledger's rows need measured now on `devices`, all at
     once: per-dot seconds, bandwidth and vector rate at the step's activation size, and
     (with more than one device) the collective fits. Compute is then not multiplied by
-    the device count (the measurements already share the host)."""
+    the device count (`concurrent_rates`: the measurements already share the host)."""
     mesh = _flat_mesh(devices)
     overhead = call_overhead(mesh)
     elems = typical_elems(rows)
@@ -200,5 +200,5 @@ def in_run_profile(hw: Hardware, rows, devices, collective_sizes=None) -> Hardwa
     return dataclasses.replace(
         hw, dot_seconds=dot_seconds(rows, mesh),
         hbm=bandwidth(mesh, elems), vector_flops=vector_rate(mesh, elems),
-        mem_eff=1.0, shared_host=False, collective_fit=fit_,
+        mem_eff=1.0, concurrent_rates=True, collective_fit=fit_,
         source=f"measured in this run on {mesh.size} devices at once")

@@ -103,12 +103,12 @@ def compute_seconds(row: Row, hw: Hardware, n_devices: int) -> tuple[float, str]
     """(seconds of one execution, "compute" | "memory") by roofline, or a dot's measured
     seconds when the profile has them. On a shared host the devices' work adds up:
     n_devices times the per-device work at the host's rate."""
-    if row.dot in hw.dot_seconds:
+    if row.dot in hw.dot_seconds:  # measured with every device at once: no scale
         return hw.dot_seconds[row.dot], "compute"
     peak = hw.matmul_peak(row.dtype) * hw.matmul_eff if row.kind == "matmul" else hw.vector_flops
     t_flops = row.flops / peak
     t_bytes = row.bytes / (hw.hbm * hw.mem_eff)
-    scale = n_devices if hw.shared_host else 1
+    scale = n_devices if hw.shared_host and not hw.concurrent_rates else 1
     return scale * max(t_flops, t_bytes), "compute" if t_flops >= t_bytes else "memory"
 
 
