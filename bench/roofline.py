@@ -139,14 +139,11 @@ def measure(cfg, tcfg, layout, trainer, steps: int, trace_steps: int):
     """(median step seconds, attributed {category: s}, hlo text)."""
     import jax
 
-    from bench.timing import time_steps
+    from bench.timing import compiled_step, time_steps
     from engine.cost import trace
     from engine.cost.audit import _axes_by_groups
-    from engine.data import synthetic_tokens
 
-    params, opt_state = trainer.init(tcfg.seed)
-    tokens = trainer.put_batch(synthetic_tokens(tcfg.seed, 0, tcfg.batch, tcfg.seq, cfg.vocab))
-    step = trainer.train_step.lower(params, opt_state, tokens).compile()
+    step, params, opt_state, tokens, _ = compiled_step(trainer)
     text = step.as_text()
     step_s, params, opt_state, _ = time_steps(step, params, opt_state, tokens, steps)
     with tempfile.TemporaryDirectory() as d:

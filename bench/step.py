@@ -65,8 +65,7 @@ def main(argv=None) -> int:
 
     from tabulate import tabulate
 
-    from bench.timing import time_steps
-    from engine.data import synthetic_tokens
+    from bench.timing import compiled_step, time_steps
     from engine.mfu import flops_per_token
     from engine.step import Trainer
 
@@ -82,11 +81,7 @@ def main(argv=None) -> int:
 
     peak = best_matmul(cfg.compute_dtype)
     trainer = Trainer(cfg, tcfg, layout, layout.mesh())
-    params, opt_state = trainer.init(tcfg.seed)
-    tokens = trainer.put_batch(synthetic_tokens(tcfg.seed, 0, tcfg.batch, tcfg.seq, cfg.vocab))
-    t0 = time.perf_counter()
-    step = trainer.train_step.lower(params, opt_state, tokens).compile()
-    compile_s = time.perf_counter() - t0
+    step, params, opt_state, tokens, compile_s = compiled_step(trainer)
     step_s, *_ = time_steps(step, params, opt_state, tokens, tcfg.steps)
     tokens_per_step = tcfg.batch * tcfg.seq
     model_flops = flops_per_token(cfg, tcfg.seq) * tokens_per_step

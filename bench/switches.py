@@ -27,7 +27,6 @@ import gc
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -103,20 +102,15 @@ def run_one(cfg, tcfg, layout, steps: int, calibration) -> dict:
     """Compile, predict, profile and time one config; one dict of figures."""
     import jax
 
-    from bench.timing import time_steps
+    from bench.timing import compiled_step, time_steps
     from engine.cost import hardware, memory
     from engine.cost.ledger import step_ledger
     from engine.cost.microbench import in_run_profile
     from engine.cost.price import predict
-    from engine.data import synthetic_tokens
     from engine.step import Trainer
 
     trainer = Trainer(cfg, tcfg, layout, layout.mesh())
-    params, opt_state = trainer.init(tcfg.seed)
-    tokens = trainer.put_batch(synthetic_tokens(tcfg.seed, 0, tcfg.batch, tcfg.seq, cfg.vocab))
-    t0 = time.perf_counter()
-    step = trainer.train_step.lower(params, opt_state, tokens).compile()
-    compile_s = time.perf_counter() - t0
+    step, params, opt_state, tokens, compile_s = compiled_step(trainer)
     measured = memory.measure(step)
     try:
         mem = memory.predict(cfg, tcfg, layout, "cpu", trainer=trainer)

@@ -17,3 +17,16 @@ def time_steps(step, params, opt_state, tokens, steps: int):
         jax.block_until_ready(metrics)
         times.append(time.perf_counter() - t0)
     return statistics.median(times), params, opt_state, first
+
+
+def compiled_step(trainer):
+    """(compiled train step, params, opt_state, tokens, compile seconds): the trainer's
+    params from its seed and synthetic batch 0, placed on its mesh."""
+    from engine.data import synthetic_tokens
+
+    cfg, tcfg = trainer.cfg, trainer.tcfg
+    params, opt_state = trainer.init(tcfg.seed)
+    tokens = trainer.put_batch(synthetic_tokens(tcfg.seed, 0, tcfg.batch, tcfg.seq, cfg.vocab))
+    t0 = time.perf_counter()
+    step = trainer.train_step.lower(params, opt_state, tokens).compile()
+    return step, params, opt_state, tokens, time.perf_counter() - t0

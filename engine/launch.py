@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import os
 import signal
 import socket
 import subprocess
