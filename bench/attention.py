@@ -20,9 +20,7 @@ The dense reference is skipped when its [B, H, L, L] f32 tensors would exceed
 import argparse
 import dataclasses
 import os
-import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -31,6 +29,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from tabulate import tabulate  # noqa: E402
 
+from engine.cost.memory import measure as measure_memory  # noqa: E402
+from engine.cost.microbench import timed  # noqa: E402
 from layers.attention import reference_attention  # noqa: E402
 from layers.flash_blocked import BlockSizes, blocked_attention  # noqa: E402
 from layers.flash_pallas import pallas_attention  # noqa: E402
@@ -76,20 +76,8 @@ def measure(attend, shape: Shape, runs: int) -> Measurement:
 
     inputs = make_inputs(shape)
     compiled = jax.jit(forward_backward).lower(*inputs).compile()
-    memory = compiled.memory_analysis()
-    jax.block_until_ready(compiled(*inputs))
-    times = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        jax.block_until_ready(compiled(*inputs))
-        times.append(time.perf_counter() - start)
-    total_bytes = (
-        memory.argument_size_in_bytes
-        + memory.output_size_in_bytes
-        + memory.temp_size_in_bytes
-        - memory.alias_size_in_bytes
-    )
-    return Measurement(statistics.median(times), memory.temp_size_in_bytes, total_bytes)
+    memory = measure_memory(compiled)
+    return Measurement(timed(compiled, *inputs, reps=runs), memory["temp"], memory["peak"])
 
 
 def implementations(shape: Shape, blocks: BlockSizes, args) -> dict:
