@@ -125,22 +125,23 @@ def predict(rows: list[Row], hw: Hardware, mesh_axes, prefetch: bool = False) ->
     for _, s in mesh_axes:
         n_devices *= s
     priced, compute, block_compute, comm, hidable = [], 0.0, 0.0, 0.0, 0.0
-    for r in rows:
+    for r in rows:  # (row, seconds, bound, may hide under block compute)
         if r.kind == "collective":
-            t, bound = collective_seconds(r, hw, mesh_axes) * r.count, "comm"
+            t = collective_seconds(r, hw, mesh_axes) * r.count
+            hides = hw.overlap and hideable(r, prefetch)
             comm += t
-            hidable += t if hw.overlap and hideable(r, prefetch) else 0.0
+            hidable += t if hides else 0.0
+            priced.append((r, t, "comm", hides))
         else:
             t, bound = compute_seconds(r, hw, n_devices)
             t *= r.count
             compute += t
             if r.scope in BLOCK_SCOPES:
                 block_compute += t
-        priced.append(Priced(r, t, bound))
+            priced.append((r, t, bound, False))
     hidden_frac = min(1.0, block_compute / hidable) if hidable else 0.0
-    priced = [dataclasses.replace(p, exposed=p.seconds * (
-        1 - hidden_frac if hw.overlap and hideable(p.row, prefetch) else 1))
-        if p.bound == "comm" else p for p in priced]
+    priced = [Priced(r, t, bound, t * (1 - hidden_frac if hides else 1) if bound == "comm" else 0.0)
+              for r, t, bound, hides in priced]
     exposed = sum(p.exposed for p in priced)
     return Prediction(tuple(priced), compute, comm, exposed, compute + exposed, hw.name)
 
