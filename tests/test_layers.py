@@ -23,8 +23,9 @@ CFG = ModelConfig(d_model=32, n_layers=1, n_heads=8, n_kv_heads=2, head_dim=8, m
                   vocab=64, dtype="f32")
 B, L = 2, 16
 # f32 on both sides; the sharded path sums partial products in another order (tp-way
-# psum) so we allow a few ulps of accumulated rounding relative to the magnitude.
-RTOL, ATOL = 1e-5, 1e-6
+# psum). A norm scale's grad sums B*L products as large as the tensor's largest entry,
+# so its error scales with that magnitude: 1e-5 of it (~100 ulps), as in test_step.py.
+RTOL, ATOL = 1e-5, 1e-5
 TPS = [1, 2, 4]
 
 
