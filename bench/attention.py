@@ -1,8 +1,8 @@
-"""Attention forward+backward: time and compiled memory of reference, blocked, Pallas.
+"""Attention forward+backward: time and compiled memory of reference, chunked, blocked, Pallas.
 
 Usage (from the repo root):
     python bench/attention.py                                # L = 1024 2048 4096 8192
-    python bench/attention.py --lengths 512 1024 --dtype bfloat16
+    python bench/attention.py --lengths 256 512 1024 --dtype bfloat16 --batch 16
     python bench/attention.py --heads 16 --kv-heads 4 --head-dim 128 --no-causal
     python bench/attention.py --pallas-max-length 8192       # opt in to long Pallas runs
 
@@ -33,6 +33,7 @@ from engine.cost.memory import measure as measure_memory  # noqa: E402
 from engine.cost.microbench import timed  # noqa: E402
 from layers.attention import reference_attention  # noqa: E402
 from layers.flash_blocked import BlockSizes, blocked_attention  # noqa: E402
+from layers.flash_chunked import chunked_attention  # noqa: E402
 from layers.flash_pallas import pallas_attention  # noqa: E402
 
 MIB = 2**20
@@ -87,8 +88,11 @@ def implementations(shape: Shape, blocks: BlockSizes, args) -> dict:
     impls = {}
     if dense_gib <= args.reference_max_gib:
         impls["reference"] = lambda q, k, v: reference_attention(q, k, v, causal=causal)
+        chunks = BlockSizes(block_q=args.chunk)
+        impls["chunked"] = lambda q, k, v: chunked_attention(q, k, v, causal=causal,
+                                                             blocks=chunks)
     else:
-        impls["reference"] = f"skipped: ~{dense_gib:.0f} GiB of dense scores"
+        impls["reference"] = impls["chunked"] = f"skipped: ~{dense_gib:.0f} GiB of dense scores"
     impls["blocked"] = lambda q, k, v: blocked_attention(q, k, v, causal=causal, blocks=blocks)
     if shape.length <= args.pallas_max_length:
         impls["pallas"] = lambda q, k, v: pallas_attention(q, k, v, causal=causal, blocks=blocks)
@@ -136,6 +140,7 @@ def parse_args():
     parser.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--block-q", type=int, default=128)
     parser.add_argument("--block-k", type=int, default=128)
+    parser.add_argument("--chunk", type=int, default=64, help="queries per chunk (chunked)")
     parser.add_argument("--runs", type=int, default=3, help="timed calls after warm-up")
     parser.add_argument(
         "--pallas-max-length",

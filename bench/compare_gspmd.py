@@ -22,6 +22,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from engine.config import ATTENTIONS  # noqa: E402 (no jax import)
+
 LAYOUTS = ["single", "fsdp8", "tp8", "fsdp4xtp2", "dp2xfsdp2xtp2"]
 
 
@@ -82,7 +84,7 @@ def compare(preset: str, layout_text: str, args) -> list:
     from engine.layout import Layout
     from engine.step import Trainer
 
-    cfg = model_config(preset, dtype=args.dtype, remat=args.remat, attention="reference")
+    cfg = model_config(preset, dtype=args.dtype, remat=args.remat, attention=args.attention)
     tcfg = TrainConfig(batch=args.batch, seq=args.seq)
     layout = Layout.parse(layout_text)
     trainer = Trainer(cfg, tcfg, layout, layout.mesh())
@@ -109,6 +111,8 @@ def main(argv=None) -> int:
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--dtype", default="bf16", choices=("bf16", "f32"))
     p.add_argument("--remat", default="full", choices=("none", "full", "dots"))
+    p.add_argument("--attention", default="auto", choices=ATTENTIONS,
+                   help="attention kernel of both builds (the CLI's --attention)")
     args = p.parse_args(argv)
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_force_host_platform_device_count" not in flags:
@@ -120,7 +124,7 @@ def main(argv=None) -> int:
         for layout in args.layouts:
             rows.append(compare(preset, layout, args))
             print(f"done {preset} {layout}", file=sys.stderr, flush=True)
-    print(f"{args.dtype} compute, remat {args.remat}, batch {args.batch} x seq {args.seq}; "
+    print(f"{args.dtype} compute, remat {args.remat}, {args.attention} attention, batch {args.batch} x seq {args.seq}; "
           f"median of {args.steps} steps; pairs are shardwise / GSPMD")
     print(tabulate(rows, headers=["preset", "layout", "shardwise tok/s", "GSPMD tok/s", "ratio",
                                   "compile s", "temp MiB", "args MiB", "collectives",

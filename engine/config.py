@@ -15,7 +15,7 @@ PRESETS: dict[str, dict] = {
     "llama3-70b": dict(d_model=8192, n_layers=80, n_heads=64, n_kv_heads=8, head_dim=128,
                        mlp_dim=28672, vocab=128256, rope_theta=500_000.0),
 }
-ATTENTIONS = ("auto", "reference", "blocked", "pallas")
+ATTENTIONS = ("auto", "reference", "chunked", "blocked", "pallas")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -56,8 +56,9 @@ def build_parser(prog: str = "python -m engine.train", description: str | None =
     m.add_argument("--remat", default="full", choices=REMAT,
                    help="what the backward recomputes (see layers/block.py)")
     m.add_argument("--attention", default="auto", choices=ATTENTIONS,
-                   help="auto: blocked flash from 1024 tokens, else the dense reference; "
-                        "pallas runs in interpret mode on CPU")
+                   help="auto: blocked flash from 1024 tokens, else chunked (dense scores, "
+                        "causal tiles skipped, flash backward); reference: plain dense "
+                        "softmax, autodiff; pallas runs in interpret mode on CPU")
     x = p.add_argument_group("where bytes move (see docs/architecture.md)")
     x.add_argument("--tp-comm", default="allreduce", choices=TP_COMM,
                    help="allreduce: Megatron TP; sequence: sequence parallel (activations "

@@ -16,11 +16,14 @@ from layers.axes import Axes
 from layers.common import einsum
 from layers.config import ModelConfig
 from layers.flash_blocked import blocked_attention
+from layers.flash_chunked import chunked_attention
 from layers.flash_pallas import pallas_attention
 from layers.rope import rope
 
 # Sequences at least this long use the blocked flash path under `attention="auto"`: from
-# there on the dense reference's O(L^2) scores dominate memory (bench/attention.py).
+# there on dense O(L^2) scores dominate memory (bench/attention.py). Shorter ones use
+# `chunked`: dense scores, causal tiles skipped, flash backward (the fastest on CPU at
+# L = 256: bench/step.py, see docs/architecture.md).
 AUTO_BLOCKED_FROM = 1024
 
 
@@ -43,15 +46,15 @@ def reference_attention(q_BLHK, k_BSGK, v_BSGK, *, causal: bool = True) -> jax.A
     return o_BLGRK.reshape(B, L, H, K).astype(q_BLHK.dtype)
 
 
-KERNELS = {"reference": reference_attention, "blocked": blocked_attention,
-           "pallas": pallas_attention}
+KERNELS = {"reference": reference_attention, "chunked": chunked_attention,
+           "blocked": blocked_attention, "pallas": pallas_attention}
 
 
 def resolve_attention(name: str, seq: int) -> str:
     """The kernel `ModelConfig.attention` names for sequences of `seq` tokens: `auto` is
-    `blocked` from AUTO_BLOCKED_FROM tokens on, else `reference`."""
+    `blocked` from AUTO_BLOCKED_FROM tokens on, else `chunked`."""
     if name == "auto":
-        return "blocked" if seq >= AUTO_BLOCKED_FROM else "reference"
+        return "blocked" if seq >= AUTO_BLOCKED_FROM else "chunked"
     return name
 
 

@@ -25,7 +25,7 @@ class ModelConfig:
     vocab: int = 256
     dtype: str = "bf16"  # compute dtype of matmuls; params and optimizer state stay f32
     remat: str = "full"  # none | full | dots
-    attention: str = "reference"  # auto | reference | blocked | pallas (layers/attention.py)
+    attention: str = "reference"  # auto | reference | chunked | blocked | pallas (layers/attention.py)
     # Where bytes move (issue 6). tp_comm: allreduce = Megatron TP, activations replicated
     # over tp between blocks; sequence = Megatron sequence parallel (activations sharded
     # over tp along L between blocks: gather before the column-parallel matmul,

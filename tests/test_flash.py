@@ -19,6 +19,7 @@ import pytest
 
 from layers import flash_blocked, flash_pallas
 from layers.flash_blocked import BlockSizes, blocked_attention
+from layers.flash_chunked import chunked_attention
 from layers.flash_pallas import pallas_attention
 
 # f32: online softmax reorders the dense reference's sums; measured errors are
@@ -237,6 +238,14 @@ class TestBlockedAttention(AttentionSuite):
         assert memory.temp_size_in_bytes < case.H * case.L**2 * 4
 
 
+class TestChunkedAttention(AttentionSuite):
+    def attend(self, q_BLHK, k_BSGK, v_BSGK, *, causal, blocks):
+        return chunked_attention(q_BLHK, k_BSGK, v_BSGK, causal=causal, blocks=blocks)
+
+    def attend_with_kv_len(self, q_BLHK, k_BSGK, v_BSGK, kv_len):
+        return chunked_attention(q_BLHK, k_BSGK, v_BSGK, causal=False, kv_len=kv_len)
+
+
 class TestPallasAttention(AttentionSuite):
     INTERPRET = False
 
@@ -281,7 +290,7 @@ class TestPallasAttentionInterpret(TestPallasAttention):
     INTERPRET = True
 
 
-@pytest.mark.parametrize("attention", ["blocked", "pallas"])
+@pytest.mark.parametrize("attention", ["chunked", "blocked", "pallas"])
 def test_inside_the_full_step_matches_reference_attention(attention):
     """Loss and grads of the whole step under fsdp4xtp2 (heads sharded over tp, Pallas
     run in its nested check_vma=False region) equal those with the dense reference."""
