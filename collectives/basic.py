@@ -15,6 +15,7 @@ from typing import Sequence, Union
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 AxisNames = Union[None, str, Sequence[str]]
@@ -62,6 +63,28 @@ def gather(x: jax.Array, axis: AxisNames, dim: int, *, replicated: bool = False)
         return x
     to = "invarying" if replicated else "varying"
     return lax.all_gather(x, names, axis=dim, tiled=True, to=to)
+
+
+def gather_many(xs: Sequence[jax.Array], axis: AxisNames, dims: Sequence[int]) -> list:
+    """`[gather(x, axis, dim) for x, dim in zip(xs, dims)]` as ONE all-gather.
+
+    Each `[.., X_axis, ..]` is laid out with its gathered dim first and flattened; the
+    flat pieces are concatenated into one buffer `[P]`, all-gathered to `[n, P]` and cut
+    back, each piece then `[n, X/n, ..] -> [X, ..]` with its dim moved back into place.
+    One collective instead of len(xs) (each costs a synchronization of every device);
+    the copies around it move the same bytes once more, on the device. Its transpose is
+    one reduce-scatter of the concatenated grads. All xs must share a dtype."""
+    names = _names(axis)
+    if not names:
+        return list(xs)
+    moved = [jnp.moveaxis(x, d, 0) for x, d in zip(xs, dims)]
+    flat_P = jnp.concatenate([m.reshape(-1) for m in moved])
+    whole_nP = lax.all_gather(flat_P, names, axis=0, tiled=False, to="varying")
+    # split, not slices: its transpose concatenates the grads (slices' would pad each
+    # to the whole buffer and add them up)
+    pieces = jnp.split(whole_nP, np.cumsum([m.size for m in moved])[:-1], axis=1)
+    return [jnp.moveaxis(piece.reshape(-1, *m.shape[1:]), 0, d)  # [n, P_x] -> [X, ..]
+            for piece, m, d in zip(pieces, moved, dims)]
 
 
 def reduce_scatter(x: jax.Array, axis: AxisNames, dim: int) -> jax.Array:

@@ -26,22 +26,24 @@ REMAT_POLICIES = {
 
 
 def gather_weights(p: dict, fsdp_dims: Mapping[str, int | None], axes: Axes, dtype) -> dict:
-    """All-gather each weight over fsdp along the dim the param table shards.
+    """All-gather a layer's weights over fsdp, each along the dim the param table shards,
+    in one collective (`collectives.gather_many`; its backward is one reduce-scatter).
 
     Matrices are cast to the compute dtype first, so the gather moves compute-dtype
     bytes; weights not sharded over fsdp (norm scales) pass through in f32. A weight that
     is not an array already holds its whole (ZeRO-2's `engine.optim.Resident`: stored
     replicated, differentiated as its fsdp shard): its `gather(dim, dtype)` returns the
     whole without moving bytes, and its backward reduce-scatters the grad as a gather's."""
-
-    def one(w, dim):
-        if dim is None:
-            return w
-        if not isinstance(w, jax.Array):
-            return w.gather(dim, dtype)
-        return collectives.gather(w.astype(dtype), axes.fsdp, dim=dim)
-
-    return {name: one(w, fsdp_dims[name]) for name, w in p.items()}
+    out = dict(p)
+    sharded = [name for name, w in p.items()
+               if fsdp_dims[name] is not None and isinstance(w, jax.Array)]
+    wholes = collectives.gather_many([p[name].astype(dtype) for name in sharded], axes.fsdp,
+                                     [fsdp_dims[name] for name in sharded])
+    out.update(zip(sharded, wholes))
+    for name, w in p.items():
+        if fsdp_dims[name] is not None and not isinstance(w, jax.Array):
+            out[name] = w.gather(fsdp_dims[name], dtype)
+    return out
 
 
 def block(x_BLD: jax.Array, p: dict, cfg: ModelConfig, axes: Axes) -> jax.Array:
