@@ -25,7 +25,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import collectives
-from engine import optim
+from engine import host, optim
 from engine.config import TrainConfig
 from engine.layout import Layout
 from engine.params import fsdp_dims, init_params, param_shapes, param_specs, storage_specs
@@ -45,6 +45,8 @@ class Trainer:
 
     def __init__(self, cfg: ModelConfig, tcfg: TrainConfig, layout: Layout, mesh):
         layout.check(cfg, tcfg.batch)
+        if jax.default_backend() == "cpu":
+            host.keep_freed_memory()  # XLA:CPU's step buffers stay mapped between steps
         self.cfg, self.tcfg, self.layout, self.mesh = cfg, tcfg, layout, mesh
         self.axes = layout.role_axes()
         self.zero = cfg.zero if self.axes.fsdp is not None else 3
