@@ -52,11 +52,18 @@ def _scores(q_BTGRK, k_BSGK, chunk: _Chunk):
     return jnp.where(mask_TS, s_BGRTS, MASK_VALUE), mask_TS
 
 
+def _probs(s_BGRTS, shift_BGRT, mask_TS, padded: bool):
+    """exp(s - shift) with masked entries 0. Without padding every row sees a key, so
+    its shift is a real score and exp(MASK_VALUE - shift) is already 0: no select."""
+    p_BGRTS = jnp.exp(s_BGRTS - shift_BGRT[..., None])
+    return jnp.where(mask_TS, p_BGRTS, 0.0) if padded else p_BGRTS
+
+
 def _forward(q_BTGRK, k_BSGK, v_BSGK, chunk: _Chunk):
     """o_BTGRK (q's dtype) and lse_BGRT (f32)."""
     s_BGRTS, mask_TS = _scores(q_BTGRK, k_BSGK, chunk)
     m_BGRT = jnp.max(s_BGRTS, axis=-1)
-    p_BGRTS = jnp.where(mask_TS, jnp.exp(s_BGRTS - m_BGRT[..., None]), 0.0)
+    p_BGRTS = _probs(s_BGRTS, m_BGRT, mask_TS, chunk.kv_len < k_BSGK.shape[1])
     l_BGRT = jnp.sum(p_BGRTS, axis=-1)
     # A row with no visible key (only with kv_len padding) has l == 0: it outputs zeros.
     l_BGRT = jnp.where(l_BGRT == 0.0, 1.0, l_BGRT)
@@ -70,7 +77,7 @@ def _backward(chunk: _Chunk, residuals, do_BTGRK):
     q_BTGRK, k_BSGK, v_BSGK, o_BTGRK, lse_BGRT = residuals
     f32 = jnp.float32
     s_BGRTS, mask_TS = _scores(q_BTGRK, k_BSGK, chunk)
-    p_BGRTS = jnp.where(mask_TS, jnp.exp(s_BGRTS - lse_BGRT[..., None]), 0.0)
+    p_BGRTS = _probs(s_BGRTS, lse_BGRT, mask_TS, chunk.kv_len < k_BSGK.shape[1])
     delta_BGRT = jnp.einsum("BTGRK,BTGRK->BGRT", do_BTGRK.astype(f32), o_BTGRK.astype(f32))
     do_BTGRK = do_BTGRK.astype(v_BSGK.dtype)
     dv_BSGK = jnp.einsum("BGRTS,BTGRK->BSGK", p_BGRTS.astype(v_BSGK.dtype), do_BTGRK,
