@@ -239,3 +239,41 @@ def test_ring_helpers_without_an_axis_are_plain_f():
                                       jnp.sin(x))
         np.testing.assert_array_equal(collectives.row_parallel(x, jnp.sin, None, 1, comm),
                                       jnp.sin(x))
+
+
+# -- gather_many: several gathers as one all-gather ---------------------------------------
+@pytest.mark.parametrize("shape,axis", [((8,), "a"), ((4, 2), "a"), ((2, 2, 2), ("a", "b"))])
+def test_gather_many_is_each_gather(shape, axis):
+    """Arrays of different ranks gathered along different dims (first, middle, last),
+    values and grads, against one `gather` each (checked above against the loop)."""
+    names = MESHES[shape]
+    mesh, spec = make_mesh(shape), P(names)
+    rng = np.random.default_rng(5)
+    shapes, dims = [(2, 3), (3, 2, 4), (4, 2), (2, 5, 3)], [0, 1, 1, 2]
+    XS = [jnp.asarray(rng.normal(size=(8, *s)), jnp.float32) for s in shapes]
+
+    def per_device(f):
+        return jax.shard_map(lambda *xs: [y[None] for y in f([x[0] for x in xs])], mesh=mesh,
+                             in_specs=(spec,) * len(XS), out_specs=[spec] * len(XS))
+
+    many = per_device(lambda xs: collectives.gather_many(xs, axis, dims))
+    each = per_device(lambda xs: [collectives.gather(x, axis, d) for x, d in zip(xs, dims)])
+    want = jax.jit(each)(*XS)
+    for g, w in zip(jax.jit(many)(*XS), want):
+        np.testing.assert_array_equal(g, w)
+    R = [jnp.asarray(rng.normal(size=w.shape), jnp.float32) for w in want]
+    dot = lambda f: lambda *xs: sum(jnp.sum(y * r) for y, r in zip(f(*xs), R))
+    argnums = tuple(range(len(XS)))
+    g_many = jax.jit(jax.grad(dot(many), argnums))(*XS)
+    g_each = jax.jit(jax.grad(dot(each), argnums))(*XS)
+    for g, w in zip(g_many, g_each):
+        np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-6)
+    hlo = jax.jit(jax.value_and_grad(dot(many), argnums)).lower(*XS).compile().as_text()
+    ops = re.findall(COLLECTIVE_OP, hlo)
+    assert (ops.count("all-gather"), ops.count("reduce-scatter")) == (1, 1), ops
+
+
+def test_gather_many_without_an_axis_returns_its_inputs():
+    xs = [jnp.arange(6.0).reshape(2, 3), jnp.arange(4.0)]
+    for got, want in zip(collectives.gather_many(xs, None, [0, 0]), xs):
+        np.testing.assert_array_equal(got, want)

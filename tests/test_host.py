@@ -1,0 +1,32 @@
+"""engine.host: glibc keeps XLA:CPU's freed step buffers in the process."""
+import ctypes
+import platform
+
+import pytest
+
+from engine import host
+
+
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+        "fordblks", "keepcost")]
+
+
+@pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc",
+                    reason="mallopt is glibc's")
+def test_a_step_sized_block_comes_from_the_heap_and_stays_there():
+    """A 16 MiB block (an activation of `small`) is neither mmapped at malloc nor given
+    back to the kernel at free: both happen with glibc's defaults (mmap threshold
+    128 KiB, trimming above 128 KiB)."""
+    assert host.keep_freed_memory()
+    libc = ctypes.CDLL("libc.so.6")
+    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+    libc.mallinfo2.restype = MallInfo2
+    size = 16 << 20
+    mapped = libc.mallinfo2().hblkhd
+    block = libc.malloc(size)
+    assert block and libc.mallinfo2().hblkhd - mapped < size, "block was mmapped"
+    libc.free(block)
+    assert libc.mallinfo2().fordblks >= size, "freed block was returned to the kernel"
