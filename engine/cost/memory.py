@@ -24,57 +24,91 @@ Shapes per device: B = batch / (dp·fsdp); L = seq; L_x = L / tp under tp_comm s
 and ring (the residual stream between blocks is sharded along L), else L; H_tp, F_tp,
 V_tp = heads, MLP hidden, vocab / tp; G_tp = kv heads a tp rank uses (G / tp, or 1 when
 tp > G); K head dim; D d_model; N layers; W = one layer's weights on a tp rank (wq, wk,
-wv, wo, wg, wu, wd; kv whole when tp > G); c = bytes of the compute dtype; w = bytes of a
-live gathered weight or saved compute-dtype activation: c, except on `cpu` with bf16,
-where it is 4 (the CPU runtime runs bf16 all-gathers in f32, the audit's
-`cpu_bf16_collectives_in_f32`, and XLA:CPU upcasts the bf16 operands of the backward's
-dots, converting whole saved stacks to f32 ahead of the backward loop).
+wv, wo, wg, wu, wd; kv whole when tp > G), W_r the same with kv sliced to the rank (G_tp);
+c = bytes of the compute dtype; u = bytes of a compute-dtype operand of a mixed
+(compute dtype x f32) dot: 4 on `cpu` (XLA:CPU upcasts it to f32), else c. Matmuls run
+through `layers.common.einsum`, whose backward casts the f32 cotangent to the compute
+dtype, so the backward's matmul operands are compute-dtype tensors; the layer's weights
+are all-gathered as one flat buffer (`collectives.gather_many`, f32 on CPU) and cast back
+to the compute dtype right after, so the gathered weights live in the compute dtype.
+Score tiles: reference forms one [L, L]; chunked, per chunk of T = 64 queries (the last
+may be shorter), a [T, S] tile against its causal key prefix S; Σ_TS = sum over chunks of
+T·S (L² for reference), Σ_S = sum of S, C = number of chunks.
 
 remat `full` (the scan saves only its carry):
     residuals  N · B·L_x·D·4                 the carry x before each layer, f32
                prefetch: the carry also holds the next layer's gathered weights and the
                scan runs over layers 1..N-1 (the last layer follows it, not rematted):
-               (N-1) · (B·L_x·D·4 + W·w)
-    transient  the layer recomputed plus its backward, live together where XLA
-               schedules the MLP's backward to meet the start of the attention's
-               backward (the weight-grad dots are deferred). Read off XLA:CPU's buffer
-               assignment at the peak for tiny, small and medium; every item is a tensor
-               of the program:
-      MLP        7 · B·L·F_tp·4    gate g and up u (recomputed), sigmoid(g), dh = dy·wd^T,
-                                   dg, du, and a relayout of dg for its weight-grad dot
-                 + B·L·F_tp·c      h = silu(g)·u in the compute dtype (for wd's grad)
-      attention  2 · B·H_tp·L·L·4  softmax p (recomputed) and its grad dp (reference
-                                   kernel)
-                 + B·L·(2·H_tp + 2·G_tp)·K·4   q, k, v (recomputed), do = dy·wo^T
-      stream     5 · B·L_x·D·4     the layer's input x (sliced from the saved stack),
-                                   x + attn, both norm outputs, the incoming grad dy
-                 + 3 · B·L·D·4     dy relaid out (sequence / ring: gathered along L) for
-                                   the weight-grad dots; the two dx partial sums before
-                                   their tp all-reduce / reduce-scatter
-      weights    W·w               this layer's gathered weights
+               (N-1) · (B·L_x·D·4 + W·c)
+    transient  the layer recomputed plus its backward, live where the MLP's backward
+               starts (its dg, du and h relayout formed; the attention's backward
+               operands already prepared). Read off XLA:CPU's buffer assignment at the
+               peak (tiny: the test's six cases; small, medium at L = 256 on fsdp8,
+               fsdp4xtp2, single, tp8); every item is a tensor of the program:
+      attention  reference:
+                 B·H_tp·Σ_TS·4          exp(s - max), recomputed (the softmax's backward)
+                 + B·H_tp·Σ_TS·u        p in the compute dtype, upcast for dv's dot
+                 + B·L·(H_tp + 2·G_tp)·K·u   q, k, v upcast for dq, dk's dots
+                 + L·L                  the causal mask (bool)
+                 chunked:
+                 B·H_tp·Σ_TS·(4 + c)    p = exp(s - lse) recomputed by every chunk's
+                                        backward, f32, and its compute-dtype cast (dv)
+                 + B·L·H_tp·K·c         q, per chunk, relaid out for dk
+                 + 2·B·G_tp·K·Σ_S·c     k and v over each chunk's key prefix, relaid out
+                 + B·L·H_tp·K·(4 if C > 1 else c)   o per chunk (saved; upcast to f32
+                                        for delta = rowsum(do·o) when C > 1, kept in the
+                                        compute dtype with one chunk)
+                 + Σ_TS                 the chunks' masks (bool)
+                 both:
+                 + B·L·H_tp·K·c         o relaid out for wo's grad
+      MLP        3 · B·L·F_tp·4         gate g and up u (recomputed), silu's sigmoid(g)
+                 + 3 · B·L·F_tp·c       dg, du cast to the compute dtype; h relaid out
+                                        for wd's grad
+      stream     5 · B·L_x·D·4          the layer's input x (sliced from the saved
+                                        stack), attention norm output, x + attn, MLP
+                                        norm output, the incoming grad dy
+                 + 3 · B·L·D·c          dy cast to the compute dtype (sequence / ring:
+                                        gathered along L) and both norm outputs cast and
+                                        relaid out for the weight-grad dots
+                 + L·K·4                RoPE's cos and sin tables [L, K/2]
+                 + 4 · B·L_x·D·4        only from B·L_x >= 4096 rows
+                                        (NORM_BROADCAST_ROWS): each norm's rsqrt(mean
+                                        x²) (and its product with the scale) broadcast
+                                        over D, which XLA:CPU materializes there (seen at
+                                        4096 rows, not at 1024 or fewer)
+      weights    (W_r - D·F_tp)·c       this layer's gathered weights but wd (its last
+                                        use, dh = dy·wd^T, is done)
+      grads      V_tp·D·4 - its shard   the embedding's grad, whole over fsdp before its
+                                        reduce-scatter, live through the backward scan in
+                                        place of its `grad_specs` shard
 remat `dots` (also saves the outputs of matmuls without batch dims; of those the
     backward uses q, k, v, g, u and the out projection, which it needs to recompute
     x + attn for the MLP's norm; down's output is saveable but unused):
     residuals  N · (B·L_x·D·4 + B·L·(H_tp + 2·G_tp)·K·4 + B·L·D·4 + 2·B·L·F_tp·4)
                (+ prefetch's weights as above)
-    transient  `full`'s, less g, u, q, k, v (read from the saved stacks, not recomputed)
+    transient  `full`'s, less g and u (read from the saved stacks, not recomputed)
 remat `none` (everything saved, nothing recomputed), per layer, N times:
-    residuals  2·B·H_tp·L·L (p in f32 and, at w bytes, in the compute dtype)
-               + 5·B·L·F_tp·4 (g, u, sigmoid, silu, h) + B·L·F_tp·w (h cast)
+    residuals  B·H_tp·Σ_TS·(4 + c) (p in f32 and the compute dtype)
+               + 5·B·L·F_tp·4 (g, u, sigmoid, silu, h) + B·L·F_tp·c (h cast)
                + 6·B·L_x·D·4 (x, normalized x, norm output, for both norms)
-               + 5·B·L·D·w (the norm outputs cast once per column-parallel matmul: q, k,
-               v, gate, up) + B·L·(2·H_tp + 2·G_tp)·K·w (q, o, k, v) + W·w (the
+               + 5·B·L·D·c (the norm outputs cast once per column-parallel matmul: q, k,
+               v, gate, up) + B·L·(2·H_tp + 2·G_tp)·K·c (q, o, k, v) + W·c (the
                gathered weights)
-    transient  the backward items of `full` (dh, dg, du, relayout, dp, do, dy, its
-               relayout, the dx partials, the weights) + this layer's copies of the saved
-               p and of four stream tensors (B·H_tp·L·L·4 + 4·B·L_x·D·4)
-loss phase: 2·B·L·V_tp·4 (dlogits and a relayout) + D·V_tp·(w + 4) (the gathered
+    transient  `full`'s but g, u, sigmoid(g) + this layer's copies of the saved p and
+               of four stream tensors (B·H_tp·Σ_TS·4 + 4·B·L_x·D·4)
+loss phase: 2·B·L·V_tp·4 (dlogits and a relayout) + D·V_tp·(c + 4) (the gathered
     unembed and its f32 grad) + V_tp·D·4 (the embedding's grad, whole over fsdp before
     its reduce-scatter).
 
-`none`, `dots` and the loss phase were each checked on fewer shapes than `full` (see
-tests/test_memory.py and bench/switches.py). Only the `reference` attention kernel is
-modelled: `blocked` / `pallas` (and `auto` from 1024 tokens) raise `Unsupported`.
+The items add up to within 0.5% of the tensors XLA:CPU holds at its peak (tiny, small);
+`memory_analysis()`'s temp is 2-7% above that (the heap's packing of those buffers,
+not a tensor), so the prediction runs that much under the measured peak. `none`,
+`dots`, prefetch and the loss phase were refitted only for the dtype of the gathered
+weights and of the einsum backward (c instead of f32); their items were not re-read
+from the compiler after the bf16 einsum VJP, gather_many and the chunked kernel. Spot
+checks (tiny, fsdp4xtp2, zero 3, chunked): `dots` -1%, `none` -2%, but prefetch -43%
+(its peak is elsewhere: not modelled correctly now). Only the `reference` and `chunked` attention kernels are modelled:
+`blocked` / `pallas` (and `auto` from 1024 tokens) raise `Unsupported`.
 
 `measure(compiled)` reads the compiled step's `memory_analysis()` and defines the
 measured peak as
@@ -94,6 +128,7 @@ is not used.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 
 import jax
@@ -104,9 +139,13 @@ from engine.config import TrainConfig
 from engine.layout import Layout
 from layers.attention import resolve_attention
 from layers.config import ModelConfig
+from layers.flash_chunked import chunked_attention
 
 MiB = 2 ** 20
 F32 = 4
+# from this many rows B·L_x on, XLA:CPU materializes each norm's rsqrt broadcast over D
+# in the recompute (seen at 4096 rows, not at 1024 or fewer)
+NORM_BROADCAST_ROWS = 4096
 
 
 class Unsupported(ValueError):
@@ -169,15 +208,15 @@ def _tree_bytes(shapes, specs, sizes: dict, keep=lambda path: True) -> int:
 def predict(cfg: ModelConfig, tcfg: TrainConfig, layout: Layout, platform: str = "cpu",
             trainer=None) -> MemoryPrediction:
     """The step's predicted per-device peak (module doc). `platform`: "cpu" (XLA:CPU,
-    what the item list was read from: bf16 weights and saved activations live as f32),
-    anything else keeps them in the compute dtype. `trainer`: a `Trainer` for (cfg, tcfg,
-    layout) to take the specs from; by default one on the layout's abstract mesh."""
+    what the item list was read from: compute-dtype operands of mixed dots are upcast to
+    f32), anything else keeps them in the compute dtype. `trainer`: a `Trainer` for (cfg,
+    tcfg, layout) to take the specs from; by default one on the layout's abstract mesh."""
     from engine.params import param_shapes
 
     kernel = resolve_attention(cfg.attention, tcfg.seq)
-    if kernel != "reference":
+    if kernel not in ("reference", "chunked"):
         raise Unsupported(f"no memory model for the {kernel!r} attention kernel (only "
-                          f"'reference' was checked against the compiler)")
+                          f"'reference' and 'chunked' were checked against the compiler)")
     if cfg.remat not in ("full", "dots", "none"):
         raise Unsupported(f"no memory model for remat={cfg.remat!r}")
     if trainer is None:
@@ -192,6 +231,8 @@ def predict(cfg: ModelConfig, tcfg: TrainConfig, layout: Layout, platform: str =
     grads = _tree_bytes(shapes, t.grad_specs, sizes)
     grads_not_blocks = _tree_bytes(shapes, t.grad_specs, sizes,
                                    keep=lambda path: not path.startswith("['blocks']"))
+    grad_embed = _tree_bytes(shapes, t.grad_specs, sizes,
+                             keep=lambda path: path.startswith("['embed']"))
     B = tcfg.batch // t.axes.batch_size
     tokens = B * (tcfg.seq + 1) * 4
 
@@ -202,42 +243,76 @@ def predict(cfg: ModelConfig, tcfg: TrainConfig, layout: Layout, platform: str =
     kv_split = tp <= cfg.n_kv_heads
     Gtp = cfg.n_kv_heads // tp if kv_split else 1
     W = 2 * D * Htp * K + 2 * D * (Gtp if kv_split else cfg.n_kv_heads) * K + 3 * D * Ftp
+    W_rank = 2 * D * Htp * K + 2 * D * Gtp * K + 3 * D * Ftp  # kv sliced to this rank
     c = jnp.dtype(cfg.compute_dtype).itemsize
-    w = F32 if platform == "cpu" else c
+    u = F32 if platform == "cpu" else c  # a compute-dtype operand of a mixed dot
 
     x_stream, x_full = B * Lx * D * F32, B * L * D * F32  # [B, L_x, D], [B, L, D] f32
     mlp = B * L * Ftp * F32                                 # [B, L, F_tp] f32
-    scores = B * Htp * L * L * F32                          # [B, H_tp, L, L] f32
-    q_heads, kv_heads = B * L * Htp * K * F32, B * L * Gtp * K * F32
+    q_c = B * L * Htp * K * c                               # [B, L, H_tp, K] compute dtype
+    # the score tiles the kernel forms: [L, L] (reference) or, per 64-query chunk of T
+    # queries, [T, S] against its causal key prefix S (chunked)
+    if kernel == "chunked":
+        T = min(inspect.signature(chunked_attention).parameters["blocks"].default.block_q, L)
+        chunks = [(min(s + T, L) - s, min(s + T, L)) for s in range(0, L, T)]
+    else:
+        chunks = [(L, L)]
+    tiles = sum(tq * s for tq, s in chunks)                 # sum of T·S
+    keys = sum(s for _, s in chunks)                        # sum of S
+    scores = B * Htp * tiles * F32                          # f32 scores of all tiles
 
-    # the layer as remat `full` recomputes it, and its backward (module doc)
-    fwd = {"mlp g, u, sigmoid(g)": 3 * mlp, "mlp h (compute dtype)": B * L * Ftp * c,
-           "attention p": scores, "attention q, k, v": q_heads + 2 * kv_heads,
-           "stream x, x + attn, 2 norm outputs": 4 * x_stream}
-    bwd = {"mlp dh, dg, du, relayout": 4 * mlp, "attention dp": scores,
-           "attention do": q_heads, "stream dy": x_stream,
-           "stream dy relayout, 2 dx partials": 3 * x_full, "layer weights": W * w}
-    prefetched = {f"prefetched weights ({N - 1} layers)": (N - 1) * W * w} if cfg.prefetch else {}
+    # the layer's recompute and backward (remat `full`), live where the MLP's backward
+    # starts (module doc)
+    if kernel == "reference":
+        attn = {"attention exp(s - max), f32 (recomputed)": scores,
+                "attention p (compute dtype) upcast for dv's dot": scores // F32 * u,
+                "attention q, k, v upcast for the backward's dots":
+                    B * L * (Htp + 2 * Gtp) * K * u,
+                "attention causal mask [L, L]": L * L}
+    else:
+        attn = {"attention p = exp(s - lse) per chunk, f32": scores,
+                "attention p per chunk, compute dtype (for dv)": scores // F32 * c,
+                "attention q per chunk, relaid out (for dk)": q_c,
+                "attention k, v per chunk's key prefix, relaid out":
+                    2 * B * Gtp * K * keys * c,
+                "attention o per chunk (f32 for delta when chunks > 1)":
+                    q_c // c * (F32 if len(chunks) > 1 else c),
+                "attention masks per chunk [T, S]": tiles}
+    attn["attention o relaid out (for wo's grad)"] = q_c
+    mlp_items = {"mlp g, u, sigmoid(g), f32 (recomputed)": 3 * mlp,
+                 "mlp dg, du (compute dtype), h relaid out (for wd's grad)":
+                     3 * mlp // F32 * c}
+    stream = {"stream x, x + attn, 2 norm outputs (f32), dy": 5 * x_stream,
+              "stream dy (compute dtype, whole L), 2 norm outputs relaid out":
+                  3 * x_full // F32 * c,
+              "rope cos, sin [L, K/2]": L * K * F32}
+    if B * Lx >= NORM_BROADCAST_ROWS:
+        stream["stream rsqrt(mean(x^2)) broadcast over D, 2 per norm (f32)"] = 4 * x_stream
+    weights = {"layer weights but wd (compute dtype)": (W_rank - D * Ftp) * c}
+    embed = {"embed grad, whole over fsdp (replaces its shard)": Vtp * D * F32 - grad_embed}
+    trans_full = {**attn, **mlp_items, **stream, **weights, **embed}
+    prefetched = {f"prefetched weights ({N - 1} layers)": (N - 1) * W * c} if cfg.prefetch else {}
     if cfg.remat == "full":
         n = N - 1 if cfg.prefetch else N
         res = {f"scan carry x ({n} layers)": n * x_stream, **prefetched}
-        trans = {**fwd, **bwd}
+        trans = trans_full
     elif cfg.remat == "dots":
-        per = x_stream + q_heads + 2 * kv_heads + x_full + 2 * mlp
+        per = x_stream + B * L * (Htp + 2 * Gtp) * K * F32 + x_full + 2 * mlp
         res = {f"carry x, q, k, v, out projection, g, u ({N} layers)": N * per, **prefetched}
-        trans = {**fwd, **bwd, "mlp g, u, sigmoid(g)": mlp, "attention q, k, v": 0}
+        trans = {**trans_full, "mlp g, u, sigmoid(g), f32 (recomputed)": mlp}
     else:  # none
-        per = {"p (f32 and compute dtype)": scores + scores // F32 * w,
-               "mlp g, u, sigmoid, silu, h (f32) and h cast": 5 * mlp + mlp // F32 * w,
+        per = {"p (f32 and compute dtype)": scores + scores // F32 * c,
+               "mlp g, u, sigmoid, silu, h (f32) and h cast": 5 * mlp + mlp // F32 * c,
                "stream x, normalized, norm output (both norms)": 6 * x_stream,
-               "norm outputs cast for q, k, v, gate, up": 5 * x_full // F32 * w,
-               "q, o, k, v (compute dtype)": (2 * Htp + 2 * Gtp) * B * L * K * w,
-               "gathered weights": W * w}
+               "norm outputs cast for q, k, v, gate, up": 5 * x_full // F32 * c,
+               "q, o, k, v (compute dtype)": (2 * Htp + 2 * Gtp) * B * L * K * c,
+               "gathered weights": W * c}
         res = {f"{k} ({N} layers)": N * v for k, v in per.items()}
-        trans = {**bwd, "copies of this layer's saved p and 4 stream tensors":
-                 scores + 4 * x_stream}
+        trans = {**{k: v for k, v in trans_full.items() if not k.startswith("mlp g")},
+                 "copies of this layer's saved p and 4 stream tensors":
+                     scores + 4 * x_stream}
     loss = {"dlogits and a relayout": 2 * B * L * Vtp * F32,
-            "unembed gathered and its f32 grad": D * Vtp * (w + F32),
+            "unembed gathered and its f32 grad": D * Vtp * (c + F32),
             "embed grad, whole over fsdp": Vtp * D * F32}
 
     residuals = sum(res.values())
