@@ -11,6 +11,7 @@ so `jax.grad` of a gather is a reduce-scatter and of a broadcast an all-reduce.
 """
 from __future__ import annotations
 
+import functools
 from typing import Sequence, Union
 
 import jax
@@ -79,12 +80,35 @@ def gather_many(xs: Sequence[jax.Array], axis: AxisNames, dims: Sequence[int]) -
         return list(xs)
     moved = [jnp.moveaxis(x, d, 0) for x, d in zip(xs, dims)]
     flat_P = jnp.concatenate([m.reshape(-1) for m in moved])
-    whole_nP = lax.all_gather(flat_P, names, axis=0, tiled=False, to="varying")
+    whole_nP = _gather_packed(names)(flat_P)
     # split, not slices: its transpose concatenates the grads (slices' would pad each
     # to the whole buffer and add them up)
     pieces = jnp.split(whole_nP, np.cumsum([m.size for m in moved])[:-1], axis=1)
     return [jnp.moveaxis(piece.reshape(-1, *m.shape[1:]), 0, d)  # [n, P_x] -> [X, ..]
             for piece, m, d in zip(pieces, moved, dims)]
+
+
+@functools.cache
+def _gather_packed(names: tuple[str, ...]):
+    """[P] -> [n, P] all-gather (typed per-device) whose transpose is a reduce-scatter;
+    2-byte dtypes travel as pairs bitcast to uint32, so a backend that widens bf16
+    collectives (XLA:CPU runs them in f32) moves them at their own size, unconverted."""
+
+    def gather(flat_P):
+        if flat_P.dtype.itemsize != 2:
+            return lax.all_gather(flat_P, names, axis=0, tiled=False, to="varying")
+        P = flat_P.shape[0]
+        pairs_Q2 = jnp.pad(flat_P, (0, P % 2)).reshape(-1, 2)
+        words_nQ = lax.all_gather(lax.bitcast_convert_type(pairs_Q2, jnp.uint32), names,
+                                  axis=0, tiled=False, to="varying")
+        n = words_nQ.shape[0]
+        return lax.bitcast_convert_type(words_nQ, flat_P.dtype).reshape(n, -1)[:, :P]
+
+    f = jax.custom_vjp(gather)
+    f.defvjp(lambda flat_P: (gather(flat_P), None),
+             lambda _, ct_nP: (lax.psum_scatter(ct_nP, names, scatter_dimension=0,
+                                                tiled=False),))
+    return f
 
 
 def reduce_scatter(x: jax.Array, axis: AxisNames, dim: int) -> jax.Array:

@@ -242,15 +242,20 @@ def test_ring_helpers_without_an_axis_are_plain_f():
 
 
 # -- gather_many: several gathers as one all-gather ---------------------------------------
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("shape,axis", [((8,), "a"), ((4, 2), "a"), ((2, 2, 2), ("a", "b"))])
-def test_gather_many_is_each_gather(shape, axis):
+def test_gather_many_is_each_gather(shape, axis, dtype):
     """Arrays of different ranks gathered along different dims (first, middle, last),
-    values and grads, against one `gather` each (checked above against the loop)."""
+    values and grads, against one `gather` each (checked above against the loop). The
+    buffer holds an odd number of elements, so bf16's uint32 pairs need their padding.
+    Gathers move data and the grads sum the same terms: equal to the bit in f32, and in
+    bf16 to the rounding of the bf16 grads (the two reduce-scatters sum in f32, then
+    round)."""
     names = MESHES[shape]
     mesh, spec = make_mesh(shape), P(names)
     rng = np.random.default_rng(5)
     shapes, dims = [(2, 3), (3, 2, 4), (4, 2), (2, 5, 3)], [0, 1, 1, 2]
-    XS = [jnp.asarray(rng.normal(size=(8, *s)), jnp.float32) for s in shapes]
+    XS = [jnp.asarray(rng.normal(size=(8, *s)), dtype) for s in shapes]
 
     def per_device(f):
         return jax.shard_map(lambda *xs: [y[None] for y in f([x[0] for x in xs])], mesh=mesh,
@@ -261,16 +266,23 @@ def test_gather_many_is_each_gather(shape, axis):
     want = jax.jit(each)(*XS)
     for g, w in zip(jax.jit(many)(*XS), want):
         np.testing.assert_array_equal(g, w)
-    R = [jnp.asarray(rng.normal(size=w.shape), jnp.float32) for w in want]
-    dot = lambda f: lambda *xs: sum(jnp.sum(y * r) for y, r in zip(f(*xs), R))
+    R = [jnp.asarray(rng.normal(size=w.shape), dtype) for w in want]
+    dot = lambda f: lambda *xs: sum(jnp.sum((y * r).astype(jnp.float32))
+                                    for y, r in zip(f(*xs), R))
     argnums = tuple(range(len(XS)))
     g_many = jax.jit(jax.grad(dot(many), argnums))(*XS)
     g_each = jax.jit(jax.grad(dot(each), argnums))(*XS)
+    tol = 1e-6 if dtype == jnp.float32 else 2**-8  # one bf16 rounding
     for g, w in zip(g_many, g_each):
-        np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-6)
+        assert g.dtype == dtype
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32),
+                                   rtol=tol, atol=tol)
     hlo = jax.jit(jax.value_and_grad(dot(many), argnums)).lower(*XS).compile().as_text()
     ops = re.findall(COLLECTIVE_OP, hlo)
     assert (ops.count("all-gather"), ops.count("reduce-scatter")) == (1, 1), ops
+    # bf16 travels as uint32 pairs, not widened to f32 by XLA:CPU
+    gathered = re.search(r"= (\w+)\[[\d,]*\]\S* all-gather(?:-start)?\(", hlo).group(1)
+    assert gathered == ("u32" if dtype == jnp.bfloat16 else "f32"), gathered
 
 
 def test_gather_many_without_an_axis_returns_its_inputs():
