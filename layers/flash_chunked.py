@@ -60,30 +60,35 @@ def _probs(s_BGRTS, shift_BGRT, mask_TS, padded: bool):
 
 
 def _forward(q_BTGRK, k_BSGK, v_BSGK, chunk: _Chunk):
-    """o_BTGRK (q's dtype) and lse_BGRT (f32)."""
+    """o_BTGRK (q's dtype), and for the backward the unnormalised probabilities
+    e_BGRTS = exp(s - max) in v's dtype (what the PV matmul reads) and 1 / rowsum."""
     s_BGRTS, mask_TS = _scores(q_BTGRK, k_BSGK, chunk)
     m_BGRT = jnp.max(s_BGRTS, axis=-1)
-    p_BGRTS = _probs(s_BGRTS, m_BGRT, mask_TS, chunk.kv_len < k_BSGK.shape[1])
-    l_BGRT = jnp.sum(p_BGRTS, axis=-1)
+    e_BGRTS = _probs(s_BGRTS, m_BGRT, mask_TS, chunk.kv_len < k_BSGK.shape[1])
+    l_BGRT = jnp.sum(e_BGRTS, axis=-1)
     # A row with no visible key (only with kv_len padding) has l == 0: it outputs zeros.
-    l_BGRT = jnp.where(l_BGRT == 0.0, 1.0, l_BGRT)
-    o_BGRTK = jnp.einsum("BGRTS,BSGK->BGRTK", p_BGRTS.astype(v_BSGK.dtype), v_BSGK,
-                         preferred_element_type=jnp.float32) / l_BGRT[..., None]
+    inv_l_BGRT = 1.0 / jnp.where(l_BGRT == 0.0, 1.0, l_BGRT)
+    e_BGRTS = e_BGRTS.astype(v_BSGK.dtype)
+    o_BGRTK = jnp.einsum("BGRTS,BSGK->BGRTK", e_BGRTS, v_BSGK,
+                         preferred_element_type=jnp.float32) * inv_l_BGRT[..., None]
     o_BTGRK = o_BGRTK.transpose(0, 3, 1, 2, 4).astype(q_BTGRK.dtype)
-    return o_BTGRK, m_BGRT + jnp.log(l_BGRT)
+    return o_BTGRK, (e_BGRTS, inv_l_BGRT)
 
 
 def _backward(chunk: _Chunk, residuals, do_BTGRK):
-    q_BTGRK, k_BSGK, v_BSGK, o_BTGRK, lse_BGRT = residuals
+    """P = e / l from the forward's residuals (no scores recomputed):
+    dV = P^T dO, dP = dO V^T, dS = P (dP - delta), dQ = dS K, dK = dS^T Q."""
+    q_BTGRK, k_BSGK, v_BSGK, o_BTGRK, e_BGRTS, inv_l_BGRT = residuals
     f32 = jnp.float32
-    s_BGRTS, mask_TS = _scores(q_BTGRK, k_BSGK, chunk)
-    p_BGRTS = _probs(s_BGRTS, lse_BGRT, mask_TS, chunk.kv_len < k_BSGK.shape[1])
     delta_BGRT = jnp.einsum("BTGRK,BTGRK->BGRT", do_BTGRK.astype(f32), o_BTGRK.astype(f32))
-    do_BTGRK = do_BTGRK.astype(v_BSGK.dtype)
-    dv_BSGK = jnp.einsum("BGRTS,BTGRK->BSGK", p_BGRTS.astype(v_BSGK.dtype), do_BTGRK,
+    # 1/l applied to dO (a [T, K] tile) instead of to P ([T, S])
+    do_BGRTK = do_BTGRK.transpose(0, 2, 3, 1, 4).astype(f32) * inv_l_BGRT[..., None]
+    dv_BSGK = jnp.einsum("BGRTS,BGRTK->BSGK", e_BGRTS, do_BGRTK.astype(v_BSGK.dtype),
                          preferred_element_type=f32)
-    dp_BGRTS = jnp.einsum("BTGRK,BSGK->BGRTS", do_BTGRK, v_BSGK, preferred_element_type=f32)
-    ds_BGRTS = p_BGRTS * (dp_BGRTS - delta_BGRT[..., None]) * chunk.scale
+    dp_BGRTS = jnp.einsum("BTGRK,BSGK->BGRTS", do_BTGRK.astype(v_BSGK.dtype), v_BSGK,
+                          preferred_element_type=f32)
+    ds_BGRTS = (e_BGRTS.astype(f32) * (dp_BGRTS - delta_BGRT[..., None])
+                * (inv_l_BGRT * chunk.scale)[..., None])
     dq_BTGRK = jnp.einsum("BGRTS,BSGK->BTGRK", ds_BGRTS.astype(k_BSGK.dtype), k_BSGK,
                           preferred_element_type=f32)
     dk_BSGK = jnp.einsum("BGRTS,BTGRK->BSGK", ds_BGRTS.astype(q_BTGRK.dtype), q_BTGRK,
@@ -101,8 +106,8 @@ def _attend(chunk: _Chunk):
         return _forward(q_BTGRK, k_BSGK, v_BSGK, chunk)[0]
 
     def attend_fwd(q_BTGRK, k_BSGK, v_BSGK):
-        o_BTGRK, lse_BGRT = _forward(q_BTGRK, k_BSGK, v_BSGK, chunk)
-        return o_BTGRK, (q_BTGRK, k_BSGK, v_BSGK, o_BTGRK, lse_BGRT)
+        o_BTGRK, probs = _forward(q_BTGRK, k_BSGK, v_BSGK, chunk)
+        return o_BTGRK, (q_BTGRK, k_BSGK, v_BSGK, o_BTGRK, *probs)
 
     attend.defvjp(attend_fwd, functools.partial(_backward, chunk))
     return attend
