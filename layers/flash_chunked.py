@@ -9,15 +9,20 @@ dense softmax over its key prefix and the score tiles a dense kernel would compu
 then mask away are skipped: C(C + 1) / 2 of C^2 tiles for C chunks. Without a causal
 mask there is one chunk over all keys.
 
-Each chunk is a `jax.custom_vjp` with the FlashAttention backward (Dao 2023, alg. 2,
-as `flash_blocked` does it per key block): the forward saves O and the log-sum-exp
-lse_BGRT, the backward recomputes P = exp(S - lse) and, with delta = rowsum(dO * O),
+Each chunk is a `jax.custom_vjp` with the FlashAttention backward (Dao 2023, alg. 2),
+except that P is not recomputed: the forward keeps E = exp(S - rowmax) in the inputs'
+dtype (the operand of its PV matmul) and 1/l = 1/rowsum(E), and with P = E / l and
+delta = rowsum(dO * O)
 
-    dV = P^T dO,   dP = dO V^T,   dS = P * (dP - delta),   dK = dS^T Q,   dQ = dS K,
+    dV = E^T (dO / l),   dP = dO V^T,   dS = E (dP - delta) / l,   dK = dS^T Q,   dQ = dS K,
 
-so autodiff never builds the softmax's own backward (a second pass over the scores to
-reduce P * dP). Scores, softmax and accumulation are f32; P and dS are cast to the
-inputs' dtype before their matmuls. Memory is O(L^2) like the dense reference: this is
+so the backward forms no score matrix and no exponential, and autodiff never builds
+the softmax's own backward. Under remat the layer's forward is recomputed right before
+its backward, so E lives through one layer's backward only (with `remat none` every
+layer's E is saved, as the dense reference saves its P).
+
+Scores, softmax and accumulation are f32; E and dS are cast to the inputs' dtype
+before their matmuls. Memory is O(L^2) like the dense reference: this is
 the kernel for sequences short enough for that (`layers.attention.resolve_attention`);
 `flash_blocked` keeps memory O(L * block) for long ones.
 """
