@@ -149,7 +149,7 @@ def _varying_like(carry, *refs):
 
 
 def _forward(q_BLGRK, k_BSGK, v_BSGK, plan: _Plan):
-    """Online-softmax scan: returns o_BLGRK (q's dtype) and lse_BGRL (f32)."""
+    """Online-softmax scan: returns o_BLGRK (q's dtype) and (lse_BGRL,) (f32)."""
     B, L, G, R, K = q_BLGRK.shape
     T = plan.block_k
     J = k_BSGK.shape[1] // T
@@ -183,7 +183,7 @@ def _forward(q_BLGRK, k_BSGK, v_BSGK, plan: _Plan):
     l_safe_BGRL = jnp.where(l_BGRL == 0.0, 1.0, l_BGRL)
     o_BGRLK = acc_BGRLK / l_safe_BGRL[..., None]
     o_BLGRK = o_BGRLK.transpose(0, 3, 1, 2, 4).astype(q_BLGRK.dtype)
-    return o_BLGRK, m_BGRL + jnp.log(l_safe_BGRL)
+    return o_BLGRK, (m_BGRL + jnp.log(l_safe_BGRL),)
 
 
 def _backward(plan: _Plan, residuals, do_BLGRK):
@@ -230,20 +230,27 @@ def _backward(plan: _Plan, residuals, do_BLGRK):
     return dq_BLGRK.astype(q_BLGRK.dtype), _unblock(dk_JBTGK), _unblock(dv_JBTGK)
 
 
+def flash_vjp(forward, backward, plan):
+    """The differentiable attention (q, k, v) -> o for one static plan, as a custom_vjp:
+    `forward(q, k, v, plan)` gives (o, saved), saved a tuple of arrays, and
+    `backward(plan, (q, k, v, o, *saved), do)` gives (dq, dk, dv)."""
+
+    @jax.custom_vjp
+    def attend(q, k, v):
+        return forward(q, k, v, plan)[0]
+
+    def attend_fwd(q, k, v):
+        o, saved = forward(q, k, v, plan)
+        return o, (q, k, v, o, *saved)
+
+    attend.defvjp(attend_fwd, functools.partial(backward, plan))
+    return attend
+
+
 @functools.cache
 def _flash(plan: _Plan):
     """The differentiable attention for one static plan: (q_BLGRK, k, v) -> o_BLGRK."""
-
-    @jax.custom_vjp
-    def flash(q_BLGRK, k_BSGK, v_BSGK):
-        return _forward(q_BLGRK, k_BSGK, v_BSGK, plan)[0]
-
-    def flash_fwd(q_BLGRK, k_BSGK, v_BSGK):
-        o_BLGRK, lse_BGRL = _forward(q_BLGRK, k_BSGK, v_BSGK, plan)
-        return o_BLGRK, (q_BLGRK, k_BSGK, v_BSGK, o_BLGRK, lse_BGRL)
-
-    flash.defvjp(flash_fwd, functools.partial(_backward, plan))
-    return flash
+    return flash_vjp(_forward, _backward, plan)
 
 
 def blocked_attention(

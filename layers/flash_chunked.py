@@ -31,10 +31,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-import jax
 import jax.numpy as jnp
 
-from layers.flash_blocked import MASK_VALUE, BlockSizes, attention_dims, tile_mask
+from layers.flash_blocked import MASK_VALUE, BlockSizes, attention_dims, flash_vjp, tile_mask
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,17 +104,7 @@ def _backward(chunk: _Chunk, residuals, do_BTGRK):
 @functools.cache
 def _attend(chunk: _Chunk):
     """The differentiable dense attention of one chunk: (q_BTGRK, k, v) -> o_BTGRK."""
-
-    @jax.custom_vjp
-    def attend(q_BTGRK, k_BSGK, v_BSGK):
-        return _forward(q_BTGRK, k_BSGK, v_BSGK, chunk)[0]
-
-    def attend_fwd(q_BTGRK, k_BSGK, v_BSGK):
-        o_BTGRK, probs = _forward(q_BTGRK, k_BSGK, v_BSGK, chunk)
-        return o_BTGRK, (q_BTGRK, k_BSGK, v_BSGK, o_BTGRK, *probs)
-
-    attend.defvjp(attend_fwd, functools.partial(_backward, chunk))
-    return attend
+    return flash_vjp(_forward, _backward, chunk)
 
 
 def chunked_attention(q_BLHK, k_BSGK, v_BSGK, *, causal: bool = True,
