@@ -8,13 +8,16 @@ Takes the training CLI's flags (`engine.train.build_parser`). The MFU denominato
 best throughput of square matmuls (1024^3, 2048^3; compute-dtype operands, f32
 accumulation, best of 3) measured in the same process just before the step is timed, so
 the figure means the same on any machine and under any load. On forced host devices
-the peak is the host's (all devices share its cores). With `--compile-depths` it
+the peak is the host's (all devices share its cores). It also prints the process's CPU
+time per step (getrusage: all threads, so up to the core count times ms/step) and the
+part spent in the kernel (page faults, thread wake-ups). With `--compile-depths` it
 instead compiles the step at each depth and prints compile time per depth and its
 ratio to the first: scan-over-layers should keep it flat.
 """
 from __future__ import annotations
 
 import argparse
+import resource
 import sys
 import time
 from pathlib import Path
@@ -82,17 +85,25 @@ def main(argv=None) -> int:
     peak = best_matmul(cfg.compute_dtype)
     trainer = Trainer(cfg, tcfg, layout, layout.mesh())
     step, params, opt_state, tokens, compile_s = compiled_step(trainer)
+    _, params, opt_state, _ = time_steps(step, params, opt_state, tokens, 1)  # settle first
+    before = resource.getrusage(resource.RUSAGE_SELF)
     step_s, *_ = time_steps(step, params, opt_state, tokens, tcfg.steps)
+    after = resource.getrusage(resource.RUSAGE_SELF)
+    calls = tcfg.steps + 1  # time_steps' own warm-up call too
+    cpu_s = (after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime) / calls
+    sys_s = (after.ru_stime - before.ru_stime) / calls
     tokens_per_step = tcfg.batch * tcfg.seq
     model_flops = flops_per_token(cfg, tcfg.seq) * tokens_per_step
     print(f"{layout}, {cfg.dtype}, remat {cfg.remat}, tp_comm {cfg.tp_comm}, zero {cfg.zero}"
           f"{', prefetch' if cfg.prefetch else ''}; median of {tcfg.steps} steps")
     print(tabulate([[str(layout), tokens_per_step / step_s, 1e3 * step_s, model_flops / 1e9,
                      model_flops / step_s / 1e9, peak / 1e9, model_flops / step_s / peak,
-                     compile_s]],
+                     compile_s, 1e3 * cpu_s, 1e3 * sys_s]],
                    ["layout", "tokens/s", "ms/step", "GFLOP/step", "GFLOP/s",
-                    f"best {cfg.dtype} matmul GFLOP/s", "MFU", "compile s"],
-                   floatfmt=(None, ".0f", ".0f", ".1f", ".1f", ".1f", ".1%", ".1f")))
+                    f"best {cfg.dtype} matmul GFLOP/s", "MFU", "compile s",
+                    "host CPU ms/step", "of it kernel"],
+                   floatfmt=(None, ".0f", ".0f", ".1f", ".1f", ".1f", ".1%", ".1f", ".0f",
+                             ".0f")))
     return 0
 
 
