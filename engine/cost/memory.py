@@ -18,7 +18,8 @@ the model's shapes (nothing is traced or compiled):
 
 A second candidate is the loss phase, before the backward scan (block grads not yet
 allocated): arguments + residuals + non-block grads + the loss's transient; the larger of
-the two is the prediction (`phase`).
+the two is the prediction (`phase`). Under prefetch the second candidate is "last layer"
+instead (below).
 
 Shapes per device: B = batch / (dp·fsdp); L = seq; L_x = L / tp under tp_comm sequence
 and ring (the residual stream between blocks is sharded along L), else L; H_tp, F_tp,
@@ -29,8 +30,10 @@ c = bytes of the compute dtype; u = bytes of a compute-dtype operand of a mixed
 (compute dtype x f32) dot: 4 on `cpu` (XLA:CPU upcasts it to f32), else c. Matmuls run
 through `layers.common.einsum`, whose backward casts the f32 cotangent to the compute
 dtype, so the backward's matmul operands are compute-dtype tensors; the layer's weights
-are all-gathered as one flat buffer (`collectives.gather_many`, f32 on CPU) and cast back
-to the compute dtype right after, so the gathered weights live in the compute dtype.
+are cast to the compute dtype and all-gathered as one flat buffer
+(`collectives.gather_many`: 2-byte dtypes travel as uint32 pairs, u32[n, P/2], bitcast
+back after), so the gathered weights live in the compute dtype (the flat buffer itself
+is dead by the peak in every case read).
 Score tiles: reference forms one [L, L]; chunked, per chunk of T = 64 queries (the last
 may be shorter), a [T, S] tile against its causal key prefix S; Σ_TS = sum over chunks of
 T·S (L² for reference), Σ_S = sum of S, C = number of chunks.
@@ -39,7 +42,10 @@ remat `full` (the scan saves only its carry):
     residuals  N · B·L_x·D·4                 the carry x before each layer, f32
                prefetch: the carry also holds the next layer's gathered weights and the
                scan runs over layers 1..N-1 (the last layer follows it, not rematted):
-               (N-1) · (B·L_x·D·4 + W·c)
+               (N-1) · (B·L_x·D·4 + W·u)   the scan's stack of gathered weights is
+                                        converted to f32 as a whole right after the
+                                        forward scan on XLA:CPU (the bf16 stack is dead
+                                        by the peak), hence u
     transient  the layer recomputed plus its backward, live where the MLP's backward
                starts (its dg, du and h relayout formed; the attention's backward
                operands already prepared). Read off XLA:CPU's buffer assignment at the
@@ -50,9 +56,10 @@ remat `full` (the scan saves only its carry):
                  + B·H_tp·Σ_TS·u        p in the compute dtype, upcast for dv's dot
                  + B·L·(H_tp + 2·G_tp)·K·u   q, k, v upcast for dq, dk's dots
                  + L·L                  the causal mask (bool)
-                 chunked:
-                 B·H_tp·Σ_TS·(4 + c)    p = exp(s - lse) recomputed by every chunk's
-                                        backward, f32, and its compute-dtype cast (dv)
+                 chunked (the backward reads the forward's residuals, recomputed with
+                 the layer; no score or exponential is formed in the backward):
+                 B·H_tp·Σ_TS·c          E = exp(s - max) per chunk, compute dtype
+                 + B·H_tp·L·4           1/rowsum per chunk, f32
                  + B·L·H_tp·K·c         q, per chunk, relaid out for dk
                  + 2·B·G_tp·K·Σ_S·c     k and v over each chunk's key prefix, relaid out
                  + B·L·H_tp·K·(4 if C > 1 else c)   o per chunk (saved; upcast to f32
@@ -88,7 +95,8 @@ remat `dots` (also saves the outputs of matmuls without batch dims; of those the
                (+ prefetch's weights as above)
     transient  `full`'s, less g and u (read from the saved stacks, not recomputed)
 remat `none` (everything saved, nothing recomputed), per layer, N times:
-    residuals  B·H_tp·Σ_TS·(4 + c) (p in f32 and the compute dtype)
+    residuals  B·H_tp·Σ_TS·(4 + c) (p in f32 and the compute dtype; chunked: E and
+               1/rowsum, B·H_tp·(Σ_TS·c + L·4))
                + 5·B·L·F_tp·4 (g, u, sigmoid, silu, h) + B·L·F_tp·c (h cast)
                + 6·B·L_x·D·4 (x, normalized x, norm output, for both norms)
                + 5·B·L·D·c (the norm outputs cast once per column-parallel matmul: q, k,
@@ -99,15 +107,41 @@ remat `none` (everything saved, nothing recomputed), per layer, N times:
 loss phase: 2·B·L·V_tp·4 (dlogits and a relayout) + D·V_tp·(c + 4) (the gathered
     unembed and its f32 grad) + V_tp·D·4 (the embedding's grad, whole over fsdp before
     its reduce-scatter).
+last layer (prefetch only; read off small and medium, fsdp4xtp2, L = 256, remat full,
+    chunked): the peak falls in the loss's backward, while the last layer's forward
+    (not rematted, so saved whole) waits for its backward. Live: the residuals above,
+    the non-block grads and the scanned layers' stacked grads ((N-1)/N of the block
+    grads: allocated before the backward scan, the last layer's not yet), and
+            B·L_x·D·4                   the last layer's input x (the scan's output)
+            + W_r·c                     its gathered weights (the carry's; relaid out)
+            + chunked attention items as in `full` (E, 1/rowsum, q, k, v relaid out,
+              o per chunk, masks, o relaid out for wo's grad) + L·K·4 (RoPE)
+            + 4 · B·L·F_tp·4            g, u, sigmoid(g), silu(g) (f32)
+            + B·L·F_tp·c                h cast, relaid out for wd's grad
+            + 5 · B·L_x·D·4             both norm outputs, x + attn, the block output,
+                                        the final norm's output (f32)
+            + 2 · B·L·D·c               both norm outputs cast, relaid out
+            + 2 · B·L·D·4               dh = dlogits·unembed^T (f32) and its all-reduce
+                                        over tp (B·L_x·D·4 under sequence / ring)
+            + D·V_tp·4 + V_tp·D·4       the unembed's f32 grad; the embedding's grad
+                                        whole over fsdp (in place of its shard)
+    This is medium's moment (small's falls just before the all-reduce: dlogits, the
+    final norm's cast and the gathered unembed instead of dh's all-reduce and the
+    unembed grad, 1% less). Known miss: prefetch with only 2 layers (the scan runs one
+    layer, and XLA:CPU overlaps its rematted recompute with the last layer's saved
+    forward and the loss's backward): tiny -33%.
 
-The items add up to within 0.5% of the tensors XLA:CPU holds at its peak (tiny, small);
-`memory_analysis()`'s temp is 2-7% above that (the heap's packing of those buffers,
-not a tensor), so the prediction runs that much under the measured peak. `none`,
-`dots`, prefetch and the loss phase were refitted only for the dtype of the gathered
-weights and of the einsum backward (c instead of f32); their items were not re-read
-from the compiler after the bf16 einsum VJP, gather_many and the chunked kernel. Spot
-checks (tiny, fsdp4xtp2, zero 3, chunked): `dots` -1%, `none` -2%, but prefetch -43%
-(its peak is elsewhere: not modelled correctly now). Only the `reference` and `chunked` attention kernels are modelled:
+The items add up to within 0.5% of the tensors XLA:CPU holds at its peak (tiny, small,
+medium; `full` and, under prefetch, "last layer" re-read after the chunked kernel kept
+E and 1/rowsum and gather_many moved bf16 as u32 pairs); `memory_analysis()`'s temp is
+1-7% above that (the heap's packing of those buffers, not a tensor), so the prediction
+runs that much under the measured peak. `none`, `dots` and the loss phase were refitted
+only for dtypes (c for the gathered weights and the einsum backward; E and 1/rowsum for
+chunked `none`'s saved probabilities); their items were not re-read from the compiler.
+Spot checks (tiny, fsdp4xtp2, zero 3, chunked): `dots` -5%, `none` -15% (under: its peak was
+not re-read since the kernel change). Prefetch is read for `full` and
+chunked only (`dots` / `none` / reference with prefetch use the same structure,
+unchecked). Only the `reference` and `chunked` attention kernels are modelled:
 `blocked` / `pallas` (and `auto` from 1024 tokens) raise `Unsupported`.
 
 `measure(compiled)` reads the compiled step's `memory_analysis()` and defines the
@@ -270,8 +304,9 @@ def predict(cfg: ModelConfig, tcfg: TrainConfig, layout: Layout, platform: str =
                     B * L * (Htp + 2 * Gtp) * K * u,
                 "attention causal mask [L, L]": L * L}
     else:
-        attn = {"attention p = exp(s - lse) per chunk, f32": scores,
-                "attention p per chunk, compute dtype (for dv)": scores // F32 * c,
+        attn = {"attention E = exp(s - max) per chunk, compute dtype (forward residual)":
+                    scores // F32 * c,
+                "attention 1/rowsum per chunk, f32 (forward residual)": B * Htp * L * F32,
                 "attention q per chunk, relaid out (for dk)": q_c,
                 "attention k, v per chunk's key prefix, relaid out":
                     2 * B * Gtp * K * keys * c,
@@ -291,35 +326,61 @@ def predict(cfg: ModelConfig, tcfg: TrainConfig, layout: Layout, platform: str =
     weights = {"layer weights but wd (compute dtype)": (W_rank - D * Ftp) * c}
     embed = {"embed grad, whole over fsdp (replaces its shard)": Vtp * D * F32 - grad_embed}
     trans_full = {**attn, **mlp_items, **stream, **weights, **embed}
-    prefetched = {f"prefetched weights ({N - 1} layers)": (N - 1) * W * c} if cfg.prefetch else {}
+    # prefetch: the scan runs over layers 1..N-1 and saves each one's gathered weights
+    # (its carry); the last layer follows it, not rematted
+    n = N - 1 if cfg.prefetch else N
+    prefetched = ({f"prefetched weights saved by the scan ({n} layers, f32 on cpu)":
+                       n * W * u} if cfg.prefetch else {})
     if cfg.remat == "full":
-        n = N - 1 if cfg.prefetch else N
         res = {f"scan carry x ({n} layers)": n * x_stream, **prefetched}
         trans = trans_full
     elif cfg.remat == "dots":
         per = x_stream + B * L * (Htp + 2 * Gtp) * K * F32 + x_full + 2 * mlp
-        res = {f"carry x, q, k, v, out projection, g, u ({N} layers)": N * per, **prefetched}
+        res = {f"carry x, q, k, v, out projection, g, u ({n} layers)": n * per, **prefetched}
         trans = {**trans_full, "mlp g, u, sigmoid(g), f32 (recomputed)": mlp}
     else:  # none
-        per = {"p (f32 and compute dtype)": scores + scores // F32 * c,
+        saved = (scores // F32 * c + B * Htp * L * F32 if kernel == "chunked"
+                 else scores + scores // F32 * c)
+        per = {"p (f32 and compute dtype; chunked: E and 1/rowsum)": saved,
                "mlp g, u, sigmoid, silu, h (f32) and h cast": 5 * mlp + mlp // F32 * c,
                "stream x, normalized, norm output (both norms)": 6 * x_stream,
                "norm outputs cast for q, k, v, gate, up": 5 * x_full // F32 * c,
                "q, o, k, v (compute dtype)": (2 * Htp + 2 * Gtp) * B * L * K * c,
                "gathered weights": W * c}
-        res = {f"{k} ({N} layers)": N * v for k, v in per.items()}
+        res = {f"{k} ({n} layers)": n * v for k, v in per.items()}
         trans = {**{k: v for k, v in trans_full.items() if not k.startswith("mlp g")},
                  "copies of this layer's saved p and 4 stream tensors":
                      scores + 4 * x_stream}
     loss = {"dlogits and a relayout": 2 * B * L * Vtp * F32,
             "unembed gathered and its f32 grad": D * Vtp * (c + F32),
             "embed grad, whole over fsdp": Vtp * D * F32}
+    if cfg.prefetch:
+        # the loss's backward with the last (not rematted) layer's forward saved
+        # (module doc); the scanned layers' stacked grads are already allocated
+        last = {"last layer: its input x (the scan's output)": x_stream,
+                "last layer: its gathered weights (compute dtype)": W_rank * c,
+                **{f"last layer: {k}": v for k, v in attn.items()},
+                "last layer: rope cos, sin [L, K/2]": L * K * F32,
+                "last layer: mlp g, u, sigmoid(g), silu(g), f32": 4 * mlp,
+                "last layer: mlp h cast, relaid out (for wd's grad)": mlp // F32 * c,
+                "last layer: stream 2 norm outputs, x + attn, x + attn + mlp, final "
+                "norm output (f32)": 5 * x_stream,
+                "last layer: stream 2 norm outputs cast, relaid out": 2 * x_full // F32 * c,
+                "loss: dh = dlogits unembed^T (f32) and its all-reduce over tp":
+                    x_full + (x_full if cfg.tp_comm == "allreduce" else x_stream),
+                "loss: unembed grad, f32": D * Vtp * F32,
+                "embed grad, whole over fsdp (replaces its shard)":
+                    Vtp * D * F32 - grad_embed}
+        grads_loss = grads_not_blocks + (grads - grads_not_blocks) * n // N
+        phase_loss = "last layer"
+    else:
+        last, grads_loss, phase_loss = loss, grads_not_blocks, "loss"
 
     residuals = sum(res.values())
     layer_peak = grads + residuals + sum(trans.values())
-    loss_peak = grads_not_blocks + residuals + sum(loss.values())
+    loss_peak = grads_loss + residuals + sum(last.values())
     phase, transient, live = (("layer backward", trans, grads) if layer_peak >= loss_peak
-                              else ("loss", loss, grads_not_blocks))
+                              else (phase_loss, last, grads_loss))
     items = {**{f"residual: {k}": v for k, v in res.items()},
              **{f"transient: {k}": v for k, v in transient.items()}}
     return MemoryPrediction(params, opt_state, tokens, grads, live, residuals,
