@@ -3,13 +3,17 @@
 A collective inside a while body appears once in the text but runs trip-count times:
 computations are parsed, and each one's multiplicity is propagated from ENTRY through
 `while` (times `known_trip_count` from its backend_config), `call`, `conditional`
-and fusion edges. Tuple-shaped (combined) collectives yield one `HloCollective` per
+and fusion edges. Replica groups are read as listed device ids (jax 0.10's XLA) or as
+named mesh axes, `replica_groups=mesh['a'=4,'b'=2] {'b'}` (jax 0.12's). Tuple-shaped (combined) collectives yield one `HloCollective` per
 element, marked `combined`.
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
+
+import numpy as np
 
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "collective-permute", "all-to-all")
 DTYPE_BYTES = {"f64": 8, "f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "s8": 1, "u8": 1,
@@ -23,6 +27,8 @@ _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _GROUPS = re.compile(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}")
 _PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
+# newer XLA (jax 0.12) names the mesh axes: replica_groups=mesh['a'=4,'b'=2] {'b'}
+_MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 
 
@@ -100,7 +106,23 @@ def _pair_groups(pairs: str) -> frozenset:
     return frozenset(frozenset(c) for c in comps.values())
 
 
+def _mesh_groups(mesh: str, axes: str) -> frozenset:
+    """Device groups of a collective over the named axes of a mesh whose device ids
+    run row-major over its axes: each group varies the named axes, the others fixed."""
+    sizes = [(name, int(n)) for name, n in re.findall(r"'([^']+)'=(\d+)", mesh)]
+    names = re.findall(r"'([^']+)'", axes)
+    ids = np.arange(math.prod(n for _, n in sizes)).reshape([n for _, n in sizes])
+    order = [i for i, (name, _) in enumerate(sizes) if name not in names] + [
+        [name for name, _ in sizes].index(name) for name in names]
+    rows = ids.transpose(order).reshape(-1, math.prod(ids.shape[i] for i in order[-len(names):])
+                                        if names else 1)
+    return frozenset(frozenset(int(d) for d in row) for row in rows)
+
+
 def _groups(rest: str) -> frozenset:
+    named = _MESH_GROUPS.search(rest)
+    if named:
+        return _mesh_groups(named.group(1), named.group(2))
     m = _GROUPS.search(rest)
     if not m or not m.group(1):
         pairs = _PAIRS.search(rest)
