@@ -22,8 +22,8 @@ from layers.rope import rope
 
 # Sequences at least this long use the blocked flash path under `attention="auto"`: from
 # there on dense O(L^2) scores dominate memory (bench/attention.py). Shorter ones use
-# `chunked`: dense scores, causal tiles skipped, flash backward (the fastest on CPU at
-# L = 256: bench/step.py, see docs/architecture.md).
+# `chunked`: dense scores, causal tiles skipped, flash backward (the fastest kernel on
+# CPU at L = 256: README, "Performance").
 AUTO_BLOCKED_FROM = 1024
 
 
