@@ -32,9 +32,8 @@ def _lowp_einsum(eq: str, dtype):
             raise ValueError(f"einsum {eq!r}: indices {set(sub) - set(other)} appear in one "
                              "operand only")
 
-    def dot(spec, a, b):
-        return jnp.einsum(spec, a.astype(dtype), b.astype(dtype),
-                          preferred_element_type=jnp.float32)
+    def dot(spec, a_lp, b_lp):  # both operands already in `dtype`
+        return jnp.einsum(spec, a_lp, b_lp, preferred_element_type=jnp.float32)
 
     def fwd(x, w):
         x_lp, w_lp = x.astype(dtype), w.astype(dtype)
