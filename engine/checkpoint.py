@@ -35,6 +35,7 @@ hosts share.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import os
 import re
 import signal
@@ -91,17 +92,29 @@ def list_checkpoints(directory: str) -> list[tuple[int, str]]:
 
 
 def check_writable(directory: str) -> None:
-    """Create `directory` if needed and prove a file can be written and fsynced there."""
+    """Create `directory` if needed and prove a file can be written and fsynced there;
+    the probe file is removed whether or not the write succeeded."""
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise CheckpointError(f"cannot write checkpoints to {directory}: it is a file, "
+                              f"not a directory")
     probe = os.path.join(directory, f".probe-{os.getpid()}")
     try:
         os.makedirs(directory, exist_ok=True)
         with open(probe, "wb") as f:
             f.write(b"ok")
             os.fsync(f.fileno())
-        os.remove(probe)
     except OSError as e:
         raise CheckpointError(f"cannot write checkpoints to {directory}: "
                               f"{e.strerror or e}") from None
+    finally:
+        _remove_quietly(probe)
+
+
+def _remove_quietly(path: str) -> None:
+    try:
+        os.remove(path)
+    except OSError:
+        pass
 
 
 def versions() -> dict:
@@ -210,12 +223,22 @@ def _prune(directory: str, keep: int) -> None:
 
 
 def _write_atomic(path: str, payload: bytes, step: int) -> None:
+    """Write `payload` to a temporary name, fsync, rename to `path`, fsync the directory.
+    A failed write removes its temporary file; out of space, the error says how many
+    bytes the file needs and how many are free."""
     directory, name = os.path.split(path)
     tmp = os.path.join(directory, f".{name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(payload)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(tmp, "wb") as f:
+            f.write(payload)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        _remove_quietly(tmp)
+        if e.errno == errno.ENOSPC:
+            raise OSError(errno.ENOSPC, f"no space left on device: {name} needs "
+                          f"{_mib(len(payload))}, {_mib(_free_bytes(directory))} free") from None
+        raise
     if os.environ.get(KILL_HOOK) == str(step):
         os.kill(os.getpid(), signal.SIGKILL)
     os.replace(tmp, path)
@@ -224,6 +247,15 @@ def _write_atomic(path: str, payload: bytes, step: int) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _free_bytes(directory: str) -> int:
+    st = os.statvfs(directory or ".")
+    return st.f_bavail * st.f_frsize
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
 
 
 # -- load ------------------------------------------------------------------------------
@@ -255,8 +287,11 @@ def _assemble(key: str, entry: dict, pieces: list[dict]) -> np.ndarray:
 def _read_shard(directory: str, entry: dict, step: int) -> dict:
     """A shard file's pieces, after checking it is the one the manifest names."""
     path = os.path.join(directory, entry["file"])
-    with open(path, "rb") as f:
-        payload = f.read()
+    try:
+        with open(path, "rb") as f:
+            payload = f.read()
+    except OSError as e:
+        raise ValueError(f"its shard file {path}: {e.strerror or e}") from None
     if len(payload) != entry["size"] or zlib.crc32(payload) != entry["crc32"]:
         raise ValueError(f"shard {entry['file']} is not the one the manifest names "
                          f"(size or checksum differs)")

@@ -120,6 +120,8 @@ def load_data(spec: str, vocab: int, bin_dtype: str = "uint16"):
     if ext not in (".txt", ".jsonl", ".bin"):
         raise DataError(f"--data {spec!r}: want synthetic, python-stdlib, or a .txt, .jsonl "
                         f"or .bin file")
+    if os.path.isdir(spec):
+        raise DataError(f"--data {spec} is a directory: want a .txt, .jsonl or .bin file")
     if not os.path.isfile(spec):
         raise DataError(f"data file {spec} not found")
     if os.path.getsize(spec) == 0:

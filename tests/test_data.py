@@ -121,6 +121,8 @@ BAD = [
     (lambda d: write(d, "o.bin", b"\x01\x00\x02"), [], "has 3 bytes, not a whole number of uint16"),
     (lambda d: write(d, "big.bin", np.array([1, 300] * 100, np.uint16).tobytes()), [],
      "holds token 300 but the model's vocab is 256 (need --vocab >= 301)"),
+    (lambda d: (d / "dir.txt").mkdir() or str(d / "dir.txt"), [],
+     "--data {} is a directory"),
     (lambda d: write(d, "big32.bin", np.array([1, 70000] * 100, np.uint32).tobytes()),
      ["--data-dtype", "uint32"], "holds token 70000 but the model's vocab is 256"),
 ]

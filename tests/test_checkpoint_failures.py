@@ -1,0 +1,67 @@
+"""Checkpoint writes that fail part-way (disk full) leave nothing behind and say how much
+space a save needs; a missing shard file is named; a --checkpoint-dir that is a file is
+refused as such. No compile: states are built on the host."""
+import errno
+import os
+
+import msgpack
+import pytest
+
+from engine import checkpoint
+from test_checkpoint import host_state, meta, run_main, trainer
+
+
+@pytest.fixture
+def state():
+    return host_state(trainer("single"), 0)
+
+
+def test_disk_full_save_removes_its_temp_file_and_says_what_it_needs(state, tmp_path,
+                                                                     monkeypatch):
+    d = str(tmp_path)
+    checkpoint.save(d, 1, state.params, state.opt_state, meta(), keep=2)
+    before = sorted(os.listdir(d))
+    real_fsync = os.fsync
+
+    def full(fd):  # the data reached the page cache, but the disk has no room for it
+        if os.path.basename(os.readlink(f"/proc/self/fd/{fd}")).startswith("."):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(checkpoint.CheckpointError) as e:
+        checkpoint.save(d, 2, state.params, state.opt_state, meta(), keep=2)
+    monkeypatch.setattr(os, "fsync", real_fsync)
+    size = os.path.getsize(os.path.join(d, before[0]))
+    assert f"step_00000002.ckpt needs {size / 2**20:.1f} MiB" in str(e.value)
+    assert "free" in str(e.value) and "\n" not in str(e.value)
+    assert sorted(os.listdir(d)) == before  # no hidden partial file keeps the disk full
+    assert checkpoint.latest(d).step == 1
+
+
+def test_probe_file_is_removed_when_the_probe_write_fails(tmp_path, monkeypatch):
+    def full(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(checkpoint.CheckpointError, match="No space left on device"):
+        checkpoint.check_writable(str(tmp_path))
+    assert os.listdir(tmp_path) == []
+
+
+def test_missing_shard_file_is_named(state, tmp_path):
+    path = checkpoint.save(str(tmp_path), 1, state.params, state.opt_state, meta(), keep=1)
+    record = msgpack.unpackb(open(path, "rb").read())
+    shard = os.path.basename(checkpoint.shard_path(path, 1, 2))
+    record["shards"] = [{"file": shard, "size": 10, "crc32": 0}]
+    open(path, "wb").write(msgpack.packb(record))
+    with pytest.raises(checkpoint.CheckpointError) as e:
+        checkpoint.read(path)
+    assert f"shard file {os.path.join(str(tmp_path), shard)}: No such file" in str(e.value)
+
+
+def test_checkpoint_dir_that_is_a_file_is_refused_as_such(tmp_path, capsys):
+    (tmp_path / "ck").write_text("a regular file")
+    code, out, err = run_main(capsys, "--checkpoint-dir", str(tmp_path / "ck"))
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert "is a file, not a directory" in err
