@@ -9,18 +9,30 @@ it once, through here). Fails fast: when a process exits non-zero or is killed, 
 others are terminated (SIGTERM, then SIGKILL after --grace seconds) and the launcher
 exits non-zero with one line naming the process and its exit code or signal. Exit code:
 0 when all exit 0; else the first failure's exit code (128 + signal for a signal).
+
+The processes' stdout and stderr pass through the launcher whole line by whole line (two
+processes never interleave within a line); Gloo's connection reports are dropped; after
+a failure, what the stopped processes print (the tracebacks of collectives whose peer
+died) is dropped too, so the launcher's line ends the output.
 """
 from __future__ import annotations
 
 import argparse
 import ctypes
+import queue
+import re
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 FORWARDED = (signal.SIGINT, signal.SIGTERM)
+# Gloo's connection report, "[Gloo] Rank r is connected to c peer ranks. Expected number
+# of connected peer ranks is : e", written piecewise by several threads, so its pieces
+# can land on other lines: drop every line holding a piece (digits alone included).
+CHATTER = re.compile(rb"\[Gloo\]|connected peer ranks|^\s*\d+\s*$")
 
 
 def free_port() -> int:
@@ -67,10 +79,48 @@ def stop(procs: list[subprocess.Popen], grace: float) -> None:
         p.wait()
 
 
+class Relay:
+    """Lines of every child's stdout and stderr, queued by reader threads and written by
+    the launcher's loop (`flush`), each line whole, to the launcher's own stream."""
+
+    def __init__(self):
+        self.lines: queue.Queue = queue.Queue()
+        self.threads: list[threading.Thread] = []
+
+    def attach(self, i: int, proc: subprocess.Popen) -> None:
+        for pipe, out in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr)):
+            t = threading.Thread(target=self._read, args=(i, pipe, out), daemon=True)
+            t.start()
+            self.threads.append(t)
+
+    def _read(self, i: int, pipe, out) -> None:
+        for line in iter(pipe.readline, b""):
+            if not CHATTER.search(line):
+                self.lines.put((i, out, line))
+        pipe.close()
+
+    def flush(self, keep=lambda i: True, limit: int | None = None) -> None:
+        """Write the queued lines (the first `limit` of them, else all) of the processes
+        `keep` accepts; drop the others."""
+        for _ in range(self.lines.qsize() if limit is None else limit):
+            i, out, line = self.lines.get_nowait()
+            if keep(i):
+                out.write(line.decode(errors="replace"))
+                out.flush()
+
+    def close(self, keep=lambda i: True) -> None:
+        """After the processes exit: wait for their last lines, then write them."""
+        for t in self.threads:
+            t.join(timeout=5)
+        self.flush(keep)
+
+
 def launch(n: int, train_args: list[str], grace: float = 10.0, env=None) -> int:
     port = free_port()
     procs: list[subprocess.Popen] = []
     received: list[int] = []
+    relay = Relay()
+    keep = lambda i: True  # noqa: E731  (after a failure: only the failed process's lines)
 
     def forward(signum, _frame):
         received.append(signum)
@@ -82,16 +132,23 @@ def launch(n: int, train_args: list[str], grace: float = 10.0, env=None) -> int:
     try:
         for cmd in commands(n, port, train_args):
             procs.append(subprocess.Popen(cmd, env=env, start_new_session=True,
-                                          preexec_fn=_die_with_parent))
+                                          preexec_fn=_die_with_parent,
+                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+            relay.attach(len(procs) - 1, procs[-1])
         print(f"engine.launch: {n} processes on 127.0.0.1:{port} "
               f"(pids {', '.join(str(p.pid) for p in procs)})", file=sys.stderr, flush=True)
         while True:
+            # lines queued before this poll were written before it: a survivor's reaction
+            # to a peer's death is queued after the death, which the poll then sees
+            pending = relay.lines.qsize()
             codes = [p.poll() for p in procs]
             failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
             if failed:
                 i, code = failed[0]
+                keep = lambda j: j == i  # noqa: E731
                 others = sum(c is None for c in codes)
                 stop(procs, grace)
+                relay.close(keep)
                 cause = (f" after {signal.Signals(received[0]).name}" if received else "")
                 print(f"engine.launch: process {i} (pid {procs[i].pid}) {describe(code)}{cause}; "
                       f"stopped the other {others} running process(es)", file=sys.stderr,
@@ -99,6 +156,7 @@ def launch(n: int, train_args: list[str], grace: float = 10.0, env=None) -> int:
                 return code if code > 0 else 128 - code
             if all(c == 0 for c in codes):
                 return 0
+            relay.flush(limit=pending)
             if len(received) > 1:  # a second signal: stop waiting for a clean exit
                 stop(procs, 0)
             time.sleep(0.1)
@@ -107,6 +165,7 @@ def launch(n: int, train_args: list[str], grace: float = 10.0, env=None) -> int:
             if p.poll() is None:
                 p.kill()
                 p.wait()
+        relay.close(keep)
         for s, handler in previous.items():
             signal.signal(s, handler)
 
