@@ -301,11 +301,16 @@ def _read_shard(directory: str, entry: dict, step: int) -> dict:
     return shard["pieces"]
 
 
-def read(path: str) -> Checkpoint:
+PARTS = ("params", "opt_state")
+
+
+def read(path: str, parts: tuple[str, ...] = PARTS) -> Checkpoint:
     """Read and verify one checkpoint (the manifest, every shard file it names, every
     piece's checksum, full coverage of every array) into global host arrays. Each reader
     assembles every whole array: simple, and host memory bounds the model anyway (see
-    the CLI's memory check). Reads format 1 (one file, whole arrays) too."""
+    the CLI's memory check). Reads format 1 (one file, whole arrays) too. `parts` names
+    what to decode (a part left out is None and its pieces are not checked: generation
+    reads only the params)."""
     try:
         with open(path, "rb") as f:
             record = msgpack.unpackb(f.read())
@@ -313,16 +318,17 @@ def read(path: str) -> Checkpoint:
             raise ValueError("not a shardwise checkpoint")
         step = int(record["step"])
         if record["format"] == FORMAT_1:
-            params, opt_state = ({k: _decode(k, v) for k, v in record.pop(part).items()}
-                                 for part in ("params", "opt_state"))
-            return Checkpoint(path, step, record, params, opt_state)
-        arrays, pieces = record.pop("arrays"), record.pop("pieces")
-        shards = [_read_shard(os.path.dirname(path), e, step) for e in record["shards"]]
-        parts = {part: {k: _assemble(k, entry, pieces[part][k] + [
-                            piece for s in shards for piece in s[part][k]])
-                        for k, entry in arrays[part].items()}
-                 for part in ("params", "opt_state")}
-        return Checkpoint(path, step, record, parts["params"], parts["opt_state"])
+            whole = {part: record.pop(part) for part in PARTS}
+            found = {part: {k: _decode(k, v) for k, v in whole[part].items()}
+                     for part in parts}
+        else:
+            arrays, pieces = record.pop("arrays"), record.pop("pieces")
+            shards = [_read_shard(os.path.dirname(path), e, step) for e in record["shards"]]
+            found = {part: {k: _assemble(k, entry, pieces[part][k] + [
+                                piece for s in shards for piece in s[part][k]])
+                            for k, entry in arrays[part].items()}
+                     for part in parts}
+        return Checkpoint(path, step, record, found.get("params"), found.get("opt_state"))
     except OSError as e:
         raise CheckpointError(f"cannot read checkpoint {path}: {e.strerror or e}") from None
     except (ValueError, KeyError, TypeError, AttributeError, msgpack.UnpackException) as e:
@@ -331,10 +337,11 @@ def read(path: str) -> Checkpoint:
                               f"move it aside to resume from an older one") from None
 
 
-def latest(directory: str) -> Checkpoint | None:
-    """The newest complete checkpoint in `directory`, read and verified; None if none."""
+def latest(directory: str, parts: tuple[str, ...] = PARTS) -> Checkpoint | None:
+    """The newest complete checkpoint in `directory`, read (`parts` of it) and verified;
+    None if none."""
     found = list_checkpoints(directory)
-    return read(found[-1][1]) if found else None
+    return read(found[-1][1], parts) if found else None
 
 
 def check_model(ckpt: Checkpoint, cfg) -> None:
@@ -348,12 +355,17 @@ def check_model(ckpt: Checkpoint, cfg) -> None:
                               + ", ".join(diff))
 
 
+def restore_params(ckpt: Checkpoint, trainer):
+    """The params of `ckpt`, placed as `trainer`'s layout stores them."""
+    check_model(ckpt, trainer.cfg)
+    return _place(ckpt.params, param_shapes(trainer.cfg), trainer.specs, trainer.mesh,
+                  ckpt.path, "params")
+
+
 def restore(ckpt: Checkpoint, trainer) -> tuple:
     """(params, opt_state) from `ckpt`, placed as `trainer`'s layout stores them."""
-    check_model(ckpt, trainer.cfg)
-    shapes = param_shapes(trainer.cfg)
-    opt_shapes = jax.eval_shape(trainer.tx.init, shapes)
-    return (_place(ckpt.params, shapes, trainer.specs, trainer.mesh, ckpt.path, "params"),
+    opt_shapes = jax.eval_shape(trainer.tx.init, param_shapes(trainer.cfg))
+    return (restore_params(ckpt, trainer),
             _place(ckpt.opt_state, opt_shapes, trainer.opt_specs, trainer.mesh, ckpt.path,
                    "opt_state"))
 

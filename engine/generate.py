@@ -180,7 +180,7 @@ def load_model(request: Request):
     from engine import checkpoint
 
     directory = request.args.checkpoint_dir
-    ckpt = checkpoint.latest(directory)
+    ckpt = checkpoint.latest(directory, parts=("params",))  # the optimizer state is not used
     if ckpt is None:
         raise UsageError(f"no checkpoint in {directory}")
     fields = {f.name for f in dataclasses.fields(ModelConfig)}
@@ -195,8 +195,7 @@ def load_model(request: Request):
 
 
 def load_params(ckpt, cfg: ModelConfig, layout: Layout, mesh, batch: int):
-    """The checkpoint's params placed as `layout` stores them (the optimizer state it
-    also restores is dropped)."""
+    """The checkpoint's params placed as `layout` stores them."""
     from engine import checkpoint
     from engine.config import TrainConfig
     from engine.step import Trainer
@@ -204,7 +203,7 @@ def load_params(ckpt, cfg: ModelConfig, layout: Layout, mesh, batch: int):
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     tcfg = TrainConfig(**{k: v for k, v in ckpt.meta.get("train", {}).items() if k in fields})
     trainer = Trainer(cfg, dataclasses.replace(tcfg, batch=batch), layout, mesh)
-    return checkpoint.restore(ckpt, trainer)[0]
+    return checkpoint.restore_params(ckpt, trainer)
 
 
 def run(request: Request) -> int:

@@ -65,3 +65,21 @@ def test_checkpoint_dir_that_is_a_file_is_refused_as_such(tmp_path, capsys):
     code, out, err = run_main(capsys, "--checkpoint-dir", str(tmp_path / "ck"))
     assert code == 2 and out == "" and err.count("\n") == 1
     assert "is a file, not a directory" in err
+
+
+def test_params_only_read_ignores_a_corrupt_optimizer_state(state, tmp_path):
+    """Generation reads only the params: a damaged optimizer state must not stop it."""
+    path = checkpoint.save(str(tmp_path), 1, state.params, state.opt_state, meta(), keep=1)
+    clean = checkpoint.read(path)
+    record = msgpack.unpackb(open(path, "rb").read())
+    piece = next(iter(record["pieces"]["opt_state"].values()))[0]
+    chunk = bytearray(piece["chunks"][0])
+    chunk[0] ^= 0xFF
+    piece["chunks"][0] = bytes(chunk)
+    open(path, "wb").write(msgpack.packb(record))
+    with pytest.raises(checkpoint.CheckpointError, match="checksum mismatch"):
+        checkpoint.read(path)
+    ckpt = checkpoint.latest(str(tmp_path), parts=("params",))
+    assert ckpt.opt_state is None and ckpt.params.keys() == clean.params.keys()
+    for key, x in clean.params.items():
+        assert (ckpt.params[key] == x).all(), key
