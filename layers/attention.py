@@ -1,65 +1,20 @@
-"""Megatron GQA attention per shard: QKV column-parallel over heads, output row-parallel.
+"""Megatron GQA attention per shard: QKV column-parallel over heads, output row-parallel;
+the kernel between them is picked from `layers.kernels.KERNELS` by `cfg.attention`.
 
 Letter key: B batch, L query length, S key length, D model, H query heads, G kv heads,
 R = H/G query heads per kv head, K head dim. Shapes are per shard unless noted.
 """
 from __future__ import annotations
 
-import math
-
 import jax
-import jax.numpy as jnp
 from jax import lax
 
 import collectives
 from layers.axes import Axes
 from layers.common import einsum
 from layers.config import ModelConfig
-from layers.flash_blocked import blocked_attention
-from layers.flash_chunked import chunked_attention
-from layers.flash_pallas import pallas_attention
+from layers.kernels import attention_kernel, resolve_attention  # noqa: F401 (re-exported)
 from layers.rope import rope
-
-# Sequences at least this long use the blocked flash path under `attention="auto"`: from
-# there on dense O(L^2) scores dominate memory (bench/attention.py). Shorter ones use
-# `chunked`: dense scores, causal tiles skipped, flash backward (the fastest kernel on
-# CPU at L = 256: README, "Performance").
-AUTO_BLOCKED_FROM = 1024
-
-
-def reference_attention(q_BLHK, k_BSGK, v_BSGK, *, causal: bool = True) -> jax.Array:
-    """Dense softmax attention, f32 scores. GQA: query head h reads kv head h // R.
-
-    q: [B, L, H, K]; k, v: [B, S, G, K] -> o: [B, L, H, K] in q's dtype.
-    """
-    B, L, H, K = q_BLHK.shape
-    S, G = k_BSGK.shape[1], k_BSGK.shape[2]
-    q_BLGRK = q_BLHK.reshape(B, L, G, H // G, K)
-    s_BGRLS = jnp.einsum("BLGRK,BSGK->BGRLS", q_BLGRK, k_BSGK,
-                         preferred_element_type=jnp.float32) / math.sqrt(K)
-    if causal:
-        mask_LS = jnp.arange(L)[:, None] >= jnp.arange(S)[None, :]
-        s_BGRLS = jnp.where(mask_LS, s_BGRLS, jnp.finfo(jnp.float32).min)
-    p_BGRLS = jax.nn.softmax(s_BGRLS, axis=-1)
-    o_BLGRK = jnp.einsum("BGRLS,BSGK->BLGRK", p_BGRLS.astype(v_BSGK.dtype), v_BSGK,
-                         preferred_element_type=jnp.float32)
-    return o_BLGRK.reshape(B, L, H, K).astype(q_BLHK.dtype)
-
-
-KERNELS = {"reference": reference_attention, "chunked": chunked_attention,
-           "blocked": blocked_attention, "pallas": pallas_attention}
-
-
-def resolve_attention(name: str, seq: int) -> str:
-    """The kernel `ModelConfig.attention` names for sequences of `seq` tokens: `auto` is
-    `blocked` from AUTO_BLOCKED_FROM tokens on, else `chunked`."""
-    if name == "auto":
-        return "blocked" if seq >= AUTO_BLOCKED_FROM else "chunked"
-    return name
-
-
-def attention_kernel(name: str, seq: int):
-    return KERNELS[resolve_attention(name, seq)]
 
 
 def kv_weights_for_rank(w_DGK: jax.Array, cfg: ModelConfig, axes: Axes) -> jax.Array:
@@ -118,5 +73,6 @@ def attention(x_BLD: jax.Array, p: dict, cfg: ModelConfig, axes: Axes) -> jax.Ar
     q_BLHK, k_BLGK, v_BLGK = qkv_projections(x_BLD, p, cfg, axes)
     q_BLHK, k_BLGK = rope(q_BLHK, theta=cfg.rope_theta), rope(k_BLGK, theta=cfg.rope_theta)
     attend = attention_kernel(cfg.attention, q_BLHK.shape[1])
-    o_BLHK = attend(q_BLHK.astype(dt), k_BLGK.astype(dt), v_BLGK.astype(dt), causal=True)
+    o_BLHK = attend(q_BLHK.astype(dt), k_BLGK.astype(dt), v_BLGK.astype(dt), causal=True,
+                    axes=axes)
     return out_projection(o_BLHK, p, cfg, axes)
