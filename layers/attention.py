@@ -1,10 +1,14 @@
 """Megatron GQA attention per shard: QKV column-parallel over heads, output row-parallel;
 the kernel between them is picked from `layers.kernels.KERNELS` by `cfg.attention`.
+Decoding runs the same layer against a KV cache (`LayerCache`).
 
 Letter key: B batch, L query length, S key length, D model, H query heads, G kv heads,
-R = H/G query heads per kv head, K head dim. Shapes are per shard unless noted.
+R = H/G query heads per kv head, K head dim, C cache length. Shapes are per shard unless
+noted.
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import jax
 from jax import lax
@@ -13,8 +17,30 @@ import collectives
 from layers.axes import Axes
 from layers.common import einsum
 from layers.config import ModelConfig
-from layers.kernels import attention_kernel, resolve_attention  # noqa: F401 (re-exported)
-from layers.rope import rope
+from layers.kernels import attention_kernel, reference_attention
+from layers.kernels import resolve_attention  # noqa: F401 (re-exported for the CLIs)
+from layers.rope import rope, rope_rows
+
+
+class LayerCache(NamedTuple):
+    """One layer's KV cache while decoding, and where this call's new tokens go.
+
+    k, v [B, C, G_tp, K] (after RoPE, compute dtype); row b's new tokens are at positions
+    (= cache slots) start_B[b] + [0, L). Slots above a query's position (not yet written,
+    or a right-padded prompt's padding, overwritten before any query can see it) are
+    masked by the causal mask."""
+
+    k_BCGK: jax.Array
+    v_BCGK: jax.Array
+    start_B: jax.Array
+
+    def write(self, k_BLGK: jax.Array, v_BLGK: jax.Array) -> "LayerCache":
+        """The cache with row b of the new keys and values in slots start_B[b] + [0, L)
+        (callers keep them inside C)."""
+        write = lambda c_CGK, n_LGK, s: lax.dynamic_update_slice_in_dim(c_CGK, n_LGK, s, axis=0)
+        rows = lambda c_BCGK, n_BLGK: jax.vmap(write)(c_BCGK, n_BLGK.astype(c_BCGK.dtype),
+                                                      self.start_B)
+        return LayerCache(rows(self.k_BCGK, k_BLGK), rows(self.v_BCGK, v_BLGK), self.start_B)
 
 
 def kv_weights_for_rank(w_DGK: jax.Array, cfg: ModelConfig, axes: Axes) -> jax.Array:
@@ -62,15 +88,27 @@ def out_projection(o_BLHK: jax.Array, p: dict, cfg: ModelConfig, axes: Axes) -> 
     return collectives.row_parallel(o_BLHK, out, axes.tp, dim=1, comm=cfg.tp_comm)
 
 
-def attention(x_BLD: jax.Array, p: dict, cfg: ModelConfig, axes: Axes) -> jax.Array:
+def attention(x_BLD: jax.Array, p: dict, cfg: ModelConfig, axes: Axes,
+              cache: LayerCache | None = None):
     """x: [B, L, D] replicated over tp -> [B, L, D] replicated over tp (tp_comm
     allreduce); x: [B, L_tp, D] -> [B, L_tp, D] (sequence, ring: the projections see the
     whole sequence, so RoPE and the causal mask use global positions).
 
     p (gathered over fsdp): wq [D, H_tp, K], wk/wv [D, G_tp, K], wo [H_tp, K, D].
+    cache (decoding, tp_comm allreduce): the new tokens' keys and values are RoPE-rotated
+    at their positions and written into it, and the queries attend over the whole cache
+    (the dense reference kernel with one query offset per row); returns (y, the cache
+    with the new tokens) instead of y.
     """
     dt = cfg.compute_dtype
     q_BLHK, k_BLGK, v_BLGK = qkv_projections(x_BLD, p, cfg, axes)
+    if cache is not None:
+        q_BLHK = rope_rows(q_BLHK, cache.start_B, cfg.rope_theta)
+        k_BLGK = rope_rows(k_BLGK, cache.start_B, cfg.rope_theta)
+        cache = cache.write(k_BLGK, v_BLGK)
+        o_BLHK = reference_attention(q_BLHK.astype(dt), cache.k_BCGK, cache.v_BCGK,
+                                     q_offset=cache.start_B, axes=axes)
+        return out_projection(o_BLHK, p, cfg, axes), cache
     q_BLHK, k_BLGK = rope(q_BLHK, theta=cfg.rope_theta), rope(k_BLGK, theta=cfg.rope_theta)
     attend = attention_kernel(cfg.attention, q_BLHK.shape[1])
     o_BLHK = attend(q_BLHK.astype(dt), k_BLGK.astype(dt), v_BLGK.astype(dt), causal=True,

@@ -49,8 +49,8 @@ def mlp(x, wg, wu, wd):
     return (jax.nn.silu(x @ wg) * (x @ wu)) @ wd
 
 
-def loss(params, tokens, n_layers, theta=10_000.0, eps=1e-5):
-    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+def logits(params, inputs, n_layers, theta=10_000.0, eps=1e-5):
+    """inputs [B, L] -> logits [B, L, V]."""
     x = params["embed"][inputs]
     b = params["blocks"]
     for i in range(n_layers):
@@ -58,6 +58,10 @@ def loss(params, tokens, n_layers, theta=10_000.0, eps=1e-5):
         x = x + attention(h, b["wq"][i], b["wk"][i], b["wv"][i], b["wo"][i], theta)
         h = rms_norm(x, b["mlp_norm"][i], eps)
         x = x + mlp(h, b["wg"][i], b["wu"][i], b["wd"][i])
-    logits = rms_norm(x, params["final_norm"], eps) @ params["unembed"]
-    logp = jax.nn.log_softmax(logits, axis=-1)
+    return rms_norm(x, params["final_norm"], eps) @ params["unembed"]
+
+
+def loss(params, tokens, n_layers, theta=10_000.0, eps=1e-5):
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    logp = jax.nn.log_softmax(logits(params, inputs, n_layers, theta, eps), axis=-1)
     return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
