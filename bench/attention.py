@@ -31,10 +31,8 @@ from tabulate import tabulate  # noqa: E402
 
 from engine.cost.memory import measure as measure_memory  # noqa: E402
 from engine.cost.microbench import timed  # noqa: E402
-from layers.attention import reference_attention  # noqa: E402
-from layers.flash_blocked import BlockSizes, blocked_attention  # noqa: E402
-from layers.flash_chunked import chunked_attention  # noqa: E402
-from layers.flash_pallas import pallas_attention  # noqa: E402
+from layers.kernels import (BlockSizes, blocked_attention, chunked_attention,  # noqa: E402
+                            pallas_attention, reference_attention)
 
 MIB = 2**20
 # Dense fwd+bwd keeps about this many [B, H, L, L] f32 tensors alive at once

@@ -41,7 +41,8 @@ def gspmd_step(trainer):
     cfg, tcfg, mesh, dims = trainer.cfg, trainer.tcfg, trainer.mesh, fsdp_dims()
 
     def step(params, opt_state, tokens_BL):
-        loss, grads = jax.value_and_grad(model.loss)(params, tokens_BL, dims, cfg, Axes())
+        loss, grads = jax.value_and_grad(model.loss)(params, tokens_BL[:, :-1], tokens_BL[:, 1:],
+                                                     dims, cfg, Axes())
         grad_norm = optax.global_norm(grads)
         grads = optim.clip_by_norm(grads, grad_norm, tcfg.clip_norm)
         updates, opt_state = trainer.tx.update(grads, opt_state, params)

@@ -82,7 +82,7 @@ def scope_table(pred, measured):
 def collective_table(pred, measured, mesh_axes):
     """Rows per (HLO kind, axes): bytes/step, count, predicted, predicted exposed,
     measured transfer, wait, error."""
-    from engine.cost.audit import _canonical_axes
+    from engine.cost.audit import canonical_axes
     from engine.cost.ledger import COLLECTIVES
 
     agg = collections.defaultdict(lambda: [0.0, 0, 0.0, 0.0])
@@ -90,7 +90,7 @@ def collective_table(pred, measured, mesh_axes):
         kind = COLLECTIVES.get(p.row.primitive)
         if p.row.kind != "collective" or kind is None or p.row.bytes == 0:
             continue
-        a = agg[(kind, _canonical_axes(p.row.axes, mesh_axes))]
+        a = agg[(kind, canonical_axes(p.row.axes, mesh_axes))]
         a[0] += p.row.total_bytes
         a[1] += p.row.count
         a[2] += p.seconds
@@ -141,7 +141,7 @@ def measure(cfg, tcfg, layout, trainer, steps: int, trace_steps: int):
 
     from bench.timing import compiled_step, time_steps
     from engine.cost import trace
-    from engine.cost.audit import _axes_by_groups
+    from engine.cost.audit import axes_by_groups
 
     step, params, opt_state, tokens, _ = compiled_step(trainer)
     text = step.as_text()
@@ -152,7 +152,7 @@ def measure(cfg, tcfg, layout, trainer, steps: int, trace_steps: int):
                 params, opt_state, m = step(params, opt_state, tokens)
                 jax.block_until_ready(m)
         events = trace.op_events(d)
-    info = trace.classify(text, _axes_by_groups(layout.mesh_axes()))
+    info = trace.classify(text, axes_by_groups(layout.mesh_axes()))
     return step_s, trace.attribute(events, info, step_s, trace_steps), text
 
 

@@ -74,7 +74,8 @@ class Trainer:
 
     # -- per-shard bodies -------------------------------------------------------------
     def _loss(self, params, tokens_BL):
-        loss = model.loss(params, tokens_BL, self._dims, self.cfg, self._model_axes)
+        loss = model.loss(params, tokens_BL[:, :-1], tokens_BL[:, 1:], self._dims, self.cfg,
+                          self._model_axes)
         if self.zero == 3:
             return loss
         with jax.named_scope("loss"):  # the model averaged over dp only; now over fsdp

@@ -1,65 +1,46 @@
-"""Megatron GQA attention per shard: QKV column-parallel over heads, output row-parallel.
+"""Megatron GQA attention per shard: QKV column-parallel over heads, output row-parallel;
+the kernel between them is picked from `layers.kernels.KERNELS` by `cfg.attention`.
+Decoding runs the same layer against a KV cache (`LayerCache`).
 
 Letter key: B batch, L query length, S key length, D model, H query heads, G kv heads,
-R = H/G query heads per kv head, K head dim. Shapes are per shard unless noted.
+R = H/G query heads per kv head, K head dim, C cache length. Shapes are per shard unless
+noted.
 """
 from __future__ import annotations
 
-import math
+from typing import NamedTuple
 
 import jax
-import jax.numpy as jnp
 from jax import lax
 
 import collectives
 from layers.axes import Axes
 from layers.common import einsum
 from layers.config import ModelConfig
-from layers.flash_blocked import blocked_attention
-from layers.flash_chunked import chunked_attention
-from layers.flash_pallas import pallas_attention
-from layers.rope import rope
-
-# Sequences at least this long use the blocked flash path under `attention="auto"`: from
-# there on dense O(L^2) scores dominate memory (bench/attention.py). Shorter ones use
-# `chunked`: dense scores, causal tiles skipped, flash backward (the fastest kernel on
-# CPU at L = 256: README, "Performance").
-AUTO_BLOCKED_FROM = 1024
+from layers.kernels import attention_kernel, reference_attention
+from layers.kernels import resolve_attention  # noqa: F401 (re-exported for the CLIs)
+from layers.rope import rope, rope_rows
 
 
-def reference_attention(q_BLHK, k_BSGK, v_BSGK, *, causal: bool = True) -> jax.Array:
-    """Dense softmax attention, f32 scores. GQA: query head h reads kv head h // R.
+class LayerCache(NamedTuple):
+    """One layer's KV cache while decoding, and where this call's new tokens go.
 
-    q: [B, L, H, K]; k, v: [B, S, G, K] -> o: [B, L, H, K] in q's dtype.
-    """
-    B, L, H, K = q_BLHK.shape
-    S, G = k_BSGK.shape[1], k_BSGK.shape[2]
-    q_BLGRK = q_BLHK.reshape(B, L, G, H // G, K)
-    s_BGRLS = jnp.einsum("BLGRK,BSGK->BGRLS", q_BLGRK, k_BSGK,
-                         preferred_element_type=jnp.float32) / math.sqrt(K)
-    if causal:
-        mask_LS = jnp.arange(L)[:, None] >= jnp.arange(S)[None, :]
-        s_BGRLS = jnp.where(mask_LS, s_BGRLS, jnp.finfo(jnp.float32).min)
-    p_BGRLS = jax.nn.softmax(s_BGRLS, axis=-1)
-    o_BLGRK = jnp.einsum("BGRLS,BSGK->BLGRK", p_BGRLS.astype(v_BSGK.dtype), v_BSGK,
-                         preferred_element_type=jnp.float32)
-    return o_BLGRK.reshape(B, L, H, K).astype(q_BLHK.dtype)
+    k, v [B, C, G_tp, K] (after RoPE, compute dtype); row b's new tokens are at positions
+    (= cache slots) start_B[b] + [0, L). Slots above a query's position (not yet written,
+    or a right-padded prompt's padding, overwritten before any query can see it) are
+    masked by the causal mask."""
 
+    k_BCGK: jax.Array
+    v_BCGK: jax.Array
+    start_B: jax.Array
 
-KERNELS = {"reference": reference_attention, "chunked": chunked_attention,
-           "blocked": blocked_attention, "pallas": pallas_attention}
-
-
-def resolve_attention(name: str, seq: int) -> str:
-    """The kernel `ModelConfig.attention` names for sequences of `seq` tokens: `auto` is
-    `blocked` from AUTO_BLOCKED_FROM tokens on, else `chunked`."""
-    if name == "auto":
-        return "blocked" if seq >= AUTO_BLOCKED_FROM else "chunked"
-    return name
-
-
-def attention_kernel(name: str, seq: int):
-    return KERNELS[resolve_attention(name, seq)]
+    def write(self, k_BLGK: jax.Array, v_BLGK: jax.Array) -> "LayerCache":
+        """The cache with row b of the new keys and values in slots start_B[b] + [0, L)
+        (callers keep them inside C)."""
+        write = lambda c_CGK, n_LGK, s: lax.dynamic_update_slice_in_dim(c_CGK, n_LGK, s, axis=0)
+        rows = lambda c_BCGK, n_BLGK: jax.vmap(write)(c_BCGK, n_BLGK.astype(c_BCGK.dtype),
+                                                      self.start_B)
+        return LayerCache(rows(self.k_BCGK, k_BLGK), rows(self.v_BCGK, v_BLGK), self.start_B)
 
 
 def kv_weights_for_rank(w_DGK: jax.Array, cfg: ModelConfig, axes: Axes) -> jax.Array:
@@ -107,16 +88,29 @@ def out_projection(o_BLHK: jax.Array, p: dict, cfg: ModelConfig, axes: Axes) -> 
     return collectives.row_parallel(o_BLHK, out, axes.tp, dim=1, comm=cfg.tp_comm)
 
 
-def attention(x_BLD: jax.Array, p: dict, cfg: ModelConfig, axes: Axes) -> jax.Array:
+def attention(x_BLD: jax.Array, p: dict, cfg: ModelConfig, axes: Axes,
+              cache: LayerCache | None = None):
     """x: [B, L, D] replicated over tp -> [B, L, D] replicated over tp (tp_comm
     allreduce); x: [B, L_tp, D] -> [B, L_tp, D] (sequence, ring: the projections see the
     whole sequence, so RoPE and the causal mask use global positions).
 
     p (gathered over fsdp): wq [D, H_tp, K], wk/wv [D, G_tp, K], wo [H_tp, K, D].
+    cache (decoding, tp_comm allreduce): the new tokens' keys and values are RoPE-rotated
+    at their positions and written into it, and the queries attend over the whole cache
+    (the dense reference kernel with one query offset per row); returns (y, the cache
+    with the new tokens) instead of y.
     """
     dt = cfg.compute_dtype
     q_BLHK, k_BLGK, v_BLGK = qkv_projections(x_BLD, p, cfg, axes)
+    if cache is not None:
+        q_BLHK = rope_rows(q_BLHK, cache.start_B, cfg.rope_theta)
+        k_BLGK = rope_rows(k_BLGK, cache.start_B, cfg.rope_theta)
+        cache = cache.write(k_BLGK, v_BLGK)
+        o_BLHK = reference_attention(q_BLHK.astype(dt), cache.k_BCGK, cache.v_BCGK,
+                                     q_offset=cache.start_B, axes=axes)
+        return out_projection(o_BLHK, p, cfg, axes), cache
     q_BLHK, k_BLGK = rope(q_BLHK, theta=cfg.rope_theta), rope(k_BLGK, theta=cfg.rope_theta)
     attend = attention_kernel(cfg.attention, q_BLHK.shape[1])
-    o_BLHK = attend(q_BLHK.astype(dt), k_BLGK.astype(dt), v_BLGK.astype(dt), causal=True)
+    o_BLHK = attend(q_BLHK.astype(dt), k_BLGK.astype(dt), v_BLGK.astype(dt), causal=True,
+                    axes=axes)
     return out_projection(o_BLHK, p, cfg, axes)

@@ -7,7 +7,8 @@ import jax
 from jax import lax
 
 import collectives
-from layers.attention import attention
+from engine.cost import scopes
+from layers.attention import LayerCache, attention
 from layers.axes import Axes
 from layers.config import ModelConfig
 from layers.mlp import mlp
@@ -46,19 +47,27 @@ def gather_weights(p: dict, fsdp_dims: Mapping[str, int | None], axes: Axes, dty
     return out
 
 
-def block(x_BLD: jax.Array, p: dict, cfg: ModelConfig, axes: Axes) -> jax.Array:
+def block(x_BLD: jax.Array, p: dict, cfg: ModelConfig, axes: Axes,
+          cache: LayerCache | None = None):
     """Pre-norm decoder block; p gathered over fsdp. x: [B, L, D] -> [B, L, D] replicated
-    over tp (cfg.tp_comm allreduce) or [B, L_tp, D] -> [B, L_tp, D] (sequence, ring)."""
+    over tp (cfg.tp_comm allreduce) or [B, L_tp, D] -> [B, L_tp, D] (sequence, ring).
+    cache (decoding): the attention reads and writes this layer's KV cache, and the block
+    returns (x, cache)."""
     # sequence, ring: the norms run on x's sequence shard, so their scales' grads are
     # partial sums over tp, all-reduced by the broadcast's bwd
     seq_tp = None if cfg.tp_comm == "allreduce" else axes.tp
-    with jax.named_scope("attention"):
+    with jax.named_scope(scopes.ATTENTION):
         scale_D = collectives.broadcast(p["attn_norm"], seq_tp)
-        x_BLD = x_BLD + attention(rms_norm(x_BLD, scale_D, cfg.norm_eps), p, cfg, axes)
-    with jax.named_scope("mlp"):
+        h_BLD = rms_norm(x_BLD, scale_D, cfg.norm_eps)
+        if cache is None:
+            x_BLD = x_BLD + attention(h_BLD, p, cfg, axes)
+        else:
+            y_BLD, cache = attention(h_BLD, p, cfg, axes, cache)
+            x_BLD = x_BLD + y_BLD
+    with jax.named_scope(scopes.MLP):
         scale_D = collectives.broadcast(p["mlp_norm"], seq_tp)
         x_BLD = x_BLD + mlp(rms_norm(x_BLD, scale_D, cfg.norm_eps), p, cfg, axes)
-    return x_BLD
+    return x_BLD if cache is None else (x_BLD, cache)
 
 
 def blocks(x_BLD: jax.Array, stacked: dict, fsdp_dims: Mapping[str, int | None],
@@ -77,7 +86,7 @@ def blocks(x_BLD: jax.Array, stacked: dict, fsdp_dims: Mapping[str, int | None],
     merge the recompute into the forward (dropping the recompute's collectives)."""
 
     def gather(p_layer):
-        with jax.named_scope("gather_params"):
+        with jax.named_scope(scopes.GATHER_PARAMS):
             return gather_weights(p_layer, fsdp_dims, axes, cfg.compute_dtype)
 
     def remat(f):

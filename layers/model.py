@@ -1,4 +1,11 @@
-"""The whole model per shard: embedding -> scanned blocks -> norm -> vocab-parallel loss."""
+"""The whole model per shard as three stages, `embed` -> `blocks` -> `head`, and the
+training loss composed of them (vocab-parallel cross-entropy after the head).
+
+Between the stages the residual stream is x [B, L, D] (f32) replicated over tp
+(cfg.tp_comm allreduce) or [B, L_tp, D] (sequence, ring). params: local shards as stored
+(see engine/params.py); fsdp_dims: for every param, the dim sharded over fsdp (None if
+replicated), in per-layer coordinates.
+"""
 from __future__ import annotations
 
 from typing import Mapping
@@ -7,36 +14,58 @@ import jax
 import jax.numpy as jnp
 
 import collectives
-from layers import vocab
+from engine.cost import scopes
+from layers import block, vocab
 from layers.axes import Axes
-from layers.block import blocks
 from layers.config import ModelConfig
 from layers.norm import rms_norm
 
 
-def loss(params: dict, tokens_BL: jax.Array, fsdp_dims: Mapping, cfg: ModelConfig,
-         axes: Axes) -> jax.Array:
-    """Mean next-token cross-entropy over the global batch (a scalar, the same on every device).
-
-    params: local shards as stored (see engine/params.py); tokens: [B_batch, L+1] with the
-    batch sharded over `axes.batch`; position t predicts token t+1. fsdp_dims: for every
-    param, the dim sharded over fsdp (None if replicated), in per-layer coordinates.
-    Between the embedding and the loss the residual stream is [B, L, D] replicated over
-    tp (cfg.tp_comm allreduce) or [B, L_tp, D] (sequence, ring).
-    """
-    inputs_BL, targets_BL = tokens_BL[:, :-1], tokens_BL[:, 1:]
-    with jax.named_scope("embed"):
+def embed(params: dict, inputs_BL: jax.Array, fsdp_dims: Mapping, cfg: ModelConfig,
+          axes: Axes) -> jax.Array:
+    """Token ids [B, L] -> the residual stream x [B, L, D] (or [B, L_tp, D])."""
+    with jax.named_scope(scopes.EMBED):
         embed_VD = collectives.gather(params["embed"], axes.fsdp, dim=fsdp_dims["embed"])
-        x_BLD = vocab.embed(inputs_BL, embed_VD, axes, cfg.tp_comm)
-    x_BLD = blocks(x_BLD, params["blocks"], fsdp_dims["blocks"], cfg, axes)
-    with jax.named_scope("loss"):
-        # sequence, ring: x is [B, L_tp, D], so the scale's grad is a partial sum over tp,
-        # all-reduced by the broadcast's bwd (allreduce: x replicated, nothing to reduce)
-        seq_tp = None if cfg.tp_comm == "allreduce" else axes.tp
-        h_BLD = rms_norm(x_BLD, collectives.broadcast(params["final_norm"], seq_tp),
-                         cfg.norm_eps)
-        unembed_DV = collectives.gather(params["unembed"].astype(cfg.compute_dtype), axes.fsdp,
-                                        dim=fsdp_dims["unembed"])
+        return vocab.embed(inputs_BL, embed_VD, axes, cfg.tp_comm)
+
+
+def blocks(params: dict, x_BLD: jax.Array, fsdp_dims: Mapping, cfg: ModelConfig,
+           axes: Axes) -> jax.Array:
+    """The N decoder blocks (`layers.block.blocks`: scan, fsdp gathers, remat):
+    x [B, L, D] -> [B, L, D] (or [B, L_tp, D] -> [B, L_tp, D])."""
+    return block.blocks(x_BLD, params["blocks"], fsdp_dims["blocks"], cfg, axes)
+
+
+def head(params: dict, x_BLD: jax.Array, fsdp_dims: Mapping, cfg: ModelConfig,
+         axes: Axes) -> tuple[jax.Array, jax.Array]:
+    """The final norm and the unembedding: logits are h @ unembed.
+
+    x [B, L, D] (or [B, L_tp, D]) -> (h [B, L, D] f32, the same sharding as x; unembed
+    [D, V_tp] in the compute dtype, gathered over fsdp). The training loss feeds both
+    to the vocab-parallel cross-entropy (full logits never built); the decoder
+    (layers/cache.py) multiplies them for the last token's logits."""
+    # sequence, ring: x is [B, L_tp, D], so the scale's grad is a partial sum over tp,
+    # all-reduced by the broadcast's bwd (allreduce: x replicated, nothing to reduce)
+    seq_tp = None if cfg.tp_comm == "allreduce" else axes.tp
+    h_BLD = rms_norm(x_BLD, collectives.broadcast(params["final_norm"], seq_tp), cfg.norm_eps)
+    unembed_DV = collectives.gather(params["unembed"].astype(cfg.compute_dtype), axes.fsdp,
+                                    dim=fsdp_dims["unembed"])
+    return h_BLD, unembed_DV
+
+
+def loss(params: dict, inputs_BL: jax.Array, targets_BL: jax.Array, fsdp_dims: Mapping,
+         cfg: ModelConfig, axes: Axes) -> jax.Array:
+    """Mean next-token cross-entropy over the global batch (a scalar, the same on every
+    device): `embed`, `blocks`, `head`, then the vocab-parallel cross-entropy.
+
+    inputs, targets: [B_batch, L] with the batch sharded over `axes.batch`; position t of
+    inputs predicts position t of targets (for a token stream, targets are the inputs
+    shifted by one).
+    """
+    x_BLD = embed(params, inputs_BL, fsdp_dims, cfg, axes)
+    x_BLD = blocks(params, x_BLD, fsdp_dims, cfg, axes)
+    with jax.named_scope(scopes.LOSS):
+        h_BLD, unembed_DV = head(params, x_BLD, fsdp_dims, cfg, axes)
         loss_BL = vocab.cross_entropy(h_BLD, unembed_DV, targets_BL, axes, cfg.compute_dtype,
                                       cfg.tp_comm)
         n_tokens = loss_BL.size * axes.batch_size

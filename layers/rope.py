@@ -16,3 +16,8 @@ def rope(x_BLHK: jax.Array, offset: int | jax.Array = 0, theta: float = 10_000.0
     x1, x2 = jnp.split(x_BLHK.astype(jnp.float32), 2, axis=-1)
     out = jnp.concatenate([x1 * cos_L1k - x2 * sin_L1k, x2 * cos_L1k + x1 * sin_L1k], axis=-1)
     return out.astype(x_BLHK.dtype)
+
+
+def rope_rows(x_BLHK: jax.Array, start_B: jax.Array, theta: float = 10_000.0) -> jax.Array:
+    """RoPE with row b's tokens at positions start_B[b] + [0, L). [B, L, H, K] -> same."""
+    return jax.vmap(lambda x_LHK, s: rope(x_LHK[None], s, theta)[0])(x_BLHK, start_B)

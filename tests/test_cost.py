@@ -221,11 +221,11 @@ def test_canonical_dot_keeps_the_matmul():
 def test_replica_groups_read_alike_in_both_hlo_spellings():
     """jax 0.10's XLA lists device ids, jax 0.12's names mesh axes; both give the same
     groups (a (2, 2, 2) mesh, a collective over its first and last axes)."""
-    from engine.cost.hlo import _groups
+    from engine.cost.hlo import replica_groups
 
     listed = "replica_groups={{0,1,4,5},{2,3,6,7}}, dimensions={0}"
     named = "replica_groups=mesh['a'=2,'b'=2,'c'=2] {'a','c'}, dimensions={0}"
-    assert _groups(named) == _groups(listed) == frozenset(
+    assert replica_groups(named) == replica_groups(listed) == frozenset(
         {frozenset({0, 1, 4, 5}), frozenset({2, 3, 6, 7})})
-    assert _groups("replica_groups=mesh['a'=4,'b'=2] {'b'}") == frozenset(
+    assert replica_groups("replica_groups=mesh['a'=4,'b'=2] {'b'}") == frozenset(
         frozenset({2 * i, 2 * i + 1}) for i in range(4))

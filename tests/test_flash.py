@@ -17,10 +17,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from layers import flash_blocked, flash_pallas
-from layers.flash_blocked import BlockSizes, blocked_attention
-from layers.flash_chunked import chunked_attention
-from layers.flash_pallas import pallas_attention
+from layers.kernels import (BlockSizes, blocked, blocked_attention, chunked_attention, pallas,
+                            pallas_attention, reference_attention)
+from reference_model import dense_attention
 
 # f32: online softmax reorders the dense reference's sums; measured errors are
 # <= 1.2e-6 of the largest entry (about 10 f32 epsilons), so 1e-5 relative to
@@ -78,21 +77,6 @@ BF16_CASES = [
 ]
 
 
-def dense_reference(q_BLHK, k_BSGK, v_BSGK, *, causal: bool):
-    """Softmax attention with the full [L, S] score matrix in f32; GQA by repeat."""
-    f32 = jnp.float32
-    R = q_BLHK.shape[2] // k_BSGK.shape[2]
-    k_BSHK = jnp.repeat(k_BSGK, R, axis=2).astype(f32)
-    v_BSHK = jnp.repeat(v_BSGK, R, axis=2).astype(f32)
-    s_BHLS = jnp.einsum("BLHK,BSHK->BHLS", q_BLHK.astype(f32), k_BSHK)
-    s_BHLS = s_BHLS * q_BLHK.shape[-1] ** -0.5
-    if causal:
-        L, S = s_BHLS.shape[-2:]
-        s_BHLS = jnp.where(jnp.tril(jnp.ones((L, S), bool)), s_BHLS, -jnp.inf)
-    p_BHLS = jax.nn.softmax(s_BHLS, axis=-1)
-    return jnp.einsum("BHLS,BSHK->BLHK", p_BHLS, v_BSHK).astype(q_BLHK.dtype)
-
-
 def make_inputs(case: Case, dtype, scale: float = 1.0, seed: int = 0):
     """q_BLHK, k_BSGK, v_BSGK and a cotangent do_BLHK as numpy arrays in `dtype`
     (drawn on the host: eager jax.random would compile per shape)."""
@@ -119,7 +103,7 @@ def reference_output_and_grads(case: Case, dtype, scale: float = 1.0):
     """Dense f32 reference (o, dq, dk, dv) on the f32 upcast of make_inputs(case,
     dtype, scale); cached so every kernel class shares one compile per case."""
     inputs = [x.astype(np.float32) for x in make_inputs(case, dtype, scale)]
-    reference = lambda q, k, v: dense_reference(q, k, v, causal=case.causal)
+    reference = lambda q, k, v: dense_attention(q, k, v, causal=case.causal)
     return output_and_grads(reference, *inputs)
 
 
@@ -137,15 +121,6 @@ def assert_close(got, want, tol: float):
         assert err <= tol, f"{name}: max|a-b|/max|b| = {err:.2e} > {tol:.0e}"
 
 
-def engine_reference():
-    """layers.attention.reference_attention if that module exists yet, else None."""
-    try:
-        from layers.attention import reference_attention
-    except ImportError:
-        return None
-    return reference_attention
-
-
 class AttentionSuite:
     """The kernel suite. Subclasses define `attend(q, k, v, *, causal, blocks)` and
     `attend_with_kv_len(q, k, v, kv_len)` (non-causal; keys >= kv_len masked)."""
@@ -155,9 +130,8 @@ class AttentionSuite:
         attend = lambda q, k, v: self.attend(q, k, v, causal=case.causal, blocks=case.blocks)
         got = output_and_grads(attend, *inputs)
         assert_close(got, reference_output_and_grads(case, dtype), tol)
-        engine = engine_reference()
-        if engine is not None and dtype == jnp.float32:
-            engine_attend = lambda q, k, v: engine(q, k, v, causal=case.causal)
+        if dtype == jnp.float32:
+            engine_attend = lambda q, k, v: reference_attention(q, k, v, causal=case.causal)
             assert_close(got, output_and_grads(engine_attend, *inputs), tol)
 
     @pytest.mark.parametrize("case", F32_CASES, ids=str)
@@ -200,7 +174,7 @@ class AttentionSuite:
             for x in got:
                 np.testing.assert_array_equal(np.asarray(x), 0.0)
             return
-        reference = lambda q, k, v: dense_reference(q, k, v, causal=False)
+        reference = lambda q, k, v: dense_attention(q, k, v, causal=False)
         o, dq, dk, dv = output_and_grads(reference, q, k[:, :kv_len], v[:, :kv_len], do)
         pad = lambda x: np.pad(x, ((0, 0), (0, case.S - kv_len), (0, 0), (0, 0)))
         assert_close(got, (o, dq, pad(dk), pad(dv)), F32_TOL)
@@ -223,9 +197,9 @@ class TestBlockedAttention(AttentionSuite):
     def attend_with_kv_len(self, q_BLHK, k_BSGK, v_BSGK, kv_len):
         B, L, H, K = q_BLHK.shape
         G = k_BSGK.shape[2]
-        plan = flash_blocked._Plan(causal=False, block_k=16, kv_len=kv_len, scale=K**-0.5)
+        plan = blocked._Plan(causal=False, block_k=16, kv_len=kv_len, scale=K**-0.5)
         q_BLGRK = q_BLHK.reshape(B, L, G, H // G, K)
-        return flash_blocked._flash(plan)(q_BLGRK, k_BSGK, v_BSGK).reshape(B, L, H, K)
+        return blocked._flash(plan)(q_BLGRK, k_BSGK, v_BSGK).reshape(B, L, H, K)
 
     def test_memory_grows_linearly_with_length(self):
         # fwd+bwd temp memory must stay below one dense [H, L, L] f32 score matrix
@@ -260,7 +234,7 @@ class TestPallasAttention(AttentionSuite):
         )
 
     def attend_with_kv_len(self, q_BLHK, k_BSGK, v_BSGK, kv_len):
-        plan = flash_pallas._Plan(
+        plan = pallas._Plan(
             causal=False,
             block_q=16,
             block_k=16,
@@ -269,7 +243,7 @@ class TestPallasAttention(AttentionSuite):
             interpret=self.INTERPRET,
         )
         heads_major = lambda x: x.transpose(0, 2, 1, 3)
-        o_BHLK = flash_pallas._flash(plan)(*map(heads_major, (q_BLHK, k_BSGK, v_BSGK)))
+        o_BHLK = pallas._flash(plan)(*map(heads_major, (q_BLHK, k_BSGK, v_BSGK)))
         return heads_major(o_BHLK)
 
     def test_block_must_be_power_of_two(self):
@@ -279,8 +253,8 @@ class TestPallasAttention(AttentionSuite):
 
     def test_interpret_defaults_to_cpu_backend(self, monkeypatch):
         plans = []
-        build = flash_pallas._flash
-        monkeypatch.setattr(flash_pallas, "_flash", lambda plan: plans.append(plan) or build(plan))
+        build = pallas._flash
+        monkeypatch.setattr(pallas, "_flash", lambda plan: plans.append(plan) or build(plan))
         q = np.zeros((1, 32, 2, 16))
         jax.make_jaxpr(lambda q: pallas_attention(q, q, q))(q)
         assert [plan.interpret for plan in plans] == [jax.default_backend() == "cpu"]

@@ -12,7 +12,6 @@ import subprocess
 import sys
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding
@@ -68,14 +67,7 @@ def prompts():
 
 def ref_logits(params, tokens_BL):
     """The plain model (tests/reference_model.py) on whole sequences: [B, L, V]."""
-    x = jnp.asarray(params["embed"])[tokens_BL]
-    b = params["blocks"]
-    for i in range(CFG.n_layers):
-        h = ref.rms_norm(x, b["attn_norm"][i], CFG.norm_eps)
-        x = x + ref.attention(h, b["wq"][i], b["wk"][i], b["wv"][i], b["wo"][i], CFG.rope_theta)
-        h = ref.rms_norm(x, b["mlp_norm"][i], CFG.norm_eps)
-        x = x + ref.mlp(h, b["wg"][i], b["wu"][i], b["wd"][i])
-    return ref.rms_norm(x, params["final_norm"], CFG.norm_eps) @ params["unembed"]
+    return ref.logits(params, tokens_BL, CFG.n_layers, CFG.rope_theta, CFG.norm_eps)
 
 
 def decode(layout_name, params, sampling=Sampling(), seed=0):

@@ -11,7 +11,8 @@ from jax.sharding import PartitionSpec as P
 
 import reference_model as ref
 from layers import vocab
-from layers.attention import attention, reference_attention
+from layers.attention import attention
+from layers.kernels import reference_attention
 from layers.axes import Axes
 from layers.block import block
 from layers.config import ModelConfig
@@ -164,13 +165,43 @@ def test_reference_attention_gqa(causal):
     kq, kk, kv = jax.random.split(jax.random.key(10), 3)
     q = jax.random.normal(kq, (B, L, 8, 8))
     k, v = jax.random.normal(kk, (B, L, 2, 8)), jax.random.normal(kv, (B, L, 2, 8))
-
-    def plain(q, k, v):
-        k, v = jnp.repeat(k, 4, axis=2), jnp.repeat(v, 4, axis=2)
-        s = jnp.einsum("BLHK,BSHK->BHLS", q, k) / jnp.sqrt(8.0)
-        if causal:
-            s = jnp.where(jnp.tril(jnp.ones((L, L), bool)), s, -jnp.inf)
-        return jnp.einsum("BHLS,BSHK->BLHK", jax.nn.softmax(s, -1), v)
-
-    check_value_and_grad(lambda q, k, v: reference_attention(q, k, v, causal=causal), plain,
+    check_value_and_grad(lambda q, k, v: reference_attention(q, k, v, causal=causal),
+                         lambda q, k, v: ref.dense_attention(q, k, v, causal=causal),
                          (q, k, v), f"reference_attention causal={causal}")
+
+
+@pytest.mark.parametrize("q_offset,k_offset", [(8, 0), (8, 4), (3, 3)])
+def test_reference_attention_offsets(q_offset, k_offset):
+    """Queries at global positions q_offset + [0, L_q) against keys at k_offset + [0, S):
+    the causal mask of a sequence shard equals that slice of whole-sequence attention."""
+    kq, kk, kv = jax.random.split(jax.random.key(11), 3)
+    q = jax.random.normal(kq, (B, 8, 4, 8))
+    k, v = jax.random.normal(kk, (B, 12, 2, 8)), jax.random.normal(kv, (B, 12, 2, 8))
+    check_value_and_grad(
+        lambda q, k, v: reference_attention(q, k, v, q_offset=q_offset, k_offset=k_offset),
+        lambda q, k, v: ref.dense_attention(q, k, v, q_offset=q_offset, k_offset=k_offset),
+        (q, k, v), f"reference_attention q_offset={q_offset} k_offset={k_offset}")
+
+
+def test_reference_attention_query_slice():
+    """The second half of the queries at q_offset = L/2 against all keys equals the second
+    half of whole-sequence causal attention."""
+    kq, kk, kv = jax.random.split(jax.random.key(13), 3)
+    q = jax.random.normal(kq, (B, L, 4, 8))
+    k, v = jax.random.normal(kk, (B, L, 2, 8)), jax.random.normal(kv, (B, L, 2, 8))
+    half = L // 2
+    got = reference_attention(q[:, half:], k, v, q_offset=half)
+    np.testing.assert_allclose(got, reference_attention(q, k, v)[:, half:], rtol=1e-5,
+                               atol=1e-6)
+
+
+def test_reference_attention_per_row_offsets():
+    """An offset per row (the KV-cache decode path) equals each row alone."""
+    kq, kk, kv = jax.random.split(jax.random.key(12), 3)
+    q = jax.random.normal(kq, (3, 2, 4, 8))
+    k, v = jax.random.normal(kk, (3, 10, 2, 8)), jax.random.normal(kv, (3, 10, 2, 8))
+    start_B = jnp.array([0, 4, 8])
+    got = reference_attention(q, k, v, q_offset=start_B)
+    for b, start in enumerate([0, 4, 8]):
+        want = ref.dense_attention(q[b:b + 1], k[b:b + 1], v[b:b + 1], q_offset=start)
+        np.testing.assert_allclose(got[b:b + 1], want, rtol=1e-5, atol=1e-6)

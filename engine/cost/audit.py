@@ -55,7 +55,7 @@ def axis_groups(mesh_axes: tuple[tuple[str, int], ...], axes: tuple[str, ...]) -
     return frozenset(frozenset(int(d) for d in row) for row in grid)
 
 
-def _axes_by_groups(mesh_axes) -> dict:
+def axes_by_groups(mesh_axes) -> dict:
     """groups -> axes (in mesh order) for every non-empty subset of the mesh axes."""
     names = [n for n, _ in mesh_axes]
     table = {}
@@ -83,7 +83,8 @@ def expected(rows: list[Row], platform: str) -> tuple[collections.Counter, dict,
     return counts, names, rules
 
 
-def _canonical_axes(axes: tuple, mesh_axes) -> tuple:
+def canonical_axes(axes: tuple, mesh_axes) -> tuple:
+    """`axes` in mesh order (the order `axes_by_groups` names them in)."""
     order = [n for n, _ in mesh_axes]
     return tuple(sorted(axes, key=order.index))
 
@@ -93,10 +94,10 @@ def audit(rows: list[Row], hlo_text: str, mesh_axes, platform: str) -> Audit:
     placed, placed_names, rules = expected(rows, platform)
     want, names = collections.Counter(), collections.defaultdict(set)
     for (kind, axes, dtype, nbytes), n in placed.items():
-        key = (kind, _canonical_axes(axes, mesh_axes), dtype, nbytes)
+        key = (kind, canonical_axes(axes, mesh_axes), dtype, nbytes)
         want[key] += n
         names[key] |= placed_names[(kind, axes, dtype, nbytes)]
-    by_groups = _axes_by_groups(mesh_axes)
+    by_groups = axes_by_groups(mesh_axes)
     got, hlo_names, combined = collections.Counter(), collections.defaultdict(set), set()
     for c in hlo.collectives(hlo_text):
         axes = by_groups.get(c.groups, ("?",) if c.groups else ())

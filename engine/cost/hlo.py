@@ -4,8 +4,11 @@ A collective inside a while body appears once in the text but runs trip-count ti
 computations are parsed, and each one's multiplicity is propagated from ENTRY through
 `while` (times `known_trip_count` from its backend_config), `call`, `conditional`
 and fusion edges. Replica groups are read as listed device ids (jax 0.10's XLA) or as
-named mesh axes, `replica_groups=mesh['a'=4,'b'=2] {'b'}` (jax 0.12's). Tuple-shaped (combined) collectives yield one `HloCollective` per
-element, marked `combined`.
+named mesh axes, `replica_groups=mesh['a'=4,'b'=2] {'b'}` (jax 0.12's). Tuple-shaped
+(combined) collectives yield one `HloCollective` per element, marked `combined`.
+
+`parse` is the one entry point: a `Module` of `Instruction`s with their computations'
+multiplicities; `collectives` (the audit's input) and engine/cost/trace.py read it.
 """
 from __future__ import annotations
 
@@ -30,6 +33,7 @@ _PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
 # newer XLA (jax 0.12) names the mesh axes: replica_groups=mesh['a'=4,'b'=2] {'b'}
 _MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
+_CALLS = re.compile(r"calls=%?([\w.\-]+)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,46 +123,97 @@ def _mesh_groups(mesh: str, axes: str) -> frozenset:
     return frozenset(frozenset(int(d) for d in row) for row in rows)
 
 
-def _groups(rest: str) -> frozenset:
-    named = _MESH_GROUPS.search(rest)
+def replica_groups(attributes: str) -> frozenset:
+    """The device groups of a collective from its attributes text: listed replica groups,
+    named mesh axes, or (collective-permute) the cycles of its source-target pairs.
+    A frozenset of frozensets of device ids; empty if none is given."""
+    named = _MESH_GROUPS.search(attributes)
     if named:
         return _mesh_groups(named.group(1), named.group(2))
-    m = _GROUPS.search(rest)
+    m = _GROUPS.search(attributes)
     if not m or not m.group(1):
-        pairs = _PAIRS.search(rest)
+        pairs = _PAIRS.search(attributes)
         return _pair_groups(pairs.group(1)) if pairs else frozenset()
     return frozenset(frozenset(int(d) for d in g.split(",") if d)
                      for g in re.findall(r"\{([\d,]*)\}", m.group(1)))
 
 
+@dataclasses.dataclass(frozen=True)
+class Instruction:
+    """One HLO instruction: `name = result opcode(attributes`, in `computation`.
+
+    result: the result type text (a tuple for combined collectives); attributes: the
+    rest of the line (operands, attributes, metadata)."""
+
+    computation: str
+    name: str
+    result: str
+    opcode: str
+    attributes: str
+
+    @property
+    def op_name(self) -> str:
+        """The jax name stack of the op (`metadata={op_name=...}`), or ""."""
+        m = _OP_NAME.search(self.attributes)
+        return m.group(1) if m else ""
+
+    @property
+    def callee(self) -> str | None:
+        """The computation a fusion or call runs (`calls=`), if any."""
+        m = _CALLS.search(self.attributes)
+        return m.group(1) if m else None
+
+    @property
+    def groups(self) -> frozenset:
+        return replica_groups(self.attributes)
+
+
+@dataclasses.dataclass(frozen=True)
+class Module:
+    """A compiled HLO module: its computations' instructions, the entry computation and
+    how often each computation runs per execution of the entry."""
+
+    computations: dict  # name -> [Instruction]
+    entry: str
+    multiplicity: dict  # name -> executions per step (absent: never reached from entry)
+
+    def instructions(self):
+        """Every instruction, computation by computation."""
+        for instrs in self.computations.values():
+            yield from instrs
+
+
+def parse(text: str) -> Module:
+    """Parse compiled HLO text (`compiled.as_text()`)."""
+    comps, entry = _computations(text)
+    instrs = {}
+    for comp, lines in comps.items():
+        instrs[comp] = [Instruction(comp, m.group(2), m.group(3), m.group(4), m.group(5))
+                        for m in map(_INSTR.match, lines) if m]
+    return Module(instrs, entry, _multiplicities(comps, entry))
+
+
 def collectives(text: str) -> list[HloCollective]:
     """Every collective in the compiled module with its executions per step."""
-    comps, entry = _computations(text)
-    mult = _multiplicities(comps, entry)
+    module = parse(text)
     out = []
-    for comp, lines in comps.items():
-        for line in lines:
-            m = _INSTR.match(line)
-            if not m:
-                continue
-            name, result, opcode, rest = m.group(2), m.group(3), m.group(4), m.group(5)
-            kind = opcode.removesuffix("-start")
-            if kind not in KINDS or comp not in mult:
-                continue
-            groups = _groups(rest)
-            size = max((len(g) for g in groups), default=1)
-            arrays = _ARRAY.findall(result)
-            if opcode.endswith("-start") and kind == "all-gather":
-                arrays = arrays[len(arrays) // 2:]  # (operands, outputs) tuple
-            m_op = _OP_NAME.search(rest)
-            op_name = m_op.group(1) if m_op else ""
-            for dtype, dims in arrays:
-                shape = tuple(int(d) for d in dims.split(",") if d)
-                nbytes = DTYPE_BYTES.get(dtype, 4)
-                for d in shape:
-                    nbytes *= d
-                if kind == "reduce-scatter":
-                    nbytes *= size
-                out.append(HloCollective(name, kind, dtype, shape, nbytes, groups, mult[comp],
-                                         len(arrays) > 1, op_name))
+    for ins in module.instructions():
+        kind = ins.opcode.removesuffix("-start")
+        if kind not in KINDS or ins.computation not in module.multiplicity:
+            continue
+        groups = ins.groups
+        size = max((len(g) for g in groups), default=1)
+        arrays = _ARRAY.findall(ins.result)
+        if ins.opcode.endswith("-start") and kind == "all-gather":
+            arrays = arrays[len(arrays) // 2:]  # (operands, outputs) tuple
+        for dtype, dims in arrays:
+            shape = tuple(int(d) for d in dims.split(",") if d)
+            nbytes = DTYPE_BYTES.get(dtype, 4)
+            for d in shape:
+                nbytes *= d
+            if kind == "reduce-scatter":
+                nbytes *= size
+            out.append(HloCollective(ins.name, kind, dtype, shape, nbytes, groups,
+                                     module.multiplicity[ins.computation], len(arrays) > 1,
+                                     ins.op_name))
     return out

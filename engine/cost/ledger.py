@@ -21,8 +21,7 @@ import jax.numpy as jnp
 from jax._src import source_info_util
 from jax.extend import core as jcore
 
-# The named scopes the code opens (layers/, engine/step.py), outermost first.
-SCOPES = ("embed", "gather_params", "attention", "mlp", "loss", "reduce_grads", "optimizer")
+from engine.cost.scopes import SCOPES  # the named scopes, outermost first
 
 # jaxpr primitive -> HLO collective kind. pvary moves nothing (it only marks a value as
 # per-device for check_vma) and lowers to no HLO op: its rows carry 0 bytes.

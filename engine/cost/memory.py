@@ -173,7 +173,7 @@ from engine.config import TrainConfig
 from engine.layout import Layout
 from layers.attention import resolve_attention
 from layers.config import ModelConfig
-from layers.flash_chunked import chunked_attention
+from layers.kernels.chunked import chunked_attention
 
 MiB = 2 ** 20
 F32 = 4

@@ -20,10 +20,7 @@ import dataclasses
 import glob
 import re
 
-from engine.cost import hlo
-from engine.cost.ledger import SCOPES
-
-_FUSION_CALL = re.compile(r"calls=%?([\w.\-]+)")
+from engine.cost import hlo, scopes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,41 +35,34 @@ class OpInfo:
 
 def _phase_scope(op_name: str) -> tuple[str, str]:
     parts = re.split(r"[/()]", op_name)
-    scope = next((p for p in parts if p in SCOPES), "other")
+    scope = scopes.scope_of(parts)
     if "rematted_computation" in parts:
         return "recompute", scope
     if "transpose" in parts:
         return "bwd", scope
-    return ("update" if scope in ("reduce_grads", "optimizer") else "fwd"), scope
+    return ("update" if scope in scopes.UPDATE_SCOPES else "fwd"), scope
 
 
 def classify(hlo_text: str, axes_by_groups: dict) -> dict[str, OpInfo]:
-    """{instruction name: OpInfo} for every instruction of the compiled module."""
-    comps, _ = hlo._computations(hlo_text)
-    has_dot = {name for name, lines in comps.items()
-               if any(" dot(" in ln or " convolution(" in ln for ln in lines)}
-    first_op_name = {name: next((m.group(1) for ln in lines
-                                 for m in [hlo._OP_NAME.search(ln)] if m), "")
-                     for name, lines in comps.items()}
+    """{instruction name: OpInfo} for every instruction of the compiled module.
+    axes_by_groups: replica groups -> mesh axes (`engine.cost.audit.axes_by_groups`)."""
+    module = hlo.parse(hlo_text)
+    has_dot = {name for name, instrs in module.computations.items()
+               if any(i.opcode in ("dot", "convolution") for i in instrs)}
+    first_op_name = {name: next((i.op_name for i in instrs if i.op_name), "")
+                     for name, instrs in module.computations.items()}
     info = {}
-    for lines in comps.values():
-        for line in lines:
-            m = hlo._INSTR.match(line)
-            if not m:
-                continue
-            name, opcode, rest = m.group(2), m.group(4), m.group(5)
-            m_op, m_call = hlo._OP_NAME.search(rest), _FUSION_CALL.search(rest)
-            callee = m_call.group(1) if m_call else None
-            op_name = m_op.group(1) if m_op else first_op_name.get(callee, "")
-            phase, scope = _phase_scope(op_name)
-            kind = opcode.removesuffix("-start")
-            if kind in hlo.KINDS:
-                info[name] = OpInfo("collective", scope, phase, (kind, axes_by_groups.get(
-                    hlo._groups(rest), ())))
-            elif opcode == "dot" or (callee in has_dot):
-                info[name] = OpInfo("matmul", scope, phase)
-            else:
-                info[name] = OpInfo("memory", scope, phase)
+    for ins in module.instructions():
+        callee = ins.callee
+        phase, scope = _phase_scope(ins.op_name or first_op_name.get(callee, ""))
+        kind = ins.opcode.removesuffix("-start")
+        if kind in hlo.KINDS:
+            info[ins.name] = OpInfo("collective", scope, phase,
+                                    (kind, axes_by_groups.get(ins.groups, ())))
+        elif ins.opcode == "dot" or callee in has_dot:
+            info[ins.name] = OpInfo("matmul", scope, phase)
+        else:
+            info[ins.name] = OpInfo("memory", scope, phase)
     return info
 
 

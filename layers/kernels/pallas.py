@@ -42,7 +42,8 @@ from jax.experimental import pallas as pl
 from jax.sharding import PartitionSpec as P
 
 import collectives
-from layers.flash_blocked import MASK_VALUE, BlockSizes, attention_dims, pad_axis, tile_mask
+from layers.kernels.shared import (MASK_VALUE, BlockSizes, attention_dims, pad_axis, softmax_scale,
+                                   tile_mask)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -322,6 +323,7 @@ def pallas_attention(
     v_BSGK,
     *,
     causal: bool = True,
+    axes=None,
     blocks: BlockSizes = BlockSizes(),
     interpret: bool | None = None,
 ):
@@ -331,7 +333,8 @@ def pallas_attention(
     Causal needs L == S (query i attends keys <= i). Block sizes must be powers
     of two; L and S are zero-padded to multiples of them (padded keys masked).
     interpret=None means interpret mode exactly when the default backend is CPU.
-    Returns o_BLHK in q's dtype; accumulation is f32.
+    Returns o_BLHK in q's dtype; accumulation is f32. axes: unused (nothing is
+    communicated; the nested shard_map below spans no axes).
     """
     dims = attention_dims(q_BLHK, k_BSGK, v_BSGK, causal=causal)
     if interpret is None:
@@ -341,7 +344,7 @@ def pallas_attention(
         block_q=_tile_size(blocks.block_q, dims.q_len, "block_q"),
         block_k=_tile_size(blocks.block_k, dims.kv_len, "block_k"),
         kv_len=dims.kv_len,
-        scale=dims.head_dim**-0.5,
+        scale=softmax_scale(dims.head_dim),
         interpret=interpret,
     )
     to_heads_major = lambda x, block: pad_axis(x, 1, block).transpose(0, 2, 1, 3)

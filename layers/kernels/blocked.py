@@ -16,95 +16,18 @@ probabilities P = exp(S - lse) and, with delta = rowsum(dO * O),
 carrying dQ and emitting dK / dV per block.
 
 Key lengths not divisible by the block are padded with zeros and the padded keys
-masked. This module tiles only the key axis; `BlockSizes.block_q` is used by the
-Pallas kernel in layers/flash_pallas.py, which imports `BlockSizes`,
-`attention_dims`, `pad_axis` and `tile_mask` from here.
+masked. This module tiles only the key axis (`BlockSizes.block_q` is for the chunked
+and Pallas kernels).
 """
 
 import dataclasses
 import functools
 
-import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
-import collectives
-
-# Finite stand-in for -inf: masked scores never produce inf - inf = NaN.
-MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
-
-
-@dataclasses.dataclass(frozen=True)
-class BlockSizes:
-    """Tile sizes: block_q query rows and block_k keys per tile."""
-
-    block_q: int = 128
-    block_k: int = 128
-
-    def __post_init__(self):
-        if self.block_q < 1 or self.block_k < 1:
-            raise ValueError(f"block sizes must be positive, got {self}")
-
-
-@dataclasses.dataclass(frozen=True)
-class AttentionDims:
-    """Validated sizes of one attention call."""
-
-    batch: int
-    q_len: int
-    kv_len: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-
-    @property
-    def group(self) -> int:
-        """R: query heads sharing one kv head."""
-        return self.heads // self.kv_heads
-
-
-def attention_dims(q_BLHK, k_BSGK, v_BSGK, *, causal: bool) -> AttentionDims:
-    """Checks q [B, L, H, K], k and v [B, S, G, K] and returns their sizes."""
-    if q_BLHK.ndim != 4 or k_BSGK.ndim != 4 or k_BSGK.shape != v_BSGK.shape:
-        raise ValueError(
-            "expected q [B, L, H, K] and k, v [B, S, G, K] with equal shapes, got "
-            f"q {q_BLHK.shape}, k {k_BSGK.shape}, v {v_BSGK.shape}"
-        )
-    B, L, H, K = q_BLHK.shape
-    Bk, S, G, Kk = k_BSGK.shape
-    if (B, K) != (Bk, Kk):
-        raise ValueError(
-            f"batch and head dim must match: q {q_BLHK.shape}, k {k_BSGK.shape}"
-        )
-    if G < 1 or H % G != 0:
-        raise ValueError(f"query heads H={H} must be a multiple of kv heads G={G}")
-    if causal and L != S:
-        raise ValueError(f"causal attention needs L == S, got L={L}, S={S}")
-    if L < 1 or S < 1:
-        raise ValueError(f"empty sequence: L={L}, S={S}")
-    return AttentionDims(B, L, S, H, G, K)
-
-
-def pad_axis(x, axis: int, multiple: int):
-    """Pads `x` with zeros at the end of `axis` up to a multiple of `multiple`."""
-    pad = -x.shape[axis] % multiple
-    if pad == 0:
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, pad)
-    return jnp.pad(x, widths)
-
-
-def tile_mask(q_pos_Q, k_pos_T, *, causal: bool, kv_len: int):
-    """Which (query, key) pairs of a tile attend: bool [Q, T].
-
-    Keys at positions >= kv_len are padding; causal keeps keys <= the query.
-    """
-    mask_QT = k_pos_T[None, :] < kv_len
-    if causal:
-        mask_QT = mask_QT & (q_pos_Q[:, None] >= k_pos_T[None, :])
-    return mask_QT
+from layers.kernels.shared import (MASK_VALUE, BlockSizes, attention_dims, flash_vjp, pad_axis,
+                                   softmax_scale, tile_mask, varying_like)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,13 +64,6 @@ def _block_scores(q_BLGRK, k_BTGK, j, plan: _Plan):
     return s_BGRLT * plan.scale, mask_LT
 
 
-def _varying_like(carry, *refs):
-    """Inside shard_map a scan carry must vary over the same mesh axes as the body's
-    result: mark the fresh initial carry as varying wherever any of `refs` does."""
-    axes = tuple(frozenset().union(*map(collectives.varying_axes, refs)))
-    return jax.tree.map(lambda c: collectives.broadcast(c, axes), carry)
-
-
 def _forward(q_BLGRK, k_BSGK, v_BSGK, plan: _Plan):
     """Online-softmax scan: returns o_BLGRK (q's dtype) and (lse_BGRL,) (f32)."""
     B, L, G, R, K = q_BLGRK.shape
@@ -172,7 +88,7 @@ def _forward(q_BLGRK, k_BSGK, v_BSGK, plan: _Plan):
         acc_BGRLK = correction_BGRL[..., None] * acc_BGRLK + pv_BGRLK
         return (m_new_BGRL, l_BGRL, acc_BGRLK), None
 
-    init = _varying_like(
+    init = varying_like(
         (jnp.full((B, G, R, L), MASK_VALUE, jnp.float32),
          jnp.zeros((B, G, R, L), jnp.float32),
          jnp.zeros((B, G, R, L, K), jnp.float32)),
@@ -225,26 +141,9 @@ def _backward(plan: _Plan, residuals, do_BLGRK):
         return dq_BLGRK, (dk_BTGK.astype(k_BTGK.dtype), dv_BTGK.astype(v_BTGK.dtype))
 
     xs = (jnp.arange(J), _key_blocks(k_BSGK, T), _key_blocks(v_BSGK, T))
-    init = _varying_like(jnp.zeros(q_BLGRK.shape, f32), q_BLGRK, k_BSGK, v_BSGK, do_BLGRK)
+    init = varying_like(jnp.zeros(q_BLGRK.shape, f32), q_BLGRK, k_BSGK, v_BSGK, do_BLGRK)
     dq_BLGRK, (dk_JBTGK, dv_JBTGK) = lax.scan(step, init, xs)
     return dq_BLGRK.astype(q_BLGRK.dtype), _unblock(dk_JBTGK), _unblock(dv_JBTGK)
-
-
-def flash_vjp(forward, backward, plan):
-    """The differentiable attention (q, k, v) -> o for one static plan, as a custom_vjp:
-    `forward(q, k, v, plan)` gives (o, saved), saved a tuple of arrays, and
-    `backward(plan, (q, k, v, o, *saved), do)` gives (dq, dk, dv)."""
-
-    @jax.custom_vjp
-    def attend(q, k, v):
-        return forward(q, k, v, plan)[0]
-
-    def attend_fwd(q, k, v):
-        o, saved = forward(q, k, v, plan)
-        return o, (q, k, v, o, *saved)
-
-    attend.defvjp(attend_fwd, functools.partial(backward, plan))
-    return attend
 
 
 @functools.cache
@@ -254,18 +153,21 @@ def _flash(plan: _Plan):
 
 
 def blocked_attention(
-    q_BLHK, k_BSGK, v_BSGK, *, causal: bool = True, blocks: BlockSizes = BlockSizes()
+    q_BLHK, k_BSGK, v_BSGK, *, causal: bool = True, axes=None,
+    blocks: BlockSizes = BlockSizes()
 ):
     """Softmax(q k^T / sqrt(K)) v without materialising the [L, S] scores.
 
     q_BLHK [B, L, H, K]; k_BSGK, v_BSGK [B, S, G, K] with H a multiple of G.
     Causal needs L == S (query i attends keys <= i). Keys are processed
     min(blocks.block_k, S) at a time; S is zero-padded to a multiple of that and
-    the padding masked. Returns o_BLHK in q's dtype; accumulation is f32.
+    the padding masked. Returns o_BLHK in q's dtype; accumulation is f32. axes: unused
+    (nothing is communicated).
     """
     dims = attention_dims(q_BLHK, k_BSGK, v_BSGK, causal=causal)
     T = min(blocks.block_k, dims.kv_len)
-    plan = _Plan(causal=causal, block_k=T, kv_len=dims.kv_len, scale=dims.head_dim**-0.5)
+    plan = _Plan(causal=causal, block_k=T, kv_len=dims.kv_len,
+                 scale=softmax_scale(dims.head_dim))
     B, L, H, K = q_BLHK.shape
     q_BLGRK = q_BLHK.reshape(B, L, dims.kv_heads, dims.group, K)
     o_BLGRK = _flash(plan)(q_BLGRK, pad_axis(k_BSGK, 1, T), pad_axis(v_BSGK, 1, T))

@@ -23,8 +23,8 @@ layer's E is saved, as the dense reference saves its P).
 
 Scores, softmax and accumulation are f32; E and dS are cast to the inputs' dtype
 before their matmuls. Memory is O(L^2) like the dense reference: this is
-the kernel for sequences short enough for that (`layers.attention.resolve_attention`);
-`flash_blocked` keeps memory O(L * block) for long ones.
+the kernel for sequences short enough for that (`layers.kernels.resolve_attention`);
+`layers.kernels.blocked` keeps memory O(L * block) for long ones.
 """
 from __future__ import annotations
 
@@ -33,7 +33,8 @@ import functools
 
 import jax.numpy as jnp
 
-from layers.flash_blocked import MASK_VALUE, BlockSizes, attention_dims, flash_vjp, tile_mask
+from layers.kernels.shared import (MASK_VALUE, BlockSizes, attention_dims, flash_vjp,
+                                   softmax_scale, tile_mask)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,14 +108,14 @@ def _attend(chunk: _Chunk):
     return flash_vjp(_forward, _backward, chunk)
 
 
-def chunked_attention(q_BLHK, k_BSGK, v_BSGK, *, causal: bool = True,
+def chunked_attention(q_BLHK, k_BSGK, v_BSGK, *, causal: bool = True, axes=None,
                       blocks: BlockSizes = BlockSizes(block_q=64), kv_len: int | None = None):
     """Softmax(q k^T / sqrt(K)) v, computing only the causally visible tiles.
 
     q_BLHK [B, L, H, K]; k_BSGK, v_BSGK [B, S, G, K] with H a multiple of G. Causal
     needs L == S; queries are taken `blocks.block_q` at a time, each chunk against the
     keys up to its last query. kv_len (default S) masks keys at positions >= kv_len.
-    Returns o_BLHK in q's dtype."""
+    Returns o_BLHK in q's dtype. axes: unused (nothing is communicated)."""
     dims = attention_dims(q_BLHK, k_BSGK, v_BSGK, causal=causal)
     B, L, H, K = q_BLHK.shape
     q_BLGRK = q_BLHK.reshape(B, L, dims.kv_heads, dims.group, K)
@@ -123,7 +124,7 @@ def chunked_attention(q_BLHK, k_BSGK, v_BSGK, *, causal: bool = True,
     for start in range(0, L, T):
         stop = min(start + T, L)
         S = stop if causal else dims.kv_len
-        chunk = _Chunk(causal=causal, start=start, scale=K**-0.5,
+        chunk = _Chunk(causal=causal, start=start, scale=softmax_scale(K),
                        kv_len=dims.kv_len if kv_len is None else kv_len)
         outs.append(_attend(chunk)(q_BLGRK[:, start:stop], k_BSGK[:, :S], v_BSGK[:, :S]))
     return jnp.concatenate(outs, axis=1).reshape(B, L, H, K)

@@ -1,0 +1,28 @@
+"""The named scopes (`jax.named_scope`) the step opens, which the cost model reads back.
+
+The ledger (from the jaxpr's name stacks), the trace attribution (from HLO `op_name`
+metadata) and the pricing group rows by these names; layers/ and engine/step.py open
+them. A row's scope is the first of SCOPES on its name stack, else "other".
+"""
+from __future__ import annotations
+
+EMBED = "embed"  # the token embedding and its fsdp gather
+GATHER_PARAMS = "gather_params"  # a layer's fsdp weight gathers (bwd: grad reduce-scatters)
+ATTENTION = "attention"  # the attention half of a block
+MLP = "mlp"  # the MLP half of a block
+LOSS = "loss"  # final norm, unembedding and cross-entropy
+REDUCE_GRADS = "reduce_grads"  # grad reductions after the backward
+OPTIMIZER = "optimizer"  # the optimizer update
+LOGITS = "logits"  # decoding: final norm and the last token's logits
+
+# Outermost first: the order a name stack is searched in.
+SCOPES = (EMBED, GATHER_PARAMS, ATTENTION, MLP, LOSS, REDUCE_GRADS, OPTIMIZER)
+# Scopes inside the scanned blocks (run once per layer).
+BLOCK_SCOPES = (GATHER_PARAMS, ATTENTION, MLP)
+# Scopes after the backward: their rows are phase "update".
+UPDATE_SCOPES = (REDUCE_GRADS, OPTIMIZER)
+
+
+def scope_of(names) -> str:
+    """The first of `names` (a name stack, outermost first) that is a scope, else "other"."""
+    return next((n for n in names if n in SCOPES), "other")
