@@ -37,6 +37,17 @@ from engine.cost.ledger import COLLECTIVES, Row
 
 RING = {"all-gather": (1, 1), "reduce-scatter": (1, 1), "all-reduce": (2, 2),
         "all-to-all": (1, 1), "collective-permute": (None, 1)}
+
+
+def ring_factor(kind: str, n: int) -> tuple[float, int]:
+    """(fraction of the buffer each device sends, latency hops) of a ring collective of
+    `kind` over n devices: (n-1)/n and n-1 for all-gather / reduce-scatter / all-to-all,
+    2(n-1)/n and 2(n-1) for all-reduce (a reduce-scatter then an all-gather), 1 and 1
+    for a collective-permute (one shift)."""
+    bw_mult, hop_mult = RING[kind]
+    frac = 1.0 if bw_mult is None else bw_mult * (n - 1) / n
+    hops = 1 if hop_mult is None else hop_mult * (n - 1)
+    return frac, hops
 BLOCK_SCOPES = ("gather_params", "attention", "mlp")
 
 
@@ -92,9 +103,7 @@ def collective_seconds(row: Row, hw: Hardware, mesh_axes) -> float:
     else:
         link = link_for(hw, mesh_axes, row.axes)
         latency, bw, eff = link.latency, link.bandwidth, hw.link_eff
-    bw_mult, hop_mult = RING[kind]
-    frac = 1.0 if bw_mult is None else bw_mult * (n - 1) / n
-    hops = 1 if hop_mult is None else hop_mult * (n - 1)
+    frac, hops = ring_factor(kind, n)
     nbytes = 2 * row.bytes if hw.bf16_collectives_in_f32 and row.dtype == "bfloat16" else row.bytes
     return frac * nbytes / (bw * eff) + hops * latency
 
