@@ -108,15 +108,51 @@ def collective_seconds(row: Row, hw: Hardware, mesh_axes) -> float:
     return frac * nbytes / (bw * eff) + hops * latency
 
 
+def causal_tile_fraction(keys: int, tile: int) -> float:
+    """Fraction of the [L, L] score tiles a causal flash kernel computes with square
+    tiles of `tile`: the n (n + 1) / 2 tiles on or below the diagonal of n², n = L / tile
+    (rounded up)."""
+    n = max(1, -(-keys // tile))
+    return (n + 1) / (2 * n)
+
+
+def attention_flops(row: Row, hw: Hardware) -> float:
+    """FLOPs the target's flash kernel does for a `kind="attention"` row: the jnp scan's
+    matmul FLOPs (all J x T key blocks of every query) times the causal tile fraction."""
+    blocks, block = row.shape
+    return row.flops * causal_tile_fraction(blocks * block, hw.attention_tile)
+
+
+def priced_rows(rows: list[Row], hw: Hardware) -> list[Row]:
+    """The rows the target runs: with a flash kernel (`hw.attention_eff`), the attention
+    kernel rows replace the jnp scan's rows (`Row.kernel`); otherwise (CPU) the scan's
+    rows are what runs and the kernel rows are dropped."""
+    if hw.attention_eff:
+        return [r for r in rows if not r.kernel]
+    return [r for r in rows if r.kind != "attention"]
+
+
+def moved_bytes(row: Row, hw: Hardware) -> float:
+    """Bytes one execution of a compute row moves on `hw`: its fusion group share with
+    `hw.fusion`, else `Row.bytes`."""
+    return row.fused_bytes if hw.fusion and row.fused_bytes >= 0 else row.bytes
+
+
 def compute_seconds(row: Row, hw: Hardware, n_devices: int) -> tuple[float, str]:
     """(seconds of one execution, "compute" | "memory") by roofline, or a dot's measured
     seconds when the profile has them. On a shared host the devices' work adds up:
-    n_devices times the per-device work at the host's rate."""
+    n_devices times the per-device work at the host's rate. With `hw.fusion` a row moves
+    its share of its fusion group's bytes (engine/cost/fusion.py), else `Row.bytes`."""
     if row.dot in hw.dot_seconds:  # measured with every device at once: no scale
         return hw.dot_seconds[row.dot], "compute"
-    peak = hw.matmul_peak(row.dtype) * hw.matmul_eff if row.kind == "matmul" else hw.vector_flops
-    t_flops = row.flops / peak
-    t_bytes = row.bytes / (hw.hbm * hw.mem_eff)
+    if row.kind == "attention":
+        peak, flops = hw.matmul_peak(row.dtype) * hw.attention_eff, attention_flops(row, hw)
+    elif row.kind == "matmul":
+        peak, flops = hw.matmul_peak(row.dtype) * hw.matmul_eff, row.flops
+    else:
+        peak, flops = hw.vector_flops, row.flops
+    t_flops = flops / peak
+    t_bytes = moved_bytes(row, hw) / (hw.hbm * hw.mem_eff)
     scale = n_devices if hw.shared_host and not hw.concurrent_rates else 1
     return scale * max(t_flops, t_bytes), "compute" if t_flops >= t_bytes else "memory"
 
@@ -134,7 +170,7 @@ def predict(rows: list[Row], hw: Hardware, mesh_axes, prefetch: bool = False) ->
     for _, s in mesh_axes:
         n_devices *= s
     priced, compute, block_compute, comm, hidable = [], 0.0, 0.0, 0.0, 0.0
-    for r in rows:  # (row, seconds, bound, may hide under block compute)
+    for r in priced_rows(rows, hw):  # (row, seconds, bound, may hide under block compute)
         if r.kind == "collective":
             t = collective_seconds(r, hw, mesh_axes) * r.count
             hides = hw.overlap and hideable(r, prefetch)
