@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jax.extend import core as jcore
 
 # Calls XLA inlines before fusing: their bodies join the caller's fusion scope.
-INLINED = {"pjit", "closed_call", "core_call", "remat2", "checkpoint", "custom_jvp_call",
+INLINED = {"jit", "pjit", "closed_call", "core_call", "remat2", "checkpoint", "custom_jvp_call",
            "custom_vjp_call", "custom_vjp_call_jaxpr", "custom_lin"}
 
 

@@ -221,8 +221,10 @@ def _kernel_row(eqn, phase, scope, count, body_rows) -> Row:
     the scan's matmul FLOPs (every [L, T] tile of every key block), its operands and
     results as traffic, shape (J key blocks, T keys per block)."""
     flops = sum(r.flops * r.count for r in body_rows if r.kind == "matmul") / count
-    scores = [r.shape for r in body_rows if r.kind == "matmul" and len(r.shape) == 5]
-    block = scores[0][-1] if scores else 1
+    # the scanned operands: key / value blocks [J, B, T, G, K]
+    first = eqn.params["num_consts"] + eqn.params["num_carry"]
+    blocks = [v.aval.shape for v in eqn.invars[first:] if len(getattr(v.aval, "shape", ())) == 5]
+    block = blocks[0][2] if blocks else 1
     moved = sum(nbytes(v.aval) for v in (*eqn.invars, *eqn.outvars)
                 if not isinstance(v, jcore.Literal))
     dtype = next((r.dot[2] for r in body_rows if r.dot), "float32")
@@ -257,8 +259,10 @@ def _walk(jaxpr, stack, count, mesh_shape, rows, domain=None, alias=None, site=0
             start = len(rows)
             for sub, mult in subs:
                 _walk(sub, here, count * mult, mesh_shape, rows)
-            if name == "scan" and scope == "attention":
-                body = rows[start:]
+            body = rows[start:]
+            if name == "scan" and scope == "attention" and any(
+                    r.kind == "matmul" and len(r.shape) == 5 for r in body):
+                # the key-block scan: its score tiles are [B, G, R, L, T]
                 rows[start:] = [dataclasses.replace(r, kernel="blocked") for r in body]
                 rows.append(_kernel_row(eqn, phase, scope, count, body))
             continue

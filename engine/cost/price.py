@@ -8,7 +8,7 @@ ring formulas over the slowest link tier their axes use, n = group size:
 
     all-gather, reduce-scatter: (n-1)/n * bytes / bw + (n-1) * latency
     all-reduce:                 2 (n-1)/n * bytes / bw + 2 (n-1) * latency
-    collective-permute:         bytes / bw + latency;  all-to-all: (n-1)/n * bytes / bw
+    collective-permute:         bytes / bw + (n-1) * latency;  all-to-all: (n-1)/n * bytes / bw
 
 On the calibrated CPU the (latency, bandwidth) of each kind is the fitted one.
 
@@ -42,8 +42,9 @@ RING = {"all-gather": (1, 1), "reduce-scatter": (1, 1), "all-reduce": (2, 2),
 def ring_factor(kind: str, n: int) -> tuple[float, int]:
     """(fraction of the buffer each device sends, latency hops) of a ring collective of
     `kind` over n devices: (n-1)/n and n-1 for all-gather / reduce-scatter / all-to-all,
-    2(n-1)/n and 2(n-1) for all-reduce (a reduce-scatter then an all-gather), 1 and 1
-    for a collective-permute (one shift)."""
+    2(n-1)/n and 2(n-1) for all-reduce (a reduce-scatter then an all-gather), 1 and n-1
+    for a collective-permute (the whole buffer once; n-1 latencies, as the CPU
+    calibration fits them: `microbench.fit` uses this same factor)."""
     bw_mult, hop_mult = RING[kind]
     frac = 1.0 if bw_mult is None else bw_mult * (n - 1) / n
     hops = 1 if hop_mult is None else hop_mult * (n - 1)
