@@ -79,7 +79,12 @@ class Run:
     note: str = ""
 
     def argv(self) -> list[str]:
-        return ["--model", "tiny", "--layers", str(self.layers), "--d-model", str(self.d_model),
+        # every source's FSDP issues the next layer's weight gather before the current
+        # layer's compute (PyTorch FSDP: the CPU enqueues layer i+1's all-gather while
+        # the GPU runs layer i, plus BACKWARD_PRE prefetch; MaxText: XLA's latency hiding
+        # scheduler with the async collective fusion flags in its scripts): --prefetch
+        prefetch = ["--prefetch"] if self.zero == 3 and "fsdp" in self.layout else []
+        return prefetch + ["--model", "tiny", "--layers", str(self.layers), "--d-model", str(self.d_model),
                 "--heads", str(self.heads), "--kv-heads", str(self.kv_heads),
                 "--head-dim", str(self.head_dim), "--mlp-dim", str(self.mlp_dim),
                 "--vocab", str(self.vocab), "--seq", str(self.seq), "--batch", str(self.batch),

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from engine.cost.hardware import Hardware
+from engine.cost.hardware import Hardware, Link
 from engine.cost.ledger import COLLECTIVES, Row
 
 RING = {"all-gather": (1, 1), "reduce-scatter": (1, 1), "all-reduce": (2, 2),
@@ -78,18 +78,31 @@ class Prediction:
 
 def link_for(hw: Hardware, mesh_axes, axes: tuple[str, ...]):
     """The slowest link tier any of `axes` uses: an axis stays on fast links while it and
-    every axis inside it (later in the layout) fit in one fast domain."""
+    every axis inside it (later in the layout) fit in one fast domain.
+
+    A group crossing fast domains runs its rings over the slow tier, one ring channel per
+    NIC: when k of the group's devices share a fast domain (a node), each with its own
+    NIC (the GPU profiles' one NIC per GPU), k channels cross between domains at once and
+    the group's bus bandwidth is k NICs' worth, capped by the fast tier (NCCL's
+    multi-channel rings over rail-optimized NICs; nccl-tests across DGX A100 nodes, 8 x
+    200 Gb/s HDR, report ~180-190 GB/s all-reduce bus bandwidth, about 8 NICs' 200 GB/s).
+    k = product over the group's axes of min(size, fast_domain / stride), stride = the
+    product of the sizes of the axes after it."""
     names = [n for n, _ in mesh_axes]
     sizes = [s for _, s in mesh_axes]
-    link = hw.fast
+    crosses, k = False, 1
     for a in axes:
         i = names.index(a)
         inner = 1
         for s in sizes[i:]:
             inner *= s
+        stride = inner // sizes[i]
+        k *= max(1, min(sizes[i], hw.fast_domain // stride))
         if inner > hw.fast_domain:
-            link = hw.slow
-    return link
+            crosses = True
+    if not crosses:
+        return hw.fast
+    return Link(min(hw.fast.bandwidth, hw.slow.bandwidth * k), hw.slow.latency)
 
 
 def collective_seconds(row: Row, hw: Hardware, mesh_axes) -> float:
