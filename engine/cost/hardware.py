@@ -105,12 +105,15 @@ def _tpu(name, bf16, hbm, ici_one_way, fast_domain, capacity):
 # nodes. matmul_eff: cuBLAS large bf16 GEMMs reach ~80% (A100, ~250 TFLOP/s) and ~75%
 # (H100, ~740 TFLOP/s); mem_eff 0.85 (STREAM-like copies); link_eff 0.8: nccl-tests
 # bus bandwidth ~230 GB/s of 300 (A100) and ~360 of 450 (H100).
-# attention_eff: FlashAttention-2 (Dao 2023, arXiv:2307.08691, Fig. 4, A100 SXM4 80GB,
-# head dim 128, causal, seq 2k-16k): forward + backward ~ 160-200 TFLOP/s counted with the
-# causal tiles only, ~0.55 of 312. H100: FlashAttention-3 (Shah et al. 2024,
-# arXiv:2407.08608, Figs. 5-6, H100 SXM5, head dim 128, causal, seq 2k-16k): cuDNN 9
-# (the fused attention XLA calls on GPU) forward ~ 500-600, backward ~ 400-470 TFLOP/s;
-# with the backward's 2.5x the forward's FLOPs, fwd + bwd ~ 450 TFLOP/s, ~0.45 of 989.
+# attention_eff (forward + backward of the flash kernel XLA calls on GPU, cuDNN fused
+# attention, bf16, head dim 128; the backward does 2.5x the forward's FLOPs, so the pair
+# runs at 3.5 / (1/fwd + 2.5/bwd)):
+# - H100: FlashAttention-3 (Shah et al. 2024, arXiv:2407.08608) Figs. "Attention forward /
+#   backward speed, head dim 128 (H100 80GB SXM5)": cuDNN forward 617 / 609 / 600 TFLOP/s
+#   and backward 465 / 499 / 518 at seq 2k / 4k / 8k -> fwd + bwd ~ 520 = 0.52 of 989.
+# - A100: FlashAttention-2 (Dao 2023, arXiv:2307.08691): forward + backward at 50-73% of
+#   the A100's peak across its benchmarks, head dim 128 causal near the low end: 0.55.
+# Both count causal FLOPs as the tiles computed (price.causal_tile_fraction).
 # HBM per chip: 80 GB (A100-SXM4-80GB and H100-SXM5 datasheets).
 def _gpu(name, bf16, tf32, fp32, hbm, nvlink_dir, nic, matmul_eff, attention_eff):
     return Hardware(name, {"bfloat16": bf16, "float32": tf32}, fp32, hbm,
@@ -124,7 +127,7 @@ PROFILES = {
     "v5e": _tpu("TPU v5e", 197e12, 8.1e11, 4.5e10, 256, 16 * 2**30),
     "v5p": _tpu("TPU v5p", 459e12, 2.765e12, 9e10, 8960, 95 * 2**30),
     "a100": _gpu("A100-SXM 80GB", 312e12, 156e12, 19.5e12, 2.039e12, 300e9, 25e9, 0.8, 0.55),
-    "h100": _gpu("H100-SXM", 989e12, 494.7e12, 67e12, 3.35e12, 450e9, 50e9, 0.75, 0.45),
+    "h100": _gpu("H100-SXM", 989e12, 494.7e12, 67e12, 3.35e12, 450e9, 50e9, 0.75, 0.52),
 }
 
 # `python bench/calibrate.py` on this machine (2 Zen-5 cores, 8 forced devices, load

@@ -83,9 +83,11 @@ def link_for(hw: Hardware, mesh_axes, axes: tuple[str, ...]):
     A group crossing fast domains runs its rings over the slow tier, one ring channel per
     NIC: when k of the group's devices share a fast domain (a node), each with its own
     NIC (the GPU profiles' one NIC per GPU), k channels cross between domains at once and
-    the group's bus bandwidth is k NICs' worth, capped by the fast tier (NCCL's
-    multi-channel rings over rail-optimized NICs; nccl-tests across DGX A100 nodes, 8 x
-    200 Gb/s HDR, report ~180-190 GB/s all-reduce bus bandwidth, about 8 NICs' 200 GB/s).
+    the group's bus bandwidth is k NICs' worth, capped by the fast tier: NCCL builds
+    one ring channel per NIC on rail-optimized nodes (DGX A100 / H100 reference
+    architectures: 8 x 200 / 400 Gb/s per node), so a ring crossing nodes is bounded by
+    the node's aggregate NIC rate, not one NIC's (a bound from the topology, not a
+    measured bus bandwidth).
     k = product over the group's axes of min(size, fast_domain / stride), stride = the
     product of the sizes of the axes after it."""
     names = [n for n, _ in mesh_axes]
