@@ -95,6 +95,8 @@ def fusion_table(pred, hw, top: int = 25):
         r = p.row
         if r.kind == "collective":
             continue
+        if r.fusion < 0 and r.kind != "attention":
+            continue  # merged into an identical op (CSE): moves nothing
         key = ("kernel", id(r)) if r.fusion < 0 else ("fusion", r.fusion)
         a = agg.setdefault(key, dict(scope=r.scope, phase=r.phase, ops=collections.Counter(),
                                      count=r.count, flops=0.0, bytes=0.0, s=0.0, cs=0.0))

@@ -21,7 +21,9 @@ compute row of a domain gets a fusion id and its share of the group's traffic:
                 + sum of outputs consumed outside the group (or results of the domain)
 
 with each input charged once per group (to the first member reading it). Matmuls read
-every operand. FLOPs are untouched.
+every operand. FLOPs are untouched. An elementwise op identical to an earlier one (same
+primitive, params and operands: the einsum wrapper casts one norm output to bf16 once
+per projection) is merged into it, as XLA's CSE does, and moves nothing.
 """
 from __future__ import annotations
 
@@ -45,6 +47,18 @@ class Domain:
     def __init__(self):
         self.entries = []   # (row index, primitive, [(key, bytes)] in, [(key, bytes)] out)
         self.outs = set()   # keys the scope returns
+        self._seen = {}     # op signature -> output keys (CSE)
+
+    def _signature(self, name, params, in_keys):
+        return (name, tuple(in_keys), tuple(sorted((k, str(v)) for k, v in params.items())))
+
+    def twin(self, name, params, in_keys):
+        """Output keys of an earlier identical op (same primitive, params and operands),
+        which XLA's common-subexpression elimination keeps in its place; else None."""
+        return self._seen.get(self._signature(name, params, in_keys))
+
+    def remember(self, name, params, in_keys, out_keys):
+        self._seen.setdefault(self._signature(name, params, in_keys), out_keys)
 
     def add(self, row_index: int, name: str, ins, outs):
         self.entries.append((row_index, name, list(ins), list(outs)))

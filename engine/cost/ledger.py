@@ -225,8 +225,20 @@ def _kernel_row(eqn, phase, scope, count, body_rows) -> Row:
     first = eqn.params["num_consts"] + eqn.params["num_carry"]
     blocks = [v.aval.shape for v in eqn.invars[first:] if len(getattr(v.aval, "shape", ())) == 5]
     block = blocks[0][2] if blocks else 1
-    moved = sum(nbytes(v.aval) for v in (*eqn.invars, *eqn.outvars)
-                if not isinstance(v, jcore.Literal))
+    # what a flash kernel reads and writes: q, k, v, o (and lse, dO, dq, dk, dv); not
+    # the causal masks (bool, formed in the kernel) nor loop-invariant score-shaped
+    # constants [..., L, T] the jnp scan hoists out of its body
+    consts = eqn.invars[:eqn.params["num_consts"]]
+    length = max((v.aval.shape[-2] for v in consts if len(getattr(v.aval, "shape", ())) == 5),
+                 default=0)
+
+    def kernel_operand(v):
+        shape = getattr(v.aval, "shape", ())
+        hoisted = len(shape) >= 5 and shape[-1] == block and shape[-2] == length \
+            and any(v is c for c in consts)
+        return not isinstance(v, jcore.Literal) and v.aval.dtype != jnp.bool_ and not hoisted
+
+    moved = sum(nbytes(v.aval) for v in (*eqn.invars, *eqn.outvars) if kernel_operand(v))
     dtype = next((r.dot[2] for r in body_rows if r.dot), "float32")
     return Row(scope, phase, "attention", "flash_attention", dtype,
                (eqn.params["length"], block), flops, float(moved), count)
@@ -260,7 +272,12 @@ def _walk(jaxpr, stack, count, mesh_shape, rows, domain=None, alias=None, site=0
             for sub, mult in subs:
                 _walk(sub, here, count * mult, mesh_shape, rows)
             body = rows[start:]
-            if name == "scan" and scope == "attention" and any(
+            if name == "scan" and scope == "attention" and all(
+                    v.aval.dtype == jnp.bool_ for v in eqn.outvars):
+                # the causal masks per key block, split off the forward scan by partial
+                # evaluation: formed inside the target's kernel
+                rows[start:] = [dataclasses.replace(r, kernel="blocked") for r in body]
+            elif name == "scan" and scope == "attention" and any(
                     r.kind == "matmul" and len(r.shape) == 5 for r in body):
                 # the key-block scan: its score tiles are [B, G, R, L, T]
                 rows[start:] = [dataclasses.replace(r, kernel="blocked") for r in body]
@@ -273,7 +290,15 @@ def _walk(jaxpr, stack, count, mesh_shape, rows, domain=None, alias=None, site=0
             rows.append(_compute_row(eqn, phase, scope, count,
                                      _fusion_bytes(eqn, fused, spilled)))
             ins = [(canon(v, alias, site), nbytes(v.aval)) for v in eqn.invars]
+            twin = domain.twin(name, eqn.params, [k for k, _ in ins]) if name in FUSIBLE \
+                else None
+            if twin is not None:  # XLA's CSE: the same op on the same operands, done once
+                for v, key in zip(eqn.outvars, twin):
+                    alias[v] = key
+                rows[-1] = dataclasses.replace(rows[-1], fused_bytes=0.0)
+                continue
             outs = [(canon(v, alias, site), nbytes(v.aval)) for v in eqn.outvars]
+            domain.remember(name, eqn.params, [k for k, _ in ins], [k for k, _ in outs])
             domain.add(len(rows) - 1, name, [x for x in ins if x[0] is not None],
                        [x for x in outs if x[0] is not None])
     if own:
