@@ -77,6 +77,7 @@ class Run:
     source_mfu: float | None
     source: str
     note: str = ""
+    tp_comm: str = "allreduce"
 
     def argv(self) -> list[str]:
         # every source's FSDP issues the next layer's weight gather before the current
@@ -88,7 +89,8 @@ class Run:
                 "--heads", str(self.heads), "--kv-heads", str(self.kv_heads),
                 "--head-dim", str(self.head_dim), "--mlp-dim", str(self.mlp_dim),
                 "--vocab", str(self.vocab), "--seq", str(self.seq), "--batch", str(self.batch),
-                "--layout", self.layout, "--remat", self.remat, "--zero", str(self.zero)]
+                "--layout", self.layout, "--remat", self.remat, "--zero", str(self.zero),
+                "--tp-comm", self.tp_comm]
 
 
 def gelu_match(d: int, tp: int = 1) -> int:
@@ -117,9 +119,11 @@ def _megatron(name, layers, h, heads, tp, gpus, tflops, mfu):
 
 
 def _titan(name, chips, layers, d, heads, kv, mlp, batch, layout, remat, tps, source, note):
+    """torchtitan's TP plan is Megatron sequence parallelism (norms and the residual
+    stream sharded along the sequence, all-gather / reduce-scatter): --tp-comm sequence."""
     return Run(f"torchtitan {name} {chips}xh100", "h100", chips, layers, d, heads, kv,
                d // heads, mlp, 128256, 8192, batch, layout, remat, 3, tps, "tps", None,
-               source, note)
+               source, note, tp_comm="sequence" if "tp" in layout else "allreduce")
 
 
 TITAN_NOTE = ("Grand Teton H100 at 500 W with 96 GB HBM2e (2.4 TB/s), below the SXM5 profile; "
