@@ -62,8 +62,10 @@ class Row:
     """One equation of the step, per device. `flops` and `bytes` are per execution;
     the step runs it `count` times (scan trip counts multiplied in).
 
-    kind: "matmul" (dot_general), "memory" (elementwise, reductions, data movement) or
-    "collective". bytes: read + written for compute rows, under a loop-fusion model
+    kind: "matmul" (dot_general), "memory" (elementwise, reductions, data movement),
+    "collective", or "attention" (the flash kernel an accelerator runs in place of the
+    jnp key-block scan, whose own rows carry `kernel="blocked"`; engine/cost/price.py
+    prices one or the other). bytes: read + written for compute rows, under a loop-fusion model
     (`_fusion_bytes`: a chain of elementwise ops reads its inputs and writes its
     outputs once, as XLA's loop fusion does); for collectives the buffer
     each device holds before reducing / after gathering (all-gather: output, others:

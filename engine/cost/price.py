@@ -27,6 +27,11 @@ Everything else (tp all-reduces, sequence-parallel gathers / reduce-scatters, gr
 all-reduces over dp, the loss's reductions) sits between dependent computations and is
 exposed. Hideable time beyond the blocks' compute is exposed too (scaled evenly).
 Predicted step = compute + exposed communication.
+
+On an accelerator profile (`hw.fusion`, `hw.attention_eff`) compute rows move their
+share of their XLA fusion group's bytes (engine/cost/fusion.py) and attention is the
+target's flash kernel: the jnp scan's matmul FLOPs times the causal tile fraction, at
+`attention_eff` of the matmul peak. The CPU prices `Row.bytes` and the scan's own rows.
 """
 from __future__ import annotations
 
