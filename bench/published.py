@@ -111,9 +111,9 @@ def _maxtext(name, hw, chips, scale_dims, micro, layout, remat, tflops, mfu, seq
                MAXTEXT.format(hw))
 
 
-def _megatron(name, layers, h, heads, tp, gpus, tflops, mfu):
+def _megatron(name, layers, h, heads, tp, gpus, batch, tflops, mfu):
     return Run(f"Megatron {name} {gpus}xa100", "a100", gpus, layers, h, heads, heads,
-               h // heads, gelu_match(h, tp), 51200, 2048, 512, f"dp{gpus // tp}xtp{tp}"
+               h // heads, gelu_match(h, tp), 51200, 2048, batch, f"dp{gpus // tp}xtp{tp}"
                if tp > 1 else f"dp{gpus}", "full", 3, tflops, "megatron_tflops", mfu, MEGATRON,
                "plain data parallel (no ZeRO), full recomputation")
 
@@ -154,10 +154,10 @@ RUNS = (
     _maxtext("22B", "v4", 64, (48, 6144, 24, 24576), 13, "fsdp64", "full", 156, 56.7),
     _maxtext("32B", "v5p", 128, (32, 8192, 64, 28672), 6, "fsdp32xtp4", "dots", 328, 71.47),
     # Megatron-LM, A100 80GB (Selene), Table 1 rows without pipeline parallelism
-    _megatron("1.7B", 24, 2304, 24, 1, 32, 137, 44),
-    _megatron("3.6B", 30, 3072, 32, 2, 64, 138, 44),
-    _megatron("7.5B", 36, 4096, 32, 4, 128, 142, 46),
-    _megatron("18.4B", 40, 6144, 48, 8, 256, 135, 43),
+    _megatron("1.7B", 24, 2304, 24, 1, 32, 512, 137, 44),
+    _megatron("3.6B", 30, 3072, 32, 2, 64, 512, 138, 44),
+    _megatron("7.5B", 36, 4096, 32, 4, 128, 512, 142, 46),
+    _megatron("18.4B", 40, 6144, 48, 8, 256, 1024, 135, 43),
     # torchtitan, Llama 3.1 8B / 70B, bf16, torch.compile
     _titan("Llama3.1-8B fsdp8", 8, 32, 4096, 32, 8, 14336, 16, "fsdp8", "dots", 6667,
            TITAN_2412, TITAN_NOTE),
