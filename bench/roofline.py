@@ -39,6 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "at once (engine/cost/microbench.py), instead of the calibration file")
     g.add_argument("--trace-steps", type=int, default=2, help="steps to profile")
     g.add_argument("--json", default=None, help="write figures as JSON")
+    g.add_argument("--by", default="scope", choices=("scope", "fusion"),
+                   help="compute table per named scope, or per fusion group (the "
+                        "accelerator fusion model, engine/cost/fusion.py)")
     g.add_argument("--plot", default=None, help="roofline PNG (needs matplotlib)")
     p = train_parser(prog="python bench/roofline.py", description=__doc__.split("\n\n")[0],
                      parents=[own])
@@ -56,15 +59,18 @@ def _fmt(x, unit=""):
     return f"{100 * x:+.0f}%" if unit == "%" else f"{x:.3g}"
 
 
-def scope_table(pred, measured):
-    """Rows per scope: FLOPs, bytes, intensity, bound, predicted, measured, error."""
+def scope_table(pred, measured, hw):
+    """Rows per scope: FLOPs, bytes (as priced on `hw`), intensity, bound, predicted,
+    measured, error."""
+    from engine.cost.price import moved_bytes
+
     agg = collections.defaultdict(lambda: [0.0, 0.0, 0.0, 0.0])
     for p in pred.rows:
         if p.row.kind == "collective":
             continue
         a = agg[p.row.scope]
         a[0] += p.row.total_flops
-        a[1] += p.row.total_bytes
+        a[1] += moved_bytes(p.row, hw) * p.row.count
         a[2] += p.seconds
         a[3] += p.seconds if p.bound == "compute" else 0.0
     meas = collections.Counter()
@@ -77,6 +83,48 @@ def scope_table(pred, measured):
         out.append([scope, flops, nbytes, flops / max(nbytes, 1),
                     "compute" if t_compute >= t / 2 else "memory", t, m, _err(t, m)])
     return out
+
+
+def fusion_table(pred, hw, top: int = 25):
+    """The `top` fusion groups by predicted time: scope, phase, members (primitives),
+    count, FLOPs, bytes per step, bound, predicted seconds."""
+    from engine.cost.price import moved_bytes
+
+    agg = {}
+    for p in pred.rows:
+        r = p.row
+        if r.kind == "collective":
+            continue
+        if r.fusion < 0 and r.kind != "attention":
+            continue  # merged into an identical op (CSE): moves nothing
+        key = ("kernel", id(r)) if r.fusion < 0 else ("fusion", r.fusion)
+        a = agg.setdefault(key, dict(scope=r.scope, phase=r.phase, ops=collections.Counter(),
+                                     count=r.count, flops=0.0, bytes=0.0, s=0.0, cs=0.0))
+        a["ops"][r.primitive] += 1
+        a["flops"] += r.total_flops
+        a["bytes"] += moved_bytes(r, hw) * r.count
+        a["s"] += p.seconds
+        a["cs"] += p.seconds if p.bound == "compute" else 0.0
+    out = []
+    for a in sorted(agg.values(), key=lambda a: -a["s"])[:top]:
+        ops = " ".join(f"{k}x{n}" if n > 1 else k for k, n in a["ops"].most_common(4))
+        out.append([a["scope"], a["phase"], ops, a["count"], a["flops"], a["bytes"],
+                    "compute" if a["cs"] >= a["s"] / 2 else "memory", a["s"]])
+    return out
+
+
+def memory_fit(cfg, tcfg, layout, hw):
+    """(predicted peak bytes per device, fits in hw.hbm_capacity) for an accelerator
+    (engine/cost/memory.py, flash attention); (None, None) when not modelled."""
+    from engine.cost import memory
+
+    if hw.shared_host:
+        return None, None
+    try:
+        peak = memory.predict(cfg, tcfg, layout, platform="accelerator").peak
+    except memory.Unsupported:
+        return None, None
+    return peak, (peak <= hw.hbm_capacity) if hw.hbm_capacity else None
 
 
 def collective_table(pred, measured, mesh_axes):
@@ -189,7 +237,12 @@ def main(argv=None) -> int:
             print(f"  {side}: {n} x {k} {a.names[k]}")
     print(f"hardware {hw.name} ({hw.source}); layout {layout}; {cfg.dtype}, remat {cfg.remat}")
     heads = ["scope", "FLOPs", "bytes", "FLOP/B", "bound", "pred s", "meas s", "err"]
-    srows = scope_table(pred, measured)
+    srows = scope_table(pred, measured, hw)
+    if mine.by == "fusion":
+        print(tabulate([[*r[:4], *map(_fmt, r[4:6]), r[6], _fmt(r[7])]
+                        for r in fusion_table(pred, hw)],
+                       ["scope", "phase", "fusion (top ops)", "count", "FLOPs", "bytes",
+                        "bound", "pred s"]))
     print(tabulate([[r[0], *map(_fmt, r[1:4]), r[4], *map(_fmt, r[5:7]), _fmt(r[7], "%")]
                     for r in srows], heads))
     crows = collective_table(pred, measured, layout.mesh_axes())
@@ -206,6 +259,11 @@ def main(argv=None) -> int:
                     ["comm exposed", pred.exposed_comm_s, None],
                     ["step", pred.step_s, step_s], ["MFU", mfu, meas_mfu]],
                    ["step summary", "predicted", "measured"], floatfmt=".4g"))
+    peak_bytes, fits = memory_fit(cfg, tcfg, layout, hw)
+    if peak_bytes is not None:
+        cap = f" of {hw.hbm_capacity / 2**30:.0f} GiB: {'fits' if fits else 'does NOT fit'}" \
+            if fits is not None else ""
+        print(f"predicted peak HBM per device {peak_bytes / 2**30:.1f} GiB{cap}")
     if step_s:
         print(f"step error {100 * (pred.step_s - step_s) / step_s:+.1f}% "
               f"(model {mflops / 1e9:.1f} GFLOP/step)")
@@ -213,7 +271,8 @@ def main(argv=None) -> int:
         Path(mine.json).write_text(json.dumps({
             "layout": str(layout), "hardware": mine.hardware, "predicted_step_s": pred.step_s,
             "measured_step_s": step_s, "predicted_mfu": mfu, "measured_mfu": meas_mfu,
-            "audit_clean": audit_clean, "predicted_compute_s": pred.compute_s,
+            "audit_clean": audit_clean, "predicted_peak_bytes": peak_bytes, "fits": fits,
+            "predicted_compute_s": pred.compute_s,
             "predicted_comm_s": pred.comm_s, "predicted_exposed_comm_s": pred.exposed_comm_s,
             "scopes": [dict(zip(["scope", "flops", "bytes", "intensity", "bound",
                                  "predicted_s", "measured_s", "error"], r)) for r in srows],

@@ -59,6 +59,16 @@ class Hardware:
     # the rates were measured with every device running at once (microbench), so a
     # shared host's compute is not multiplied by the device count again
     concurrent_rates: bool = False
+    # accelerator XLA: fusion groups formed across inlined calls and into matmul
+    # epilogues price memory traffic (Row.fused_bytes); CPU keeps Row.bytes
+    fusion: bool = False
+    # flash attention kernel: fraction of the matmul peak its causal fwd + bwd reaches
+    # (0: no kernel, the jnp key-block scan is priced as it runs, the CPU's case), and
+    # its square score tile (queries = keys per tile)
+    attention_eff: float = 0.0
+    attention_tile: int = 128
+    # HBM per chip, bytes (what a step's peak must fit in); 0: unknown
+    hbm_capacity: float = 0.0
     source: str = ""
 
     def matmul_peak(self, dtype: str) -> float:
@@ -73,10 +83,19 @@ class Hardware:
 # work on TPU is HBM-bound far before the VPU limits it). matmul_eff 0.85: large bf16
 # matmuls in MaxText profiles reach 85-90% of MXU peak; HBM 0.9 (streaming copies);
 # ICI 0.9 of link rate. DCN (across slices): 25 GB/s per host over 4 chips ~ 6.25e9/chip.
-def _tpu(name, bf16, hbm, ici_one_way, fast_domain):
+#
+# Attention on TPU runs the Pallas flash / splash kernel (jax.experimental.pallas.ops.tpu),
+# whose MXU work is the same [128, 128]-tiled matmuls as a dense layer's, plus the
+# softmax on the VPU/EUP. No kernel-level TFLOP/s for it is published; it is priced at
+# attention_eff = 0.5 of the MXU peak, the FlashAttention-2 paper's forward + backward
+# fraction on A100 (below) taken as the same order for a tiled online-softmax kernel
+# (an assumption, not a TPU measurement). HBM per chip: 32 GiB (v4), 16 GiB (v5e),
+# 95 GiB (v5p), Cloud TPU system-architecture pages.
+def _tpu(name, bf16, hbm, ici_one_way, fast_domain, capacity):
     return Hardware(name, {"bfloat16": bf16, "float32": bf16}, bf16 / 8, hbm,
                     Link(2 * ici_one_way, 1e-6), Link(6.25e9, 1e-5), fast_domain,
-                    matmul_eff=0.85, mem_eff=0.9, link_eff=0.9, source="published specs")
+                    matmul_eff=0.85, mem_eff=0.9, link_eff=0.9, fusion=True,
+                    attention_eff=0.5, hbm_capacity=capacity, source="published specs")
 
 
 # GPUs: NVIDIA A100-SXM4-80GB / H100-SXM5 datasheets: bf16 dense tensor-core peak; f32
@@ -86,18 +105,29 @@ def _tpu(name, bf16, hbm, ici_one_way, fast_domain):
 # nodes. matmul_eff: cuBLAS large bf16 GEMMs reach ~80% (A100, ~250 TFLOP/s) and ~75%
 # (H100, ~740 TFLOP/s); mem_eff 0.85 (STREAM-like copies); link_eff 0.8: nccl-tests
 # bus bandwidth ~230 GB/s of 300 (A100) and ~360 of 450 (H100).
-def _gpu(name, bf16, tf32, fp32, hbm, nvlink_dir, nic, matmul_eff):
+# attention_eff (forward + backward of the flash kernel XLA calls on GPU, cuDNN fused
+# attention, bf16, head dim 128; the backward does 2.5x the forward's FLOPs, so the pair
+# runs at 3.5 / (1/fwd + 2.5/bwd)):
+# - H100: FlashAttention-3 (Shah et al. 2024, arXiv:2407.08608) Figs. "Attention forward /
+#   backward speed, head dim 128 (H100 80GB SXM5)": cuDNN forward 617 / 609 / 600 TFLOP/s
+#   and backward 465 / 499 / 518 at seq 2k / 4k / 8k -> fwd + bwd ~ 520 = 0.52 of 989.
+# - A100: FlashAttention-2 (Dao 2023, arXiv:2307.08691): forward + backward at 50-73% of
+#   the A100's peak across its benchmarks, head dim 128 causal near the low end: 0.55.
+# Both count causal FLOPs as the tiles computed (price.causal_tile_fraction).
+# HBM per chip: 80 GB (A100-SXM4-80GB and H100-SXM5 datasheets).
+def _gpu(name, bf16, tf32, fp32, hbm, nvlink_dir, nic, matmul_eff, attention_eff):
     return Hardware(name, {"bfloat16": bf16, "float32": tf32}, fp32, hbm,
                     Link(nvlink_dir, 5e-6), Link(nic, 1e-5), 8,
-                    matmul_eff=matmul_eff, mem_eff=0.85, link_eff=0.8, source="published specs")
+                    matmul_eff=matmul_eff, mem_eff=0.85, link_eff=0.8, fusion=True,
+                    attention_eff=attention_eff, hbm_capacity=80e9, source="published specs")
 
 
 PROFILES = {
-    "v4": _tpu("TPU v4", 275e12, 1.2e12, 4.5e10, 4096),
-    "v5e": _tpu("TPU v5e", 197e12, 8.1e11, 4.5e10, 256),
-    "v5p": _tpu("TPU v5p", 459e12, 2.765e12, 9e10, 8960),
-    "a100": _gpu("A100-SXM 80GB", 312e12, 156e12, 19.5e12, 2.039e12, 300e9, 25e9, 0.8),
-    "h100": _gpu("H100-SXM", 989e12, 494.7e12, 67e12, 3.35e12, 450e9, 50e9, 0.75),
+    "v4": _tpu("TPU v4", 275e12, 1.2e12, 4.5e10, 4096, 32 * 2**30),
+    "v5e": _tpu("TPU v5e", 197e12, 8.1e11, 4.5e10, 256, 16 * 2**30),
+    "v5p": _tpu("TPU v5p", 459e12, 2.765e12, 9e10, 8960, 95 * 2**30),
+    "a100": _gpu("A100-SXM 80GB", 312e12, 156e12, 19.5e12, 2.039e12, 300e9, 25e9, 0.8, 0.55),
+    "h100": _gpu("H100-SXM", 989e12, 494.7e12, 67e12, 3.35e12, 450e9, 50e9, 0.75, 0.52),
 }
 
 # `python bench/calibrate.py` on this machine (2 Zen-5 cores, 8 forced devices, load

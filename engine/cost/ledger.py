@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from jax._src import source_info_util
 from jax.extend import core as jcore
 
+from engine.cost.fusion import INLINED, Domain, canon, nbytes
 from engine.cost.scopes import SCOPES  # the named scopes, outermost first
 
 # jaxpr primitive -> HLO collective kind. pvary moves nothing (it only marks a value as
@@ -59,8 +60,10 @@ class Row:
     """One equation of the step, per device. `flops` and `bytes` are per execution;
     the step runs it `count` times (scan trip counts multiplied in).
 
-    kind: "matmul" (dot_general), "memory" (elementwise, reductions, data movement) or
-    "collective". bytes: read + written for compute rows, under a loop-fusion model
+    kind: "matmul" (dot_general), "memory" (elementwise, reductions, data movement),
+    "collective", or "attention" (the flash kernel an accelerator runs in place of the
+    jnp key-block scan, whose own rows carry `kernel="blocked"`; engine/cost/price.py
+    prices one or the other). bytes: read + written for compute rows, under a loop-fusion model
     (`_fusion_bytes`: a chain of elementwise ops reads its inputs and writes its
     outputs once, as XLA's loop fusion does); for collectives the buffer
     each device holds before reducing / after gathering (all-gather: output, others:
@@ -81,6 +84,13 @@ class Row:
     # matmuls: (lhs shape, rhs shape, lhs dtype, rhs dtype, dimension_numbers, result
     # dtype), enough to re-run the same dot_general alone (engine/cost/microbench.py)
     dot: tuple | None = None
+    # the accelerator fusion model (engine/cost/fusion.py): this row's share of its
+    # fusion group's traffic, and the group's id (-1: not a compute row of a group)
+    fused_bytes: float = -1.0
+    fusion: int = -1
+    # "blocked": the row is inside the jnp flash kernel's key-block scan, which an
+    # accelerator replaces by its own attention kernel (a `kind="attention"` row)
+    kernel: str = ""
 
     @property
     def total_flops(self) -> float:
@@ -206,21 +216,97 @@ def _sub_jaxprs(eqn):
                 yield item, mult
 
 
-def _walk(jaxpr, stack, count, mesh_shape, rows):
+def _kernel_row(eqn, phase, scope, count, body_rows) -> Row:
+    """The flash kernel an accelerator runs in place of the jnp key-block scan `eqn`:
+    the scan's matmul FLOPs (every [L, T] tile of every key block), its operands and
+    results as traffic, shape (J key blocks, T keys per block)."""
+    flops = sum(r.flops * r.count for r in body_rows if r.kind == "matmul") / count
+    # the scanned operands: key / value blocks [J, B, T, G, K]
+    first = eqn.params["num_consts"] + eqn.params["num_carry"]
+    blocks = [v.aval.shape for v in eqn.invars[first:] if len(getattr(v.aval, "shape", ())) == 5]
+    block = blocks[0][2] if blocks else 1
+    # what a flash kernel reads and writes: q, k, v, o (and lse, dO, dq, dk, dv); not
+    # the causal masks (bool, formed in the kernel) nor loop-invariant score-shaped
+    # constants [..., L, T] the jnp scan hoists out of its body
+    consts = eqn.invars[:eqn.params["num_consts"]]
+    length = max((v.aval.shape[-2] for v in consts if len(getattr(v.aval, "shape", ())) == 5),
+                 default=0)
+
+    def kernel_operand(v):
+        shape = getattr(v.aval, "shape", ())
+        hoisted = len(shape) >= 5 and shape[-1] == block and shape[-2] == length \
+            and any(v is c for c in consts)
+        return not isinstance(v, jcore.Literal) and v.aval.dtype != jnp.bool_ and not hoisted
+
+    moved = sum(nbytes(v.aval) for v in (*eqn.invars, *eqn.outvars) if kernel_operand(v))
+    dtype = next((r.dot[2] for r in body_rows if r.dot), "float32")
+    return Row(scope, phase, "attention", "flash_attention", dtype,
+               (eqn.params["length"], block), flops, float(moved), count)
+
+
+def _walk(jaxpr, stack, count, mesh_shape, rows, domain=None, alias=None, site=0):
+    """Rows of `jaxpr`'s equations into `rows`; compute rows join `domain` (a new one
+    for the top call and for every loop body) for the accelerator fusion model."""
+    own = domain is None
+    if own:
+        domain, alias = Domain(), {}
     fused, spilled = _fusion_sets(jaxpr)
     for eqn in jaxpr.eqns:
         here = stack + eqn.source_info.name_stack
         subs = list(_sub_jaxprs(eqn))
+        name = eqn.primitive.name
+        if subs and name in INLINED and len(subs) == 1:
+            sub = subs[0][0]
+            inner_site = object()
+            inner = {iv: canon(ov, alias, site) for iv, ov in zip(sub.invars, eqn.invars)
+                     if not isinstance(ov, jcore.Literal)}
+            _walk(sub, here, count, mesh_shape, rows, domain, inner, inner_site)
+            for ov, iv in zip(eqn.outvars, sub.outvars):
+                key = canon(iv, inner, inner_site)
+                if key is not None:
+                    alias[ov] = key
+            continue
         if subs:
+            phase, scope = _phase_scope(here)
+            start = len(rows)
             for sub, mult in subs:
                 _walk(sub, here, count * mult, mesh_shape, rows)
+            body = rows[start:]
+            if name == "scan" and scope == "attention" and all(
+                    v.aval.dtype == jnp.bool_ for v in eqn.outvars):
+                # the causal masks per key block, split off the forward scan by partial
+                # evaluation: formed inside the target's kernel
+                rows[start:] = [dataclasses.replace(r, kernel="blocked") for r in body]
+            elif name == "scan" and scope == "attention" and any(
+                    r.kind == "matmul" and len(r.shape) == 5 for r in body):
+                # the key-block scan: its score tiles are [B, G, R, L, T]
+                rows[start:] = [dataclasses.replace(r, kernel="blocked") for r in body]
+                rows.append(_kernel_row(eqn, phase, scope, count, body))
             continue
         phase, scope = _phase_scope(here)
-        if eqn.primitive.name in COLLECTIVES:
+        if name in COLLECTIVES:
             rows.extend(_collective_rows(eqn, phase, scope, count, mesh_shape))
         else:
             rows.append(_compute_row(eqn, phase, scope, count,
                                      _fusion_bytes(eqn, fused, spilled)))
+            ins = [(canon(v, alias, site), nbytes(v.aval)) for v in eqn.invars]
+            twin = domain.twin(name, eqn.params, [k for k, _ in ins]) if name in FUSIBLE \
+                else None
+            if twin is not None:  # XLA's CSE: the same op on the same operands, done once
+                for v, key in zip(eqn.outvars, twin):
+                    alias[v] = key
+                rows[-1] = dataclasses.replace(rows[-1], fused_bytes=0.0)
+                continue
+            outs = [(canon(v, alias, site), nbytes(v.aval)) for v in eqn.outvars]
+            domain.remember(name, eqn.params, [k for k, _ in ins], [k for k, _ in outs])
+            domain.add(len(rows) - 1, name, [x for x in ins if x[0] is not None],
+                       [x for x in outs if x[0] is not None])
+    if own:
+        domain.outs = {canon(v, alias, site) for v in jaxpr.outvars}
+        gid, moved = domain.groups(FUSIBLE, REDUCTIONS, FREE)
+        for (i, *_), g, b in zip(domain.entries, gid, moved):
+            rows[i] = dataclasses.replace(rows[i], fused_bytes=float(b),
+                                          fusion=domain.entries[g][0])
 
 
 def ledger(closed: jcore.ClosedJaxpr, layout) -> list[Row]:

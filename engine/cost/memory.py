@@ -141,8 +141,13 @@ chunked `none`'s saved probabilities); their items were not re-read from the com
 Spot checks (tiny, fsdp4xtp2, zero 3, chunked): `dots` -5%, `none` -15% (under: its peak was
 not re-read since the kernel change). Prefetch is read for `full` and
 chunked only (`dots` / `none` / reference with prefetch use the same structure,
-unchecked). Only the `reference` and `chunked` attention kernels are modelled:
-`blocked` / `pallas` (and `auto` from 1024 tokens) raise `Unsupported`.
+unchecked). Only the `reference` and `chunked` attention kernels are modelled on `cpu`:
+`blocked` / `pallas` (and `auto` from 1024 tokens) raise `Unsupported` there. On an
+accelerator (`platform` not "cpu") those run the target's flash kernel and are modelled
+as "flash": it saves o and the f32 log-sum-exp B·H_tp·L·4 (no score tile outlives a
+block), and its backward holds f32 dq, dk, dv accumulators B·L·(H_tp + 2·G_tp)·K·4;
+every other item is XLA:CPU's (an upper bound on an accelerator, where XLA fuses the
+MLP's f32 intermediates instead of keeping them). Not checked against a compiler.
 
 `measure(compiled)` reads the compiled step's `memory_analysis()` and defines the
 measured peak as
@@ -248,7 +253,9 @@ def predict(cfg: ModelConfig, tcfg: TrainConfig, layout: Layout, platform: str =
     from engine.params import param_shapes
 
     kernel = resolve_attention(cfg.attention, tcfg.seq)
-    if kernel not in ("reference", "chunked"):
+    if platform != "cpu" and kernel in ("blocked", "pallas"):
+        kernel = "flash"  # the target's flash kernel (engine/cost/price.py)
+    if kernel not in ("reference", "chunked", "flash"):
         raise Unsupported(f"no memory model for the {kernel!r} attention kernel (only "
                           f"'reference' and 'chunked' were checked against the compiler)")
     if cfg.remat not in ("full", "dots", "none"):
@@ -286,7 +293,9 @@ def predict(cfg: ModelConfig, tcfg: TrainConfig, layout: Layout, platform: str =
     q_c = B * L * Htp * K * c                               # [B, L, H_tp, K] compute dtype
     # the score tiles the kernel forms: [L, L] (reference) or, per 64-query chunk of T
     # queries, [T, S] against its causal key prefix S (chunked)
-    if kernel == "chunked":
+    if kernel == "flash":
+        chunks = []
+    elif kernel == "chunked":
         T = min(inspect.signature(chunked_attention).parameters["blocks"].default.block_q, L)
         chunks = [(min(s + T, L) - s, min(s + T, L)) for s in range(0, L, T)]
     else:
@@ -297,7 +306,11 @@ def predict(cfg: ModelConfig, tcfg: TrainConfig, layout: Layout, platform: str =
 
     # the layer's recompute and backward (remat `full`), live where the MLP's backward
     # starts (module doc)
-    if kernel == "reference":
+    if kernel == "flash":
+        attn = {"attention lse, f32 (forward residual)": B * Htp * L * F32,
+                "attention o (forward residual)": q_c,
+                "attention dq, dk, dv accumulators, f32": B * L * (Htp + 2 * Gtp) * K * F32}
+    elif kernel == "reference":
         attn = {"attention exp(s - max), f32 (recomputed)": scores,
                 "attention p (compute dtype) upcast for dv's dot": scores // F32 * u,
                 "attention q, k, v upcast for the backward's dots":
@@ -339,7 +352,8 @@ def predict(cfg: ModelConfig, tcfg: TrainConfig, layout: Layout, platform: str =
         res = {f"carry x, q, k, v, out projection, g, u ({n} layers)": n * per, **prefetched}
         trans = {**trans_full, "mlp g, u, sigmoid(g), f32 (recomputed)": mlp}
     else:  # none
-        saved = (scores // F32 * c + B * Htp * L * F32 if kernel == "chunked"
+        saved = (B * Htp * L * F32 if kernel == "flash"
+                 else scores // F32 * c + B * Htp * L * F32 if kernel == "chunked"
                  else scores + scores // F32 * c)
         per = {"p (f32 and compute dtype; chunked: E and 1/rowsum)": saved,
                "mlp g, u, sigmoid, silu, h (f32) and h cast": 5 * mlp + mlp // F32 * c,

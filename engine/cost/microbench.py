@@ -33,7 +33,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import collectives
 from engine.cost.hardware import Hardware
-from engine.cost.price import RING
+from engine.cost.price import ring_factor
 
 
 def timed(f, *args, reps: int = 5) -> float:
@@ -172,9 +172,7 @@ def collective_times(mesh: Mesh, sizes_bytes, reps: int = 5, overhead: float = 0
 
 def fit(kind: str, points, n: int) -> tuple[float, float]:
     """Least-squares (latency per hop, bandwidth) of t = hops*lat + frac*bytes/bw."""
-    bw_mult, hop_mult = RING[kind]
-    frac = 1.0 if bw_mult is None else bw_mult * (n - 1) / n
-    hops = 1 if hop_mult is None else hop_mult * (n - 1)
+    frac, hops = ring_factor(kind, n)
     x = np.array([frac * b for b, _ in points])
     t = np.array([s for _, s in points])
     slope, intercept = np.polyfit(x, t, 1)

@@ -8,7 +8,7 @@ ring formulas over the slowest link tier their axes use, n = group size:
 
     all-gather, reduce-scatter: (n-1)/n * bytes / bw + (n-1) * latency
     all-reduce:                 2 (n-1)/n * bytes / bw + 2 (n-1) * latency
-    collective-permute:         bytes / bw + latency;  all-to-all: (n-1)/n * bytes / bw
+    collective-permute:         bytes / bw + (n-1) * latency;  all-to-all: (n-1)/n * bytes / bw
 
 On the calibrated CPU the (latency, bandwidth) of each kind is the fitted one.
 
@@ -27,17 +27,34 @@ Everything else (tp all-reduces, sequence-parallel gathers / reduce-scatters, gr
 all-reduces over dp, the loss's reductions) sits between dependent computations and is
 exposed. Hideable time beyond the blocks' compute is exposed too (scaled evenly).
 Predicted step = compute + exposed communication.
+
+On an accelerator profile (`hw.fusion`, `hw.attention_eff`) compute rows move their
+share of their XLA fusion group's bytes (engine/cost/fusion.py) and attention is the
+target's flash kernel: the jnp scan's matmul FLOPs times the causal tile fraction, at
+`attention_eff` of the matmul peak. The CPU prices `Row.bytes` and the scan's own rows.
 """
 from __future__ import annotations
 
 import dataclasses
 
-from engine.cost.hardware import Hardware
+from engine.cost.hardware import Hardware, Link
 from engine.cost.ledger import COLLECTIVES, Row
 from engine.cost.scopes import BLOCK_SCOPES
 
 RING = {"all-gather": (1, 1), "reduce-scatter": (1, 1), "all-reduce": (2, 2),
         "all-to-all": (1, 1), "collective-permute": (None, 1)}
+
+
+def ring_factor(kind: str, n: int) -> tuple[float, int]:
+    """(fraction of the buffer each device sends, latency hops) of a ring collective of
+    `kind` over n devices: (n-1)/n and n-1 for all-gather / reduce-scatter / all-to-all,
+    2(n-1)/n and 2(n-1) for all-reduce (a reduce-scatter then an all-gather), 1 and n-1
+    for a collective-permute (the whole buffer once; n-1 latencies, as the CPU
+    calibration fits them: `microbench.fit` uses this same factor)."""
+    bw_mult, hop_mult = RING[kind]
+    frac = 1.0 if bw_mult is None else bw_mult * (n - 1) / n
+    hops = 1 if hop_mult is None else hop_mult * (n - 1)
+    return frac, hops
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,18 +83,33 @@ class Prediction:
 
 def link_for(hw: Hardware, mesh_axes, axes: tuple[str, ...]):
     """The slowest link tier any of `axes` uses: an axis stays on fast links while it and
-    every axis inside it (later in the layout) fit in one fast domain."""
+    every axis inside it (later in the layout) fit in one fast domain.
+
+    A group crossing fast domains runs its rings over the slow tier, one ring channel per
+    NIC: when k of the group's devices share a fast domain (a node), each with its own
+    NIC (the GPU profiles' one NIC per GPU), k channels cross between domains at once and
+    the group's bus bandwidth is k NICs' worth, capped by the fast tier: NCCL builds
+    one ring channel per NIC on rail-optimized nodes (DGX A100 / H100 reference
+    architectures: 8 x 200 / 400 Gb/s per node), so a ring crossing nodes is bounded by
+    the node's aggregate NIC rate, not one NIC's (a bound from the topology, not a
+    measured bus bandwidth).
+    k = product over the group's axes of min(size, fast_domain / stride), stride = the
+    product of the sizes of the axes after it."""
     names = [n for n, _ in mesh_axes]
     sizes = [s for _, s in mesh_axes]
-    link = hw.fast
+    crosses, k = False, 1
     for a in axes:
         i = names.index(a)
         inner = 1
         for s in sizes[i:]:
             inner *= s
+        stride = inner // sizes[i]
+        k *= max(1, min(sizes[i], hw.fast_domain // stride))
         if inner > hw.fast_domain:
-            link = hw.slow
-    return link
+            crosses = True
+    if not crosses:
+        return hw.fast
+    return Link(min(hw.fast.bandwidth, hw.slow.bandwidth * k), hw.slow.latency)
 
 
 def collective_seconds(row: Row, hw: Hardware, mesh_axes) -> float:
@@ -92,22 +124,56 @@ def collective_seconds(row: Row, hw: Hardware, mesh_axes) -> float:
     else:
         link = link_for(hw, mesh_axes, row.axes)
         latency, bw, eff = link.latency, link.bandwidth, hw.link_eff
-    bw_mult, hop_mult = RING[kind]
-    frac = 1.0 if bw_mult is None else bw_mult * (n - 1) / n
-    hops = 1 if hop_mult is None else hop_mult * (n - 1)
+    frac, hops = ring_factor(kind, n)
     nbytes = 2 * row.bytes if hw.bf16_collectives_in_f32 and row.dtype == "bfloat16" else row.bytes
     return frac * nbytes / (bw * eff) + hops * latency
+
+
+def causal_tile_fraction(keys: int, tile: int) -> float:
+    """Fraction of the [L, L] score tiles a causal flash kernel computes with square
+    tiles of `tile`: the n (n + 1) / 2 tiles on or below the diagonal of n², n = L / tile
+    (rounded up)."""
+    n = max(1, -(-keys // tile))
+    return (n + 1) / (2 * n)
+
+
+def attention_flops(row: Row, hw: Hardware) -> float:
+    """FLOPs the target's flash kernel does for a `kind="attention"` row: the jnp scan's
+    matmul FLOPs (all J x T key blocks of every query) times the causal tile fraction."""
+    blocks, block = row.shape
+    return row.flops * causal_tile_fraction(blocks * block, hw.attention_tile)
+
+
+def priced_rows(rows: list[Row], hw: Hardware) -> list[Row]:
+    """The rows the target runs: with a flash kernel (`hw.attention_eff`), the attention
+    kernel rows replace the jnp scan's rows (`Row.kernel`); otherwise (CPU) the scan's
+    rows are what runs and the kernel rows are dropped."""
+    if hw.attention_eff:
+        return [r for r in rows if not r.kernel]
+    return [r for r in rows if r.kind != "attention"]
+
+
+def moved_bytes(row: Row, hw: Hardware) -> float:
+    """Bytes one execution of a compute row moves on `hw`: its fusion group share with
+    `hw.fusion`, else `Row.bytes`."""
+    return row.fused_bytes if hw.fusion and row.fused_bytes >= 0 else row.bytes
 
 
 def compute_seconds(row: Row, hw: Hardware, n_devices: int) -> tuple[float, str]:
     """(seconds of one execution, "compute" | "memory") by roofline, or a dot's measured
     seconds when the profile has them. On a shared host the devices' work adds up:
-    n_devices times the per-device work at the host's rate."""
+    n_devices times the per-device work at the host's rate. With `hw.fusion` a row moves
+    its share of its fusion group's bytes (engine/cost/fusion.py), else `Row.bytes`."""
     if row.dot in hw.dot_seconds:  # measured with every device at once: no scale
         return hw.dot_seconds[row.dot], "compute"
-    peak = hw.matmul_peak(row.dtype) * hw.matmul_eff if row.kind == "matmul" else hw.vector_flops
-    t_flops = row.flops / peak
-    t_bytes = row.bytes / (hw.hbm * hw.mem_eff)
+    if row.kind == "attention":
+        peak, flops = hw.matmul_peak(row.dtype) * hw.attention_eff, attention_flops(row, hw)
+    elif row.kind == "matmul":
+        peak, flops = hw.matmul_peak(row.dtype) * hw.matmul_eff, row.flops
+    else:
+        peak, flops = hw.vector_flops, row.flops
+    t_flops = flops / peak
+    t_bytes = moved_bytes(row, hw) / (hw.hbm * hw.mem_eff)
     scale = n_devices if hw.shared_host and not hw.concurrent_rates else 1
     return scale * max(t_flops, t_bytes), "compute" if t_flops >= t_bytes else "memory"
 
@@ -125,7 +191,7 @@ def predict(rows: list[Row], hw: Hardware, mesh_axes, prefetch: bool = False) ->
     for _, s in mesh_axes:
         n_devices *= s
     priced, compute, block_compute, comm, hidable = [], 0.0, 0.0, 0.0, 0.0
-    for r in rows:  # (row, seconds, bound, may hide under block compute)
+    for r in priced_rows(rows, hw):  # (row, seconds, bound, may hide under block compute)
         if r.kind == "collective":
             t = collective_seconds(r, hw, mesh_axes) * r.count
             hides = hw.overlap and hideable(r, prefetch)

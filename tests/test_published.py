@@ -1,0 +1,116 @@
+"""Accelerator pricing pieces: fusion groups, the flash-kernel rows, ring factors, HBM fit,
+and the published-runs table's conventions."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from engine.config import TrainConfig, model_config
+from engine.cost import hardware, memory
+from engine.cost.ledger import ledger, step_ledger
+from engine.cost.price import (attention_flops, causal_tile_fraction, predict, priced_rows,
+                               ring_factor)
+from engine.layout import Layout
+
+
+def _rows(f, *shapes):
+    closed = jax.make_jaxpr(f)(*[jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes])
+    return ledger(closed, Layout.parse("single"))
+
+
+def test_fusion_group_chain_across_a_jit_reads_inputs_once_writes_output_once():
+    inner = jax.jit(lambda a: jnp.exp(a) * 2.0)  # a call boundary XLA inlines
+
+    def f(x, y):
+        return inner(x + y) - y  # add -> [exp, mul] -> sub: one loop fusion
+
+    rows = _rows(f, (128, 64), (128, 64))
+    compute = [r for r in rows if r.fused_bytes >= 0]
+    assert len({r.fusion for r in compute}) == 1
+    # reads x and y once (y twice in the program), writes the result once
+    assert sum(r.fused_bytes for r in compute) == 3 * 128 * 64 * 4
+    # the CPU model stops at the call: more traffic than the fused group
+    assert sum(r.bytes for r in compute) > 3 * 128 * 64 * 4
+
+
+def test_matmul_epilogue_fuses_but_a_second_matmul_does_not_join():
+    def f(x, w, v):
+        h = jnp.tanh(x @ w)          # dot + tanh epilogue: the f32 product is not written
+        return (h @ v) + (x @ w)     # x @ w again: its own group, written, then read
+
+    rows = _rows(f, (256, 128), (128, 128), (128, 128))
+    dots = [r for r in rows if r.primitive == "dot_general"]
+    tanh = next(r for r in rows if r.primitive == "tanh")
+    assert tanh.fusion == dots[0].fusion
+    groups = {r.fusion for r in dots}
+    assert len(groups) == 3  # one matmul per fusion
+    x, w, h = 256 * 128 * 4, 128 * 128 * 4, 256 * 128 * 4
+    first = sum(r.fused_bytes for r in rows if r.fusion == dots[0].fusion)
+    assert first == x + w + h  # reads x, w; writes tanh's output only
+
+
+@pytest.mark.parametrize("keys,tile,expected", [(2048, 128, 17 / 32), (128, 128, 1.0),
+                                                (8192, 128, 65 / 128), (200, 128, 3 / 4)])
+def test_causal_tile_fraction(keys, tile, expected):
+    assert causal_tile_fraction(keys, tile) == pytest.approx(expected)
+
+
+def test_flash_kernel_rows_replace_the_scan_on_accelerators_only():
+    cfg = model_config("small", dtype="bf16", remat="full", attention="blocked")
+    tcfg = TrainConfig(seq=512, batch=8)
+    layout = Layout.parse("fsdp8")
+    rows = step_ledger(cfg, tcfg, layout)
+    kernels = [r for r in rows if r.kind == "attention"]
+    # forward, remat recompute, backward of the layer scan, N layers each
+    assert {r.phase for r in kernels} == {"bwd", "fwd", "recompute"}
+    B, L, H, K, N = 8 // 8, 512, cfg.n_heads, cfg.head_dim, cfg.n_layers
+    fwd = next(r for r in kernels if r.phase == "fwd")
+    assert fwd.count == N
+    assert fwd.flops == 4 * B * L * L * H * K  # every [L, T] tile: QK^T and PV
+    bwd = next(r for r in kernels if r.phase == "bwd")
+    assert bwd.flops == 10 * B * L * L * H * K  # S, dP, dV, dK, dQ
+    h100 = hardware.get("h100")
+    assert attention_flops(fwd, h100) == fwd.flops * (4 + 1) / (2 * 4)  # 512 / 128 tiles
+    on_h100, on_cpu = priced_rows(rows, h100), priced_rows(rows, hardware.get("cpu"))
+    assert not any(r.kernel for r in on_h100) and any(r.kind == "attention" for r in on_h100)
+    assert any(r.kernel for r in on_cpu) and not any(r.kind == "attention" for r in on_cpu)
+
+
+def test_ring_factor():
+    assert ring_factor("all-gather", 8) == (7 / 8, 7)
+    assert ring_factor("all-reduce", 4) == (2 * 3 / 4, 6)
+    assert ring_factor("collective-permute", 8) == (1.0, 7)
+
+
+def test_fit_and_no_fit_on_h100():
+    h100 = hardware.get("h100")
+    big = model_config("llama3-70b", dtype="bf16", remat="full", zero=1)
+    tcfg = TrainConfig(seq=2048, batch=8)
+    peak = memory.predict(big, tcfg, Layout.parse("fsdp8"), platform="accelerator").peak
+    assert peak > h100.hbm_capacity  # f32 params and grads whole on each of 8 chips
+    small = model_config("llama3-70b", dtype="bf16", remat="full", zero=3)
+    tcfg = TrainConfig(seq=2048, batch=64)
+    peak = memory.predict(small, tcfg, Layout.parse("fsdp64"), platform="accelerator").peak
+    assert peak < h100.hbm_capacity
+
+
+def test_published_conventions():
+    from bench.published import RUNS, gelu_match, megatron_flops_per_token, tokens_per_chip
+
+    assert len(RUNS) >= 15
+    assert 3 * 4096 * gelu_match(4096) == pytest.approx(2 * 4096 * 4 * 4096, rel=1e-4)
+    assert gelu_match(4096, 4) % 4 == 0
+    r = next(r for r in RUNS if r.name.startswith("Megatron 1.7B"))
+    # 137 TFLOP/s of hardware FLOPs (with recompute, 4 passes of 2 FLOPs per param)
+    # is about 137e12 / (8 x 1.7e9) tokens/s
+    assert tokens_per_chip(r) == pytest.approx(137e12 / megatron_flops_per_token(r))
+    assert tokens_per_chip(r) == pytest.approx(137e12 / (8 * 1.7e9), rel=0.15)
+
+
+def test_published_table_rows_all_price():
+    from bench.published import RUNS, evaluate
+
+    for r in RUNS[:3]:
+        out = evaluate(r)
+        assert 0 < out["predicted_mfu"] < 1 and 0 < out["published_mfu"] < 1
