@@ -22,7 +22,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from engine.config import ATTENTIONS  # noqa: E402 (no jax import)
+from engine.validate import ATTENTIONS  # noqa: E402 (imports jax; no backend started)
+from layers.block import REMAT  # noqa: E402
 
 LAYOUTS = ["single", "fsdp8", "tp8", "fsdp4xtp2", "dp2xfsdp2xtp2"]
 
@@ -110,7 +111,7 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--dtype", default="bf16", choices=("bf16", "f32"))
-    p.add_argument("--remat", default="full", choices=("none", "full", "dots"))
+    p.add_argument("--remat", default="full", choices=REMAT)
     p.add_argument("--attention", default="auto", choices=ATTENTIONS,
                    help="attention kernel of both builds (the CLI's --attention)")
     args = p.parse_args(argv)
@@ -119,6 +120,9 @@ def main(argv=None) -> int:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=8".strip()
     from tabulate import tabulate
 
+    from engine.train import keep_freed_memory
+
+    keep_freed_memory()
     rows = []
     for preset in args.presets:
         for layout in args.layouts:
