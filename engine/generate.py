@@ -15,6 +15,7 @@ import math
 import sys
 import time
 
+from engine import roles
 from engine.config import ConfigError
 from engine.layout import Layout
 from engine.train import OneLineParser, UsageError, force_host_devices, keep_freed_memory
@@ -214,7 +215,7 @@ def run(request: Request) -> int:
     try:
         ckpt, cfg = load_model(request)
         layout = request.layout
-        rows = layout.degree("dp") * layout.degree("fsdp")
+        rows = math.prod(layout.degree(r) for r in roles.roles_sharding("batch"))
         batch = -(-len(request.prompts) // rows) * rows
         from engine.decode import check_decoder
 

@@ -30,7 +30,9 @@ class Trainer:
     loss(params, tokens) -> loss                                 (evaluation)
     loss_and_grads(params, tokens) -> (loss, grads, grad_norm)   (for tests and tools)
     tokens: [B, L+1] int32, global; params stored as `specs`, the optimizer state as
-    `opt_specs`, grads returned as `grad_specs`.
+    `opt_specs`, grads returned as `grad_specs`. `parallel` says how the layout's axes
+    are used (ZeRO level, prefetch, tp-comm); settings that cannot run together raise
+    one `ConfigError` line here (`engine.validate`), before anything is traced.
     """
 
     def __init__(self, cfg: ModelConfig, tcfg: TrainConfig, layout: Layout, mesh,

@@ -3,7 +3,6 @@ audit, pricing formulas, and a 512-device prediction traced on one CPU."""
 from __future__ import annotations
 
 import collections
-import dataclasses
 import functools
 import math
 
