@@ -46,8 +46,9 @@ def _drop_axis(specs, axis: str | None):
 
 
 @dataclasses.dataclass(frozen=True)
-class Zero3:
-    """Params, grads and optimizer state sharded over fsdp."""
+class ZeroLevel:
+    """A ZeRO level; the methods here are zero 3's (params, grads and optimizer state
+    sharded over fsdp), which zero 1 and 2 override where they differ."""
 
     level: int = 3
 
@@ -74,7 +75,14 @@ class Zero3:
         return optax.apply_updates(params, updates), opt_state
 
 
-class _Replicated(Zero3):
+@dataclasses.dataclass(frozen=True)
+class Zero3(ZeroLevel):
+    """Params, grads and optimizer state sharded over fsdp."""
+
+    level: int = 3
+
+
+class _Replicated(ZeroLevel):
     """Zero 1 and 2: params stored whole on every fsdp device, optimizer state sharded,
     the update run on this device's shard and gathered back."""
 
@@ -146,11 +154,11 @@ class Zero1(_Replicated):
         return optim.fsdp_shards(grads, shard_specs, fsdp)
 
 
-ZERO_LEVELS: dict[int, Zero3] = {z.level: z for z in (Zero1(), Zero2(), Zero3())}
+ZERO_LEVELS: dict[int, ZeroLevel] = {z.level: z for z in (Zero1(), Zero2(), Zero3())}
 ZERO = tuple(ZERO_LEVELS)
 
 
-def level(zero: int, fsdp: str | None) -> Zero3:
+def level(zero: int, fsdp: str | None) -> ZeroLevel:
     """The strategy of ZeRO level `zero`; zero 3's without an fsdp axis (the same
     program under every level)."""
     return ZERO_LEVELS[zero if fsdp is not None else 3]
