@@ -73,6 +73,12 @@ def test_the_roles_come_from_the_registry():
     for name, (letters, spec) in ACTIVATION_TABLE.items():
         assert len(letters) == len(spec), name
         assert all(w is None or w in roles.SHARDABLE for w in spec), name
+    import dataclasses
+
+    from layers.axes import Axes
+
+    fields = {f.name for f in dataclasses.fields(Axes)}
+    assert all({r, f"{r}_size"} <= fields for r in roles.ROLES)  # a role is two Axes fields
     a = Layout.parse("dp2xfsdp2xtp2").role_axes()
     assert (a.batch, a.batch_size) == (("dp", "fsdp"), 4)
     assert roles.data_roles() == ("dp", "fsdp")
