@@ -22,7 +22,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from engine.config import ATTENTIONS  # noqa: E402 (no jax import)
+from engine.validate import ATTENTIONS  # noqa: E402 (imports jax; no backend started)
+from layers.block import REMAT  # noqa: E402
 
 LAYOUTS = ["single", "fsdp8", "tp8", "fsdp4xtp2", "dp2xfsdp2xtp2"]
 
@@ -103,6 +104,25 @@ def compare(preset: str, layout_text: str, args) -> list:
             f"{abs(sw['loss'] - gs['loss']) / abs(gs['loss']):.1e}"]
 
 
+def settings_problems(args) -> list[str]:
+    """`engine.validate`'s problems of every (preset, layout) asked for, each prefixed."""
+    from engine import validate
+    from engine.config import PRESETS, ConfigError, ParallelConfig, TrainConfig, model_config
+    from engine.layout import Layout
+
+    problems = [f"unknown preset {p!r}" for p in args.presets if p not in PRESETS]
+    tcfg = TrainConfig(batch=args.batch, seq=args.seq, steps=args.steps)
+    for preset in (p for p in args.presets if p in PRESETS):
+        cfg = model_config(preset, dtype=args.dtype, remat=args.remat, attention=args.attention)
+        for text in args.layouts:
+            try:
+                found = validate.problems(cfg, tcfg, ParallelConfig(), Layout.parse(text))
+            except ConfigError as e:
+                found = [str(e)]
+            problems += [f"{preset} {text}: {p}" for p in found]
+    return problems
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python bench/compare_gspmd.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--presets", nargs="+", default=["small", "medium"])
@@ -111,15 +131,21 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--dtype", default="bf16", choices=("bf16", "f32"))
-    p.add_argument("--remat", default="full", choices=("none", "full", "dots"))
+    p.add_argument("--remat", default="full", choices=REMAT)
     p.add_argument("--attention", default="auto", choices=ATTENTIONS,
                    help="attention kernel of both builds (the CLI's --attention)")
     args = p.parse_args(argv)
+    if problems := settings_problems(args):
+        print(f"error: {'; '.join(problems)}", file=sys.stderr)
+        return 2
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_force_host_platform_device_count" not in flags:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=8".strip()
     from tabulate import tabulate
 
+    from engine.train import keep_freed_memory
+
+    keep_freed_memory()
     rows = []
     for preset in args.presets:
         for layout in args.layouts:

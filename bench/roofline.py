@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.train import force_host_devices, parse_or_exit  # noqa: E402
+from engine.train import force_host_devices, keep_freed_memory, parse_or_exit  # noqa: E402
 from engine.train import build_parser as train_parser  # noqa: E402
 
 
@@ -205,9 +205,10 @@ def measure(cfg, tcfg, layout, trainer, steps: int, trace_steps: int):
 
 
 def main(argv=None) -> int:
-    cfg, tcfg, layout, mine = parse_or_exit(argv, build_parser())
+    cfg, tcfg, parallel, layout, mine = parse_or_exit(argv, build_parser())
     if not mine.predict_only:
         force_host_devices(layout.size)
+        keep_freed_memory()
     from tabulate import tabulate
 
     from engine.cost import hardware
@@ -215,18 +216,18 @@ def main(argv=None) -> int:
     from engine.cost.price import model_flops, predict, predicted_mfu
 
     hw = hardware.get(mine.hardware, mine.calibration)
-    rows = step_ledger(cfg, tcfg, layout)
+    rows = step_ledger(cfg, tcfg, layout, parallel)
     measured, step_s, audit_clean = None, None, None
     if not mine.predict_only:
         from engine.cost.audit import audit
         from engine.step import Trainer
 
-        trainer = Trainer(cfg, tcfg, layout, layout.mesh())
+        trainer = Trainer(cfg, tcfg, layout, layout.mesh(), parallel)
         if mine.hardware == "cpu" and mine.in_run_rates:
             from engine.cost.microbench import in_run_profile
 
             hw = in_run_profile(hw, rows, trainer.mesh.devices.flatten().tolist())
-    pred = predict(rows, hw, layout.mesh_axes(), prefetch=cfg.prefetch)
+    pred = predict(rows, hw, layout.mesh_axes(), prefetch=parallel.prefetch)
     if not mine.predict_only:
         step_s, measured, text = measure(cfg, tcfg, layout, trainer, tcfg.steps, mine.trace_steps)
         a = audit(rows, text, layout.mesh_axes(), "cpu")

@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.train import force_host_devices, parse_or_exit  # noqa: E402
+from engine.train import force_host_devices, keep_freed_memory, parse_or_exit  # noqa: E402
 from engine.train import build_parser as train_parser  # noqa: E402
 
 
@@ -46,14 +46,14 @@ def best_matmul(dtype, sizes=(1024, 2048), reps: int = 3) -> float:
     return max(measured_matmul_peak(dtype, n, reps) for n in sizes)
 
 
-def compile_seconds(cfg, tcfg, layout) -> float:
+def compile_seconds(cfg, tcfg, parallel, layout) -> float:
     """Seconds to lower and compile the train step (no run)."""
     import jax
 
     from engine.cost.ledger import _shape_dtype_specs
     from engine.step import Trainer
 
-    trainer = Trainer(cfg, tcfg, layout, layout.mesh())
+    trainer = Trainer(cfg, tcfg, layout, layout.mesh(), parallel)
     args = _shape_dtype_specs(cfg, tcfg, trainer)
     t0 = time.perf_counter()
     trainer.train_step.lower(*args).compile()
@@ -62,8 +62,9 @@ def compile_seconds(cfg, tcfg, layout) -> float:
 
 
 def main(argv=None) -> int:
-    cfg, tcfg, layout, mine = parse_or_exit(argv, build_parser())
+    cfg, tcfg, parallel, layout, mine = parse_or_exit(argv, build_parser())
     force_host_devices(layout.size)
+    keep_freed_memory()
     import dataclasses
 
     from tabulate import tabulate
@@ -75,7 +76,7 @@ def main(argv=None) -> int:
     if mine.compile_depths:
         rows, first = [], None
         for n in mine.compile_depths:
-            s = compile_seconds(dataclasses.replace(cfg, n_layers=n), tcfg, layout)
+            s = compile_seconds(dataclasses.replace(cfg, n_layers=n), tcfg, parallel, layout)
             first = first or s
             rows.append([n, s, s / first])
         print(f"compile time, {layout}, {cfg.dtype}, remat {cfg.remat}")
@@ -83,7 +84,7 @@ def main(argv=None) -> int:
         return 0
 
     peak = best_matmul(cfg.compute_dtype)
-    trainer = Trainer(cfg, tcfg, layout, layout.mesh())
+    trainer = Trainer(cfg, tcfg, layout, layout.mesh(), parallel)
     step, params, opt_state, tokens, compile_s = compiled_step(trainer)
     _, params, opt_state, _ = time_steps(step, params, opt_state, tokens, 1)  # settle first
     before = resource.getrusage(resource.RUSAGE_SELF)
@@ -94,8 +95,9 @@ def main(argv=None) -> int:
     sys_s = (after.ru_stime - before.ru_stime) / calls
     tokens_per_step = tcfg.batch * tcfg.seq
     model_flops = flops_per_token(cfg, tcfg.seq) * tokens_per_step
-    print(f"{layout}, {cfg.dtype}, remat {cfg.remat}, tp_comm {cfg.tp_comm}, zero {cfg.zero}"
-          f"{', prefetch' if cfg.prefetch else ''}; median of {tcfg.steps} steps")
+    print(f"{layout}, {cfg.dtype}, remat {cfg.remat}, tp_comm {parallel.tp_comm}, "
+          f"zero {parallel.zero}{', prefetch' if parallel.prefetch else ''}; "
+          f"median of {tcfg.steps} steps")
     print(tabulate([[str(layout), tokens_per_step / step_s, 1e3 * step_s, model_flops / 1e9,
                      model_flops / step_s / 1e9, peak / 1e9, model_flops / step_s / peak,
                      compile_s, 1e3 * cpu_s, 1e3 * sys_s]],

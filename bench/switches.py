@@ -4,8 +4,9 @@
     python bench/switches.py --layout fsdp4xtp2 --model tiny --configs "tp_comm=ring,zero=2" zero=1
 
 Takes the training CLI's flags (`engine.train.build_parser`); they give the base config,
-and each `--configs` entry (comma-separated `field=value` over `ModelConfig`:
-`tp_comm=sequence`, `zero=2`, `prefetch` or `prefetch=1`, `remat=dots`, ...) overrides it.
+and each `--configs` entry (comma-separated `field=value` over `ParallelConfig` or
+`ModelConfig`: `tp_comm=sequence`, `zero=2`, `prefetch` or `prefetch=1`, `remat=dots`,
+...) overrides it. Each config is checked by `engine.validate` before anything runs.
 Default: allreduce+zero3, sequence+zero3, ring+zero3, allreduce+zero3+prefetch,
 allreduce+zero2, allreduce+zero1. For each config, one row:
 
@@ -31,8 +32,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.layout import LayoutError  # noqa: E402
-from engine.train import UsageError, force_host_devices, parse_or_exit  # noqa: E402
+from engine.train import UsageError, force_host_devices, keep_freed_memory  # noqa: E402
+from engine.train import parse_or_exit  # noqa: E402
 from engine.train import build_parser as train_parser  # noqa: E402
 
 DEFAULT_CONFIGS = ("tp_comm=allreduce,zero=3", "tp_comm=sequence,zero=3",
@@ -45,7 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     own = argparse.ArgumentParser(add_help=False)
     g = own.add_argument_group("switches bench")
     g.add_argument("--configs", nargs="+", default=list(DEFAULT_CONFIGS), metavar="K=V,...",
-                   help="configs to run, each comma-separated ModelConfig overrides of the "
+                   help="configs to run, each comma-separated ParallelConfig or ModelConfig "
+                        "overrides of the "
                         "base flags (default: the six issue-6 switch settings)")
     g.add_argument("--calibration", default=None,
                    help="cpu profile JSON the in-run rates start from (bench/calibrate.py)")
@@ -56,49 +58,48 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def parse_config(text: str, base):
-    """'tp_comm=ring,zero=2,prefetch' -> base with those ModelConfig fields replaced."""
-    fields = {f.name: f for f in dataclasses.fields(base)}
-    kw = {}
+def parse_config(text: str, cfg, parallel) -> tuple:
+    """'tp_comm=ring,zero=2,prefetch' -> (cfg, parallel) with those fields replaced; each
+    key names a `ParallelConfig` or `ModelConfig` field."""
+    bases = (cfg, parallel)
+    kws: tuple[dict, dict] = ({}, {})
     for item in filter(None, (s.strip() for s in text.split(","))):
         key, eq, value = item.partition("=")
         key = key.strip().replace("-", "_")
-        if key not in fields:
+        which = next((i for i, b in enumerate(bases)
+                      if key in {f.name for f in dataclasses.fields(b)}), None)
+        if which is None:
             raise UsageError(f"--configs {text!r}: unknown field {key!r}")
-        kind = type(getattr(base, key))
+        kind = type(getattr(bases[which], key))
         if kind is bool:
             if eq and value.lower() not in ("1", "0", "true", "false", "yes", "no"):
                 raise UsageError(f"--configs {text!r}: {key}={value!r} is not a boolean")
-            kw[key] = not eq or value.lower() in ("1", "true", "yes")
+            kws[which][key] = not eq or value.lower() in ("1", "true", "yes")
         else:
             if not eq:
                 raise UsageError(f"--configs {text!r}: {key} needs a value")
             try:
-                kw[key] = kind(value)
+                kws[which][key] = kind(value)
             except ValueError:
                 raise UsageError(f"--configs {text!r}: {key}={value!r} is not a "
                                  f"{kind.__name__}") from None
-    return dataclasses.replace(base, **kw)
+    return tuple(dataclasses.replace(b, **kw) for b, kw in zip(bases, kws))
 
 
-def label(cfg) -> str:
-    return (f"{cfg.tp_comm} zero{cfg.zero}{' +prefetch' if cfg.prefetch else ''}"
+def label(cfg, parallel) -> str:
+    return (f"{parallel.tp_comm} zero{parallel.zero}{' +prefetch' if parallel.prefetch else ''}"
             f"{'' if cfg.remat == 'full' else f' remat {cfg.remat}'}")
 
 
-def check(cfg, tcfg, layout) -> None:
-    """The training CLI's validation for one derived config (raises UsageError)."""
-    from engine.config import config_problems
+def check(cfg, tcfg, parallel, layout) -> None:
+    """`engine.validate`'s problems of one derived config (raises UsageError)."""
+    from engine import validate
 
-    if problems := config_problems(cfg, tcfg):
-        raise UsageError(f"{label(cfg)}: " + "; ".join(problems))
-    layout.check(cfg, tcfg.batch)
-    if cfg.tp_comm != "allreduce" and tcfg.seq % layout.degree("tp"):
-        raise UsageError(f"{label(cfg)}: seq={tcfg.seq} not divisible by "
-                         f"tp={layout.degree('tp')}")
+    if problems := validate.problems(cfg, tcfg, parallel, layout):
+        raise UsageError(f"{label(cfg, parallel)}: " + "; ".join(problems))
 
 
-def run_one(cfg, tcfg, layout, steps: int, calibration) -> dict:
+def run_one(cfg, tcfg, parallel, layout, steps: int, calibration) -> dict:
     """Compile, predict, profile and time one config; one dict of figures."""
     import jax
 
@@ -109,26 +110,27 @@ def run_one(cfg, tcfg, layout, steps: int, calibration) -> dict:
     from engine.cost.price import predict
     from engine.step import Trainer
 
-    trainer = Trainer(cfg, tcfg, layout, layout.mesh())
+    trainer = Trainer(cfg, tcfg, layout, layout.mesh(), parallel)
     step, params, opt_state, tokens, compile_s = compiled_step(trainer)
     measured = memory.measure(step)
     try:
         mem = memory.predict(cfg, tcfg, layout, "cpu", trainer=trainer)
     except memory.Unsupported as e:
-        print(f"  {label(cfg)}: no memory prediction: {e}", file=sys.stderr)
+        print(f"  {label(cfg, parallel)}: no memory prediction: {e}", file=sys.stderr)
         mem = None
-    rows = step_ledger(cfg, tcfg, layout)
+    rows = step_ledger(cfg, tcfg, layout, parallel)
     mesh_axes = layout.mesh_axes()
     cpu = in_run_profile(hardware.get("cpu", calibration), rows,
                          trainer.mesh.devices.flatten().tolist())
-    pred_cpu = predict(rows, cpu, mesh_axes, prefetch=cfg.prefetch)
-    pred_h100 = predict(rows, hardware.get("h100"), mesh_axes, prefetch=cfg.prefetch)
+    pred_cpu = predict(rows, cpu, mesh_axes, prefetch=parallel.prefetch)
+    pred_h100 = predict(rows, hardware.get("h100"), mesh_axes, prefetch=parallel.prefetch)
     step_s, params, opt_state, first = time_steps(step, params, opt_state, tokens, steps)
     loss = float(jax.device_get(first["loss"]))
     del params, opt_state, tokens, step, first
     gc.collect()
     return dict(
-        config=label(cfg), tp_comm=cfg.tp_comm, zero=cfg.zero, prefetch=cfg.prefetch,
+        config=label(cfg, parallel), tp_comm=parallel.tp_comm, zero=parallel.zero,
+        prefetch=parallel.prefetch,
         remat=cfg.remat, tokens_per_s=tcfg.batch * tcfg.seq / step_s, step_s=step_s,
         compile_s=compile_s, first_loss=loss,
         measured_peak_bytes=measured["peak"], measured_memory=measured,
@@ -145,15 +147,16 @@ def run_one(cfg, tcfg, layout, steps: int, calibration) -> dict:
 
 
 def main(argv=None) -> int:
-    cfg, tcfg, layout, mine = parse_or_exit(argv, build_parser())
+    cfg, tcfg, parallel, layout, mine = parse_or_exit(argv, build_parser())
     try:
-        configs = [parse_config(text, cfg) for text in mine.configs]
-        for c in configs:
-            check(c, tcfg, layout)
-    except (UsageError, LayoutError) as e:
+        configs = [parse_config(text, cfg, parallel) for text in mine.configs]
+        for c, par in configs:
+            check(c, tcfg, par, layout)
+    except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     force_host_devices(layout.size)
+    keep_freed_memory()
     from tabulate import tabulate
 
     load = os.getloadavg()
@@ -161,8 +164,8 @@ def main(argv=None) -> int:
           f"attention {cfg.attention}; median of {tcfg.steps} steps after one warm-up; "
           f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}", flush=True)
     out = []
-    for c in configs:
-        r = run_one(c, tcfg, layout, tcfg.steps, mine.calibration)
+    for c, par in configs:
+        r = run_one(c, tcfg, par, layout, tcfg.steps, mine.calibration)
         out.append(r)
         print(f"  done {r['config']}: {r['tokens_per_s']:.0f} tokens/s, "
               f"{r['measured_peak_bytes'] / MiB:.1f} MiB", file=sys.stderr, flush=True)

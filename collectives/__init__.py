@@ -19,14 +19,19 @@ from collectives.basic import (
 )
 from collectives.ring import (
     COMMS,
+    TP_COMMS,
+    TpComm,
     apply_reduce_scatter,
     column_parallel,
     gather_apply,
     row_parallel,
+    tp_comm,
 )
 
 __all__ = [
     "COMMS",
+    "TP_COMMS",
+    "TpComm",
     "all_reduce",
     "all_reduce_max",
     "all_to_all",
@@ -41,5 +46,6 @@ __all__ = [
     "reduce_scatter",
     "ring_shift",
     "row_parallel",
+    "tp_comm",
     "varying_axes",
 ]

@@ -15,12 +15,13 @@ chunk's part of f of the whole. Autodiff runs the rings backwards: the transpose
 ppermute is the reverse ppermute, so the backward of gather_apply is a ring
 reduce-scatter of the cotangent and that of apply_reduce_scatter a ring all-gather.
 
-`column_parallel` and `row_parallel` pick, by the layout's `comm` ("allreduce",
-"sequence" or "ring"), how the input of a column-parallel matmul is made whole and how
-the partial sums of a row-parallel matmul are reduced.
+A `TpComm` strategy (allreduce, sequence or ring; `TP_COMMS`) says how the input of a
+column-parallel matmul is made whole and how the partial sums of a row-parallel matmul
+are reduced; `column_parallel` and `row_parallel` call the one they are given.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 import jax
@@ -30,9 +31,6 @@ from jax import lax
 from collectives.basic import (
     all_reduce, axis_index, axis_size, broadcast, gather, reduce_scatter, ring_shift,
 )
-
-COMMS = ("allreduce", "sequence", "ring")
-
 
 def _chunk(x: jax.Array, j: jax.Array, n: int, dim: int) -> jax.Array:
     """Chunk j of n along `dim`: [.., X, ..] -> [.., X/n, ..]."""
@@ -91,30 +89,82 @@ def apply_reduce_scatter(h: jax.Array, f: Callable, axis: str | None, dim: int):
     return acc
 
 
-def column_parallel(x: jax.Array, f: Callable, axis: str | None, dim: int, comm: str):
-    """f applied to x whole along `dim`, x stored as `comm` keeps activations:
+@dataclasses.dataclass(frozen=True)
+class TpComm:
+    """How tp keeps activations between blocks and moves them around a tp-sharded matmul.
 
-    allreduce: x [.., X, ..] replicated over `axis`; `broadcast` (bwd: all-reduce dx).
-    sequence:  x [.., X_axis, ..]; `gather` along dim (bwd: reduce-scatter dx).
-    ring:      x [.., X_axis, ..]; `gather_apply` (bwd: the reverse ring).
+    column(x, f, axis, dim): f applied to x whole along `dim` (the input of a
+        column-parallel matmul, made whole as this strategy stores it).
+    row(h, f, axis, dim): f(h) summed over `axis` (f gives partial sums {U_axis}; the
+        output of a row-parallel matmul), stored as this strategy keeps activations.
+    shards_sequence: activations between blocks are [.., X_axis, ..] along `dim`
+        (the sequence) rather than replicated over `axis`.
     """
-    if comm == "ring":
-        return gather_apply(x, f, axis, dim)
-    if comm == "sequence":
+
+    name: str
+    shards_sequence: bool
+
+    def column(self, x: jax.Array, f: Callable, axis: str | None, dim: int):
+        raise NotImplementedError
+
+    def row(self, h: jax.Array, f: Callable, axis: str | None, dim: int):
+        raise NotImplementedError
+
+
+class AllReduceComm(TpComm):
+    """Megatron TP: x [.., X, ..] replicated over `axis`. column: `broadcast` (bwd:
+    all-reduce dx); row: `all_reduce` -> [.., X, ..] replicated."""
+
+    def column(self, x, f, axis, dim):
+        return f(broadcast(x, axis))
+
+    def row(self, h, f, axis, dim):
+        return all_reduce(f(h), axis)
+
+
+class SequenceComm(TpComm):
+    """Megatron sequence parallel: x [.., X_axis, ..]. column: `gather` along dim (bwd:
+    reduce-scatter dx); row: `reduce_scatter` along dim -> [.., X_axis, ..] (bwd:
+    all-gather)."""
+
+    def column(self, x, f, axis, dim):
         return f(gather(x, axis, dim))
-    return f(broadcast(x, axis))
 
-
-def row_parallel(h: jax.Array, f: Callable, axis: str | None, dim: int, comm: str):
-    """f(h) summed over `axis` (f gives partial sums {U_axis}), stored as `comm` keeps
-    activations:
-
-    allreduce: `all_reduce` -> [.., X, ..] replicated over `axis`.
-    sequence:  `reduce_scatter` along dim -> [.., X_axis, ..] (bwd: all-gather).
-    ring:      `apply_reduce_scatter` -> [.., X_axis, ..] (bwd: the reverse ring).
-    """
-    if comm == "ring":
-        return apply_reduce_scatter(h, f, axis, dim)
-    if comm == "sequence":
+    def row(self, h, f, axis, dim):
         return reduce_scatter(f(h), axis, dim)
-    return all_reduce(f(h), axis)
+
+
+class RingComm(TpComm):
+    """Sequence parallel with collective matmuls: x [.., X_axis, ..]. column:
+    `gather_apply`; row: `apply_reduce_scatter` (bwd: the reverse rings)."""
+
+    def column(self, x, f, axis, dim):
+        return gather_apply(x, f, axis, dim)
+
+    def row(self, h, f, axis, dim):
+        return apply_reduce_scatter(h, f, axis, dim)
+
+
+ALLREDUCE = AllReduceComm("allreduce", shards_sequence=False)
+TP_COMMS: dict[str, TpComm] = {c.name: c for c in (
+    ALLREDUCE, SequenceComm("sequence", shards_sequence=True),
+    RingComm("ring", shards_sequence=True))}
+COMMS = tuple(TP_COMMS)
+
+
+def tp_comm(comm: "str | TpComm") -> TpComm:
+    """The strategy named `comm` (a strategy passes through)."""
+    return TP_COMMS[comm] if isinstance(comm, str) else comm
+
+
+def column_parallel(x: jax.Array, f: Callable, axis: str | None, dim: int,
+                    comm: "str | TpComm"):
+    """f applied to x whole along `dim`, x stored as `comm` keeps activations
+    (`TpComm.column`)."""
+    return tp_comm(comm).column(x, f, axis, dim)
+
+
+def row_parallel(h: jax.Array, f: Callable, axis: str | None, dim: int,
+                 comm: "str | TpComm"):
+    """f(h) summed over `axis`, stored as `comm` keeps activations (`TpComm.row`)."""
+    return tp_comm(comm).row(h, f, axis, dim)

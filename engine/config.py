@@ -1,9 +1,9 @@
-"""Model presets and the training config (frozen dataclasses; no jax import)."""
+"""Model presets, the training config and the parallel config (frozen dataclasses)."""
 from __future__ import annotations
 
 import dataclasses
 
-from layers.config import DTYPES, REMAT, TP_COMM, ZERO, ModelConfig
+from layers.config import ModelConfig
 
 PRESETS: dict[str, dict] = {
     "tiny": dict(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, mlp_dim=192, vocab=256),
@@ -15,7 +15,10 @@ PRESETS: dict[str, dict] = {
     "llama3-70b": dict(d_model=8192, n_layers=80, n_heads=64, n_kv_heads=8, head_dim=128,
                        mlp_dim=28672, vocab=128256, rope_theta=500_000.0),
 }
-ATTENTIONS = ("auto", "reference", "chunked", "blocked", "pallas")
+
+
+class ConfigError(ValueError):
+    """Settings that cannot run together (engine/validate.py); the message is one line."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,38 +36,29 @@ class TrainConfig:
     seed: int = 0
 
 
+@dataclasses.dataclass(frozen=True)
+class ParallelConfig:
+    """How the layout's axes are used, apart from the model's shape.
+
+    zero:     what the fsdp axis shards (engine/zero.py): 3 = params, grads and optimizer
+              state (params gathered per layer); 2 = grads and optimizer state (params
+              stored whole, grads reduce-scattered); 1 = optimizer state (grads
+              all-reduced, then sliced).
+    prefetch: zero 3: gather layer i+1's weights before layer i's compute.
+    tp_comm:  how tp moves activations (collectives/ring.py `TP_COMMS`): allreduce =
+              Megatron TP, activations replicated over tp between blocks; sequence =
+              Megatron sequence parallel (activations sharded over tp along L between
+              blocks); ring = sequence parallel with the gather and reduce-scatter
+              decomposed into ppermute steps interleaved with partial matmuls.
+    """
+
+    zero: int = 3
+    prefetch: bool = False
+    tp_comm: str = "allreduce"
+
+
 def model_config(preset: str, **overrides) -> ModelConfig:
     """Preset plus overrides (None values are ignored)."""
     kw = dict(PRESETS[preset])
     kw.update({k: v for k, v in overrides.items() if v is not None})
     return ModelConfig(**kw)
-
-
-def config_problems(cfg: ModelConfig, tcfg: TrainConfig) -> list[str]:
-    """Everything wrong with the model and training numbers, each as a short phrase."""
-    problems = []
-    for name in ("d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "mlp_dim", "vocab"):
-        if getattr(cfg, name) < 1:
-            problems.append(f"{name}={getattr(cfg, name)} must be >= 1")
-    for name in ("batch", "seq", "steps"):
-        if getattr(tcfg, name) < 1:
-            problems.append(f"{name}={getattr(tcfg, name)} must be >= 1")
-    if cfg.head_dim % 2:
-        problems.append(f"head_dim={cfg.head_dim} must be even (RoPE rotates pairs)")
-    if cfg.n_kv_heads >= 1 and cfg.n_heads % cfg.n_kv_heads:
-        problems.append(f"heads={cfg.n_heads} not divisible by kv_heads={cfg.n_kv_heads}")
-    if cfg.dtype not in DTYPES:
-        problems.append(f"dtype={cfg.dtype!r} not one of {sorted(DTYPES)}")
-    if cfg.remat not in REMAT:
-        problems.append(f"remat={cfg.remat!r} not one of {list(REMAT)}")
-    if cfg.tp_comm not in TP_COMM:
-        problems.append(f"tp_comm={cfg.tp_comm!r} not one of {list(TP_COMM)}")
-    if cfg.zero not in ZERO:
-        problems.append(f"zero={cfg.zero} not one of {list(ZERO)}")
-    if cfg.prefetch and cfg.zero != 3:
-        problems.append(f"--prefetch needs --zero 3 (zero {cfg.zero} keeps params replicated)")
-    if not tcfg.lr > 0 or tcfg.lr > 10:
-        problems.append(f"lr={tcfg.lr} must be in (0, 10]")
-    if tcfg.warmup < 0:
-        problems.append(f"warmup={tcfg.warmup} must be >= 0")
-    return problems

@@ -26,8 +26,10 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import collectives
+from engine.config import ParallelConfig, TrainConfig
 from engine.layout import Layout
-from engine.params import fsdp_dims, param_specs
+from engine.params import activation_spec, fsdp_dims, param_specs
+from engine.validate import check
 from layers import cache as kv
 from layers.config import ModelConfig
 
@@ -53,6 +55,12 @@ def sample(logits_BV: jax.Array, seed, t, rows_B: jax.Array, sampling: Sampling)
     return jax.vmap(jax.random.categorical)(keys_B, logits_BV).astype(jnp.int32)
 
 
+def check_decoder(cfg: ModelConfig, layout: Layout, batch: int, cache_len: int) -> None:
+    """`engine.validate.check` for decoding `batch` rows into `cache_len` slots (decoding
+    keeps activations replicated over tp: tp_comm allreduce); raises ConfigError."""
+    check(cfg, TrainConfig(batch=batch, seq=cache_len), ParallelConfig(), layout)
+
+
 class Decoder:
     """The model bound to a layout, a global batch of B rows and a cache of C slots.
 
@@ -65,15 +73,15 @@ class Decoder:
 
     def __init__(self, cfg: ModelConfig, layout: Layout, mesh, batch: int, cache_len: int,
                  sampling: Sampling):
-        layout.check(cfg, batch)
+        check_decoder(cfg, layout, batch, cache_len)
         self.cfg, self.layout, self.mesh = cfg, layout, mesh
         self.batch, self.cache_len, self.sampling = batch, cache_len, sampling
         self.axes = layout.role_axes()
         self.specs = param_specs(cfg, layout)
         self._dims = fsdp_dims()
-        b = self.axes.batch or None
-        self.row_spec, self.tokens_spec, self.logits_spec = P(b), P(b, None), P(b, None)
-        self.cache_spec = kv.KVCache(*(P(None, b, None, self.axes.tp, None),) * 2)
+        self.row_spec, self.tokens_spec, self.logits_spec = (
+            activation_spec(name, layout) for name in ("rows", "tokens", "logits"))
+        self.cache_spec = kv.KVCache(*(activation_spec("cache", layout),) * 2)
         kv_heads = max(cfg.n_kv_heads, self.axes.tp_size)
         self.cache_shape = (cfg.n_layers, batch, cache_len, kv_heads, cfg.head_dim)
         shard = functools.partial(jax.shard_map, mesh=mesh)

@@ -15,8 +15,10 @@ import math
 import sys
 import time
 
-from engine.layout import Layout, LayoutError
-from engine.train import OneLineParser, UsageError, force_host_devices
+from engine import roles
+from engine.config import ConfigError
+from engine.layout import Layout
+from engine.train import OneLineParser, UsageError, force_host_devices, keep_freed_memory
 from layers.config import DTYPES, ModelConfig
 
 REPLACEMENT = "\ufffd".encode()  # what a token >= 256 (not a byte) prints as
@@ -212,9 +214,11 @@ def run(request: Request) -> int:
     try:
         ckpt, cfg = load_model(request)
         layout = request.layout
-        rows = layout.degree("dp") * layout.degree("fsdp")
+        rows = math.prod(layout.degree(r) for r in roles.roles_sharding("batch"))
         batch = -(-len(request.prompts) // rows) * rows
-        layout.check(cfg, batch)
+        from engine.decode import check_decoder
+
+        check_decoder(cfg, layout, batch, request.cache_len)
         return _generate(request, ckpt, cfg, batch)
     except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -260,8 +264,9 @@ def main(argv=None) -> int:
     try:
         request = parse(sys.argv[1:] if argv is None else argv)
         force_host_devices(request.layout.size)
+        keep_freed_memory()
         return run(request)
-    except (UsageError, LayoutError) as e:
+    except (UsageError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 

@@ -2,6 +2,7 @@
 
     single | dp8 | fsdp8 | tp8 | fsdp4xtp2 | fsdp2xtp4 | dp2xfsdp2xtp2 | ...
 
+The axis names and what each must divide come from the role registry (engine/roles.py).
 Parsing and validation import no jax (the CLI must force host devices before jax loads).
 """
 from __future__ import annotations
@@ -10,13 +11,13 @@ import dataclasses
 import math
 import re
 
-from layers.axes import Axes
-from layers.config import ModelConfig
+from engine import roles
+from engine.config import ConfigError
 
-AXIS_ROLES = ("dp", "fsdp", "tp")
+AXIS_ROLES = tuple(roles.ROLES)
 
 
-class LayoutError(ValueError):
+class LayoutError(ConfigError):
     """A layout that cannot be parsed or does not fit the model; the message is one line."""
 
 
@@ -57,29 +58,34 @@ class Layout:
     def degree(self, role: str) -> int:
         return dict(self.axes).get(role, 1)
 
-    def role_axes(self) -> Axes:
-        """Axis names by role; axes of size 1 count as absent (no collective over them)."""
-        names = {r: (r if self.degree(r) > 1 else None) for r in AXIS_ROLES}
-        return Axes(**names, **{f"{r}_size": self.degree(r) for r in AXIS_ROLES})
+    def role_axes(self, **strategies):
+        """The `layers.axes.Axes` of this layout: axis names by role, axes of size 1
+        counting as absent (no collective over them); `strategies` (tp_comm, weights,
+        prefetch) say how bytes move over them."""
+        from layers.axes import Axes
 
-    def check(self, cfg: ModelConfig, batch: int) -> None:
+        names = {r: (r if self.degree(r) > 1 else None) for r in AXIS_ROLES}
+        return Axes(**names, **{f"{r}_size": self.degree(r) for r in AXIS_ROLES},
+                    **strategies)
+
+    def problems(self, cfg, batch: int) -> list[str]:
+        """Every dim of the model (a ModelConfig) or the batch that an axis size does not
+        divide, as the role registry says."""
+        degrees = {r: self.degree(r) for r in AXIS_ROLES}
+        dims = {dim: batch if dim == "batch" else getattr(cfg, field)
+                for dim, field in roles.DIM_FIELDS.items()}
+        return (roles.divisibility_problems(degrees, dims)
+                + roles.kv_heads_problems(degrees, cfg.n_kv_heads))
+
+    def describe(self) -> str:
+        """`layout fsdp4xtp2 (dp=1 fsdp=4 tp=2, 8 devices)`."""
+        sizes = " ".join(f"{r}={self.degree(r)}" for r in AXIS_ROLES)
+        return f"layout {self} ({sizes}, {self.size} devices)"
+
+    def check(self, cfg, batch: int) -> None:
         """Raise LayoutError naming every factor if the model or batch does not divide."""
-        dp, fsdp, tp = (self.degree(r) for r in AXIS_ROLES)
-        need = [
-            ("batch", batch, dp * fsdp, "dp*fsdp"),
-            ("d_model", cfg.d_model, fsdp, "fsdp"),
-            ("heads", cfg.n_heads, tp, "tp"),
-            ("mlp_dim", cfg.mlp_dim, tp, "tp"),
-            ("vocab", cfg.vocab, tp, "tp"),
-        ]
-        problems = [f"{what}={n} not divisible by {by}={d}" for what, n, d, by in need if n % d]
-        g = cfg.n_kv_heads
-        if g % tp and tp % g:
-            problems.append(f"kv_heads={g} and tp={tp}: one must divide the other")
-        if problems:
-            raise LayoutError(
-                f"layout {self} (dp={dp} fsdp={fsdp} tp={tp}, {self.size} devices) does not fit: "
-                + "; ".join(problems))
+        if problems := self.problems(cfg, batch):
+            raise LayoutError(f"{self.describe()} does not fit: " + "; ".join(problems))
 
     def mesh_axes(self) -> tuple[tuple[str, int], ...]:
         """Axes of the device mesh; `single` is a one-device mesh with one size-1 axis."""

@@ -14,6 +14,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import collectives
+from engine import roles
 from engine.config import TrainConfig
 from layers.axes import Axes
 
@@ -45,9 +46,15 @@ def spec_axes(spec: P) -> tuple[str, ...]:
     return tuple(out)
 
 
+def grad_axes(axes: Axes) -> tuple[str, ...]:
+    """The data axes of the layout (the role registry's `data` roles, present in `axes`):
+    devices along them see different tokens with the same params."""
+    return tuple(a for a in (getattr(axes, r) for r in roles.data_roles()) if a is not None)
+
+
 def replicated_batch_axes(spec: P, axes: Axes) -> tuple[str, ...]:
-    """Batch axes a param is stored replicated over: its grads need an all-reduce there."""
-    return tuple(a for a in axes.batch if a not in spec_axes(spec))
+    """Data axes a param is stored replicated over: its grads need an all-reduce there."""
+    return tuple(a for a in grad_axes(axes) if a not in spec_axes(spec))
 
 
 def broadcast_params(params, specs, axes: Axes):
@@ -128,7 +135,7 @@ class Resident:
     """A ZeRO-2 param: `shard`, this device's fsdp slice (what the step differentiates),
     and `whole`, the stored param it was sliced from, already on every device. One
     pytree, so per-layer slices of both travel through the scan over layers together;
-    `layers.block.gather_weights` calls `gather` where ZeRO-3 all-gathers a shard."""
+    `ResidentWeights` calls `gather` where ZeRO-3 all-gathers a shard."""
 
     shard: jax.Array
     whole: jax.Array
@@ -155,3 +162,14 @@ def _resident_gather(axis: str, dim: int):
     gather.defvjp(lambda shard, whole: (_mark_like(shard, whole), None),
                   lambda _, ct: (collectives.reduce_scatter(ct, axis, dim), None))
     return gather
+
+
+@dataclasses.dataclass(frozen=True)
+class ResidentWeights:
+    """How ZeRO-2's layer weights are made whole (`layers.axes.Axes.weights`): each
+    weight the param table shards over fsdp is a `Resident`, whose `gather` returns the
+    stored whole without moving bytes; the others (norm scales) pass through in f32."""
+
+    def __call__(self, p: dict, fsdp_dims, axis, dtype) -> dict:
+        return {name: w if fsdp_dims[name] is None else w.gather(fsdp_dims[name], dtype)
+                for name, w in p.items()}

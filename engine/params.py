@@ -2,9 +2,15 @@
 
 The table drives init, the optimizer state's sharding, the FSDP gathers inside the
 scan, the gradient reductions and (later) checkpoints and the cost model. Roles in a
-spec resolve against the layout: `fsdp`/`tp` become that mesh axis (or None when the
-layout lacks it); `tp_kv` is `tp` when tp divides the kv heads and None (replicated)
-when tp > kv heads, as Megatron does for GQA.
+spec are names from the role registry (engine/roles.py) and resolve against the layout:
+`fsdp`/`tp` become that mesh axis (or None when the layout lacks it); `tp_kv` is `tp`
+when tp divides the kv heads and None (replicated) when tp > kv heads, as Megatron does
+for GQA.
+
+The activation table beside it says how the step's and the decoder's activations are
+sharded, by what each dim is split as (the registry's `shards` words): `batch` over
+every batch role, `heads` over the heads role, `sequence` over tp under a
+sequence-sharding tp_comm (the residual stream between blocks).
 """
 from __future__ import annotations
 
@@ -14,6 +20,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from collectives.ring import TP_COMMS
+from engine import roles
 from engine.layout import Layout
 from layers.config import ModelConfig
 
@@ -33,6 +41,35 @@ PARAM_TABLE: dict[str, tuple[str, tuple, str]] = {
     "unembed":          ("DV",   ("fsdp", "tp"),                 "normal"),
 }
 INIT_STD = 0.02  # GPT-2's; outputs into the residual stream scale by 1/sqrt(2N)
+DERIVED_ROLES = {"tp_kv": "tp"}  # spec entry -> the registry role it derives from
+PARAMS_ROLE = roles.roles_sharding("params")[0]  # the axis params are sharded over (fsdp)
+
+
+# name: (shape letters, what each dim is sharded as). Global shapes; L+1 for the tokens
+# (inputs and targets), C cache slots, G' = max(G, tp) cached kv heads.
+ACTIVATION_TABLE: dict[str, tuple[str, tuple]] = {
+    "tokens":   ("BL",    ("batch", None)),
+    "residual": ("BLD",   ("batch", "sequence", None)),
+    "cache":    ("NBCGK", (None, "batch", None, "heads", None)),
+    "rows":     ("B",     ("batch",)),
+    "logits":   ("BV",    ("batch", None)),
+}
+
+
+def activation_spec(name: str, layout: Layout, tp_comm: str = "allreduce") -> P:
+    """The PartitionSpec of activation `name` under `layout` (and `tp_comm`, for the
+    residual stream): an entry is the tuple of the layout's axes that shard that dim."""
+    def axes(what):
+        if what is None:
+            return None
+        if what == "sequence":
+            return _resolve("tp", None, layout) if TP_COMMS[tp_comm].shards_sequence else None
+        names = tuple(r for r in roles.roles_sharding(what) if layout.degree(r) > 1)
+        if what == "batch":
+            return names or None
+        return names[0] if len(names) == 1 else (names or None)
+
+    return P(*(axes(w) for w in ACTIVATION_TABLE[name][1]))
 
 
 def _nest(flat: dict) -> dict:
@@ -53,10 +90,12 @@ def _dims(cfg: ModelConfig) -> dict[str, int]:
 
 
 def _resolve(role, cfg: ModelConfig, layout: Layout):
-    axes = layout.role_axes()
+    """The mesh axis of a spec entry under `layout` (None: replicated)."""
+    if role is None:
+        return None
     if role == "tp_kv":
-        return axes.tp if layout.degree("tp") <= cfg.n_kv_heads else None
-    return None if role is None else getattr(axes, role)
+        return _resolve("tp", cfg, layout) if layout.degree("tp") <= cfg.n_kv_heads else None
+    return role if layout.degree(role) > 1 else None
 
 
 def param_shapes(cfg: ModelConfig) -> dict:
@@ -71,28 +110,26 @@ def param_specs(cfg: ModelConfig, layout: Layout) -> dict:
     the table says), nested like the params. This is how ZeRO-3 stores params and how
     every ZeRO level shards the optimizer state (and ZeRO-2 its grads); `fsdp_dims`
     names the same dims. `storage_specs` is how params are kept between steps."""
-    return _nest({name: P(*(_resolve(r, cfg, layout) for r in roles))
-                  for name, (_, roles, _) in PARAM_TABLE.items()})
+    return _nest({name: P(*(_resolve(r, cfg, layout) for r in spec))
+                  for name, (_, spec, _) in PARAM_TABLE.items()})
 
 
-def storage_specs(cfg: ModelConfig, layout: Layout) -> dict:
-    """How params are stored between steps under `cfg.zero`: `param_specs` for ZeRO-3;
-    ZeRO-1 and ZeRO-2 keep every param whole on each fsdp device (the fsdp entry
-    dropped), so their forward gathers nothing."""
-    specs = param_specs(cfg, layout)
-    fsdp = layout.role_axes().fsdp
-    if cfg.zero == 3 or fsdp is None:
-        return specs
-    return jax.tree.map(lambda spec: P(*(None if e == fsdp else e for e in spec)), specs,
-                        is_leaf=lambda x: isinstance(x, P))
+def storage_specs(cfg: ModelConfig, layout: Layout, zero: int = 3) -> dict:
+    """How params are stored between steps under ZeRO level `zero` (engine/zero.py):
+    `param_specs` for ZeRO-3; ZeRO-1 and ZeRO-2 keep every param whole on each fsdp
+    device (the fsdp entry dropped), so their forward gathers nothing."""
+    from engine import zero as zero_levels
+
+    fsdp = _resolve(PARAMS_ROLE, cfg, layout)
+    return zero_levels.level(zero, fsdp).storage_specs(param_specs(cfg, layout), fsdp)
 
 
 def fsdp_dims() -> dict:
     """The dim of each param sharded over fsdp (None if replicated), in per-layer
     coordinates (block params lose their leading N)."""
     dims = {}
-    for name, (_, roles, _) in PARAM_TABLE.items():
-        dim = roles.index("fsdp") if "fsdp" in roles else None
+    for name, (_, spec, _) in PARAM_TABLE.items():
+        dim = spec.index(PARAMS_ROLE) if PARAMS_ROLE in spec else None
         dims[name] = dim - 1 if dim is not None and name.startswith("blocks/") else dim
     return _nest(dims)
 
@@ -110,15 +147,15 @@ def _init_leaf(key, shape, kind: str, n_layers: int):
     return std * jax.random.normal(key, shape, jnp.float32)
 
 
-def init_params(cfg: ModelConfig, layout: Layout, mesh, seed: int) -> dict:
-    """Params from `seed`, stored as `storage_specs` says.
+def init_params(cfg: ModelConfig, layout: Layout, mesh, seed: int, zero: int = 3) -> dict:
+    """Params from `seed`, stored as `storage_specs` says for ZeRO level `zero`.
 
     Layout-invariant: each param's key is folded from its name's place in the table, and
     jax's partitionable threefry makes every element a function of (key, global index)
     only, so with `out_shardings` each device generates just its own shard and the global
     values are bit-identical under every layout."""
     shapes = param_shapes(cfg)
-    specs = storage_specs(cfg, layout)
+    specs = storage_specs(cfg, layout, zero)
     names = list(PARAM_TABLE)
 
     def init():

@@ -11,17 +11,18 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import math
 import os
 import sys
 import time
 
-from engine import distributed
-from engine.config import ATTENTIONS, PRESETS, TrainConfig, config_problems, model_config
+from collectives.ring import COMMS
+from engine import distributed, roles, validate
+from engine.config import PRESETS, ConfigError, ParallelConfig, TrainConfig, model_config
 from engine.data import BIN_DTYPES, DataError, data_problems, load_data
-from engine.layout import Layout, LayoutError
-from layers.config import DTYPES, REMAT, TP_COMM, ZERO
+from engine.layout import Layout
+from engine.zero import ZERO
+from layers.block import REMAT
+from layers.config import DTYPES
 
 
 class UsageError(Exception):
@@ -43,7 +44,8 @@ def build_parser(prog: str = "python -m engine.train", description: str | None =
                 parents=list(parents), formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--layout", default="single",
                    help="mesh axes outermost first with sizes: single, dp8, fsdp8, tp8, "
-                        "fsdp4xtp2, dp2xfsdp2xtp2, ...")
+                        "fsdp4xtp2, dp2xfsdp2xtp2, ... (axes: "
+                        + "; ".join(f"{r.name}: {r.doc}" for r in roles.ROLES.values()) + ")")
     m = p.add_argument_group("model (a preset, then any dimension overridden)")
     m.add_argument("--model", default="small", choices=sorted(PRESETS))
     for flag, field, what in [("--d-model", "d_model", "D"), ("--layers", "n_layers", "N"),
@@ -55,12 +57,12 @@ def build_parser(prog: str = "python -m engine.train", description: str | None =
                    help="compute dtype of matmuls (params and optimizer state are f32)")
     m.add_argument("--remat", default="full", choices=REMAT,
                    help="what the backward recomputes (see layers/block.py)")
-    m.add_argument("--attention", default="auto", choices=ATTENTIONS,
+    m.add_argument("--attention", default="auto", choices=validate.ATTENTIONS,
                    help="auto: blocked flash from 1024 tokens, else chunked (dense scores, "
                         "causal tiles skipped, flash backward); reference: plain dense "
                         "softmax, autodiff; pallas runs in interpret mode on CPU")
     x = p.add_argument_group("where bytes move (see docs/architecture.md)")
-    x.add_argument("--tp-comm", default="allreduce", choices=TP_COMM,
+    x.add_argument("--tp-comm", default="allreduce", choices=COMMS,
                    help="allreduce: Megatron TP; sequence: sequence parallel (activations "
                         "sharded over tp along the sequence between blocks); ring: sequence "
                         "parallel with collective matmuls (ppermute steps interleaved with "
@@ -113,25 +115,23 @@ def build_parser(prog: str = "python -m engine.train", description: str | None =
 
 
 def parse(argv, parser: argparse.ArgumentParser | None = None) -> tuple:
-    """argv -> (ModelConfig, TrainConfig, Layout, args); raises UsageError/LayoutError."""
+    """argv -> (ModelConfig, TrainConfig, ParallelConfig, Layout, args); raises
+    UsageError / ConfigError (`engine.validate`'s problems, one line)."""
     args = (parser or build_parser()).parse_args(argv)
     cfg = model_config(args.model, **{k: getattr(args, k) for k in (
         "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "mlp_dim", "vocab")},
-        dtype=args.dtype, remat=args.remat, attention=args.attention,
-        tp_comm=args.tp_comm, zero=args.zero, prefetch=args.prefetch)
+        dtype=args.dtype, remat=args.remat, attention=args.attention)
     tcfg = TrainConfig(batch=args.batch, seq=args.seq, steps=args.steps, lr=args.lr,
                        warmup=args.warmup, seed=args.seed)
-    problems = config_problems(cfg, tcfg) + _flag_problems(args, cfg, tcfg)
+    parallel = ParallelConfig(zero=args.zero, prefetch=args.prefetch, tp_comm=args.tp_comm)
+    problems = validate.config_problems(cfg, tcfg, parallel) + _flag_problems(args, cfg, tcfg)
     if problems:
         raise UsageError("; ".join(problems))
     layout = Layout.parse(args.layout)
     if problems := distributed.flag_problems(args, layout.size):
         raise UsageError("; ".join(problems))
-    layout.check(cfg, tcfg.batch)
-    if cfg.tp_comm != "allreduce" and tcfg.seq % layout.degree("tp"):
-        raise UsageError(f"--tp-comm {cfg.tp_comm} shards the sequence over tp: "
-                         f"seq={tcfg.seq} not divisible by tp={layout.degree('tp')}")
-    return cfg, tcfg, layout, args
+    validate.check(cfg, tcfg, parallel, layout)
+    return cfg, tcfg, parallel, layout, args
 
 
 def parse_or_exit(argv, parser: argparse.ArgumentParser) -> tuple:
@@ -139,7 +139,7 @@ def parse_or_exit(argv, parser: argparse.ArgumentParser) -> tuple:
     exits 2 (SystemExit), like the training CLI."""
     try:
         return parse(sys.argv[1:] if argv is None else argv, parser)
-    except (UsageError, LayoutError) as e:
+    except (UsageError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
 
@@ -166,6 +166,17 @@ def _flag_problems(args, cfg, tcfg) -> list[str]:
     return problems
 
 
+def keep_freed_memory() -> None:
+    """On XLA:CPU, keep the step's freed buffers in the process (engine/host.py). Changes
+    process-wide malloc settings, so tools call it from `main`, not the library."""
+    import jax
+
+    from engine import host
+
+    if jax.default_backend() == "cpu":
+        host.keep_freed_memory()
+
+
 def force_host_devices(n: int) -> None:
     """Ask XLA's CPU backend for n devices unless the user already chose a count.
     Must run before jax is imported; harmless on accelerators (only the host backend)."""
@@ -183,14 +194,15 @@ def load_checked_data(cfg, tcfg, args):
     return data
 
 
-def run(cfg, tcfg, layout, args) -> int:
+def run(cfg, tcfg, parallel, layout, args) -> int:
     """Train; returns the exit code. Data and checkpoints are checked before compiling."""
     from engine.checkpoint import CheckpointError
 
     data = load_checked_data(cfg, tcfg, args)
     distributed.initialize(args)
+    keep_freed_memory()  # after initialize: it asks jax for the backend
     try:
-        return _train(cfg, tcfg, layout, args, data)
+        return _train(cfg, tcfg, parallel, layout, args, data)
     except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -240,38 +252,32 @@ def _check_memory(cfg, devices) -> None:
                          f"{have / 2**30:.1f} GiB")
 
 
-def _train(cfg, tcfg, layout, args, data) -> int:
+def setup(cfg, tcfg, parallel, layout, args, data, say):
+    """Mesh, trainer, state (fresh or resumed) and the compiled step as an
+    `engine.loop.Session`; None when the checkpoint already reached --steps."""
     import jax
-    import numpy as np
     from jax.sharding import NamedSharding
 
-    from engine import checkpoint, mfu
+    from engine import checkpoint
     from engine.data import device_batch
-    from engine.optim import schedule
+    from engine.loop import Session
     from engine.params import param_count
     from engine.step import Trainer
     from layers.attention import resolve_attention
 
-    is_main = distributed.is_main()  # process 0 prints and writes the metrics file
-    say = (lambda *a, **k: print(*a, **k, flush=True)) if is_main else (lambda *a, **k: None)
     ckpt = _open_checkpoints(cfg, args, say)
     mesh = layout.mesh()
-    trainer = Trainer(cfg, tcfg, layout, mesh)
+    trainer = Trainer(cfg, tcfg, layout, mesh, parallel)
     devices = list(mesh.devices.flat)
     _check_memory(cfg, devices)
-    if args.peak_flops:
-        peak, peak_src = args.peak_flops, "--peak-flops"
-    else:
-        peak, peak_src = distributed.peak_flops(cfg.compute_dtype, devices)
-    tokens_per_step = tcfg.batch * tcfg.seq
-    flops_per_step = mfu.flops_per_token(cfg, tcfg.seq) * tokens_per_step
+    peak, peak_src = _peak(cfg, args, devices)
     procs = f" in {jax.process_count()} processes" if jax.process_count() > 1 else ""
     say(f"layout {layout} on {len(devices)} {devices[0].platform} device(s){procs}; "
         f"model {args.model} ({param_count(cfg) / 1e6:.2f}M params, D={cfg.d_model} "
         f"N={cfg.n_layers} H={cfg.n_heads} G={cfg.n_kv_heads} K={cfg.head_dim} "
         f"F={cfg.mlp_dim} V={cfg.vocab}); {cfg.dtype} compute, remat {cfg.remat}, "
-        f"{resolve_attention(cfg.attention, tcfg.seq)} attention; {tokens_per_step} tokens/step; "
-        f"peak {peak / 1e12:.2f} TFLOP/s ({peak_src})")
+        f"{resolve_attention(cfg.attention, tcfg.seq)} attention; "
+        f"{tcfg.batch * tcfg.seq} tokens/step; peak {peak / 1e12:.2f} TFLOP/s ({peak_src})")
     say(f"data {data.describe()}")
     if resolve_attention(cfg.attention, tcfg.seq) == "pallas" and devices[0].platform == "cpu":
         say("note: no accelerator, so the Pallas kernels run in interpret mode: the same "
@@ -290,76 +296,54 @@ def _train(cfg, tcfg, layout, args, data) -> int:
     if start >= tcfg.steps:
         say(f"the checkpoint already reached step {start} >= --steps {tcfg.steps}; "
             f"nothing to train")
-        return 0
+        return None
     sharding = NamedSharding(mesh, trainer.batch_spec)
     batch = lambda index, split="train": device_batch(data, sharding, tcfg.seed, index,
                                                       tcfg.batch, tcfg.seq, split)
     t0 = time.perf_counter()
     step_fn = trainer.train_step.lower(params, opt_state, batch(start)).compile()
     say(f"compiled the step in {time.perf_counter() - t0:.1f} s")
+    return Session(trainer, step_fn, params, opt_state, batch, start, tcfg.steps, peak)
 
-    def val_loss(params) -> float:
-        losses = [distributed.host_value(trainer.loss(params, batch(i, "val")))
-                  for i in range(args.eval_batches)]
-        return float(np.mean(np.asarray(losses, np.float32)))
 
-    meta = dict(rng=dict(seed=tcfg.seed), model=dataclasses.asdict(cfg),
-                train=dataclasses.asdict(tcfg), layout=str(layout),
-                data=dict(source=args.data, dtype=args.data_dtype))
-    lr_at = schedule(tcfg)
-    metrics_file = (open(args.metrics_file, "a" if args.resume else "w")
-                    if args.metrics_file and is_main else None)
-    window_t, window_n = 0.0, 0
-    try:
-        for step in range(start, tcfg.steps):
-            tokens = batch(step)
-            t0 = time.perf_counter()
-            params, opt_state, metrics = step_fn(params, opt_state, tokens)
-            loss, grad_norm = (distributed.host_value(metrics[k]) for k in ("loss", "grad_norm"))
-            dt = time.perf_counter() - t0
-            window_t, window_n = window_t + dt, window_n + 1
-            if not math.isfinite(loss):
-                say(f"error: loss is {loss} at step {step + 1}; stopping", file=sys.stderr)
-                return 1
-            done = step + 1
-            record = dict(step=done, loss=loss, grad_norm=grad_norm,
-                          lr=float(lr_at(step)), tokens_per_s=tokens_per_step / dt,
-                          step_time_s=dt, mfu=flops_per_step / dt / peak)
-            evaluate = args.eval_every and (done % args.eval_every == 0 or done == tcfg.steps)
-            if evaluate:
-                record["val_loss"] = val_loss(params)
-            if metrics_file:
-                metrics_file.write(json.dumps(record) + "\n")
-                metrics_file.flush()
-            if done % args.log_every == 0 or done == tcfg.steps:
-                avg = window_t / window_n
-                say(f"step {done:>5}/{tcfg.steps} | loss {loss:.4f} | grad norm "
-                    f"{grad_norm:.3f} | lr {record['lr']:.2e} | "
-                    f"{tokens_per_step / avg:,.0f} tok/s | {avg * 1e3:.0f} ms/step | "
-                    f"MFU {100 * flops_per_step / avg / peak:.1f}%")
-                window_t, window_n = 0.0, 0
-            if evaluate:
-                say(f"eval {done:>5}/{tcfg.steps} | val loss {record['val_loss']:.4f}")
-            if args.checkpoint_dir and (done % args.checkpoint_every == 0
-                                        or done == tcfg.steps):
-                path = checkpoint.save(args.checkpoint_dir, done, params, opt_state, meta,
-                                       args.keep)
-                say(f"saved {path}")
-    except KeyboardInterrupt:
-        print(f"interrupted after step {step}", file=sys.stderr)
-        return 130
-    finally:
-        if metrics_file:
-            metrics_file.close()
-    return 0
+def _peak(cfg, args, devices) -> tuple[float, str]:
+    """The MFU denominator and where it came from."""
+    if args.peak_flops:
+        return args.peak_flops, "--peak-flops"
+    return distributed.peak_flops(cfg.compute_dtype, devices)
+
+
+def _train(cfg, tcfg, parallel, layout, args, data) -> int:
+    """setup, then the loop with the hooks the flags ask for."""
+    from engine.loop import Checkpoints, Evaluate, Log, MetricsFile, Rates, loop
+
+    is_main = distributed.is_main()  # process 0 prints and writes the metrics file
+    say = (lambda *a, **k: print(*a, **k, flush=True)) if is_main else (lambda *a, **k: None)
+    session = setup(cfg, tcfg, parallel, layout, args, data, say)
+    if session is None:
+        return 0
+    rates = Rates(cfg, tcfg, session.peak)
+    hooks = [rates]
+    if args.eval_every:
+        hooks.append(Evaluate(args.eval_every, args.eval_batches, tcfg.steps))
+    if args.metrics_file and is_main:
+        hooks.append(MetricsFile(args.metrics_file, append=args.resume))
+    hooks.append(Log(args.log_every, tcfg.steps, rates, say))
+    if args.checkpoint_dir:
+        meta = dict(rng=dict(seed=tcfg.seed), model=dataclasses.asdict(cfg),
+                    train=dataclasses.asdict(tcfg), parallel=dataclasses.asdict(parallel),
+                    layout=str(layout), data=dict(source=args.data, dtype=args.data_dtype))
+        hooks.append(Checkpoints(args.checkpoint_dir, args.checkpoint_every, args.keep,
+                                 tcfg.steps, meta, say))
+    return loop(session, hooks, say)
 
 
 def main(argv=None) -> int:
     try:
-        cfg, tcfg, layout, args = parse(sys.argv[1:] if argv is None else argv)
+        cfg, tcfg, parallel, layout, args = parse(sys.argv[1:] if argv is None else argv)
         force_host_devices(layout.size // distributed.process_count(args))
-        return run(cfg, tcfg, layout, args)
-    except (UsageError, LayoutError, DataError) as e:
+        return run(cfg, tcfg, parallel, layout, args)
+    except (UsageError, ConfigError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 

@@ -76,7 +76,7 @@ def qkv_projections(x_BLD: jax.Array, p: dict, cfg: ModelConfig, axes: Axes):
 
     # allreduce: broadcast (bwd all-reduce dx); sequence: all-gather along L (bwd
     # reduce-scatter dx); ring: the gather as ppermutes interleaved with the matmuls
-    return collectives.column_parallel(x_BLD, qkv, axes.tp, dim=1, comm=cfg.tp_comm)
+    return collectives.column_parallel(x_BLD, qkv, axes.tp, dim=1, comm=axes.tp_comm)
 
 
 def out_projection(o_BLHK: jax.Array, p: dict, cfg: ModelConfig, axes: Axes) -> jax.Array:
@@ -85,7 +85,7 @@ def out_projection(o_BLHK: jax.Array, p: dict, cfg: ModelConfig, axes: Axes) -> 
     out = lambda o_BLHK: einsum("BLHK,HKD->BLD", o_BLHK, p["wo"], dtype=cfg.compute_dtype)
     # partial sums {U_tp}: all-reduce (allreduce), reduce-scatter along L (sequence),
     # or reduce-scatter as ppermutes interleaved with the matmuls (ring)
-    return collectives.row_parallel(o_BLHK, out, axes.tp, dim=1, comm=cfg.tp_comm)
+    return collectives.row_parallel(o_BLHK, out, axes.tp, dim=1, comm=axes.tp_comm)
 
 
 def attention(x_BLD: jax.Array, p: dict, cfg: ModelConfig, axes: Axes,

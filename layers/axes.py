@@ -1,7 +1,34 @@
-"""The mesh axes a layer may talk over, by role. A static (hashable) dataclass."""
+"""What a layer sees of the parallel layout: the mesh axes it may talk over, by role, and
+how it moves bytes over them. A static (hashable) dataclass, built by
+`engine.layout.Layout.role_axes` from the role registry (engine/roles.py)."""
 from __future__ import annotations
 
 import dataclasses
+from typing import Mapping
+
+import collectives
+from collectives.ring import ALLREDUCE, TpComm
+from engine.roles import roles_sharding
+
+
+@dataclasses.dataclass(frozen=True)
+class GatherWeights:
+    """How a layer's weights are made whole (ZeRO-3): every weight the param table
+    shards over fsdp is cast to the compute dtype and all-gathered over fsdp, all in one
+    collective (`collectives.gather_many`; its backward is one reduce-scatter). Weights
+    not sharded over fsdp (norm scales) pass through in f32."""
+
+    def __call__(self, p: dict, fsdp_dims: Mapping[str, int | None], axis: str | None,
+                 dtype) -> dict:
+        out = dict(p)
+        sharded = [name for name in p if fsdp_dims[name] is not None]
+        wholes = collectives.gather_many([p[name].astype(dtype) for name in sharded], axis,
+                                         [fsdp_dims[name] for name in sharded])
+        out.update(zip(sharded, wholes))
+        return out
+
+
+GATHER = GatherWeights()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -9,8 +36,14 @@ class Axes:
     """Axis names by role; `None` when the layout has no such axis (or it has size 1).
 
     dp:   params replicated, batch sharded.
-    fsdp: params, grads, optimizer state and batch sharded (ZeRO-3).
+    fsdp: params, grads, optimizer state and batch sharded (ZeRO).
     tp:   heads, MLP hidden and vocab sharded (Megatron).
+
+    tp_comm:  how activations move over tp (`collectives.ring.TpComm`: allreduce,
+              sequence or ring).
+    weights:  how a layer's weights are made whole (`GatherWeights` for ZeRO-3; ZeRO-2's
+              `engine.optim.ResidentWeights`).
+    prefetch: gather layer i+1's weights before layer i's compute (layers/block.py).
     """
 
     dp: str | None = None
@@ -19,12 +52,30 @@ class Axes:
     dp_size: int = 1
     fsdp_size: int = 1
     tp_size: int = 1
+    tp_comm: TpComm = ALLREDUCE
+    weights: object = GATHER
+    prefetch: bool = False
 
     @property
     def batch(self) -> tuple[str, ...]:
-        """Axes the batch is sharded over, outermost first."""
-        return tuple(a for a in (self.dp, self.fsdp) if a is not None)
+        """Axes the batch is sharded over, outermost first (the registry's batch roles)."""
+        return tuple(a for a in (getattr(self, r) for r in roles_sharding("batch"))
+                     if a is not None)
 
     @property
     def batch_size(self) -> int:
-        return self.dp_size * self.fsdp_size
+        size = 1
+        for r in roles_sharding("batch"):
+            size *= getattr(self, f"{r}_size")
+        return size
+
+    @property
+    def seq_tp(self) -> str | None:
+        """The axis the residual stream's sequence is sharded over between blocks: tp
+        under a sequence-sharding tp_comm (sequence, ring), else None (replicated)."""
+        return self.tp if self.tp_comm.shards_sequence else None
+
+    def gather_weights(self, p: dict, fsdp_dims: Mapping[str, int | None], dtype) -> dict:
+        """One layer's weights, whole, as `weights` makes them."""
+        return self.weights(p, fsdp_dims, self.fsdp, dtype)
+

@@ -24,38 +24,26 @@ REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
     "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
+REMAT = ("none", *REMAT_POLICIES)  # `ModelConfig.remat` values
 
 
 def gather_weights(p: dict, fsdp_dims: Mapping[str, int | None], axes: Axes, dtype) -> dict:
-    """All-gather a layer's weights over fsdp, each along the dim the param table shards,
-    in one collective (`collectives.gather_many`; its backward is one reduce-scatter).
-
-    Matrices are cast to the compute dtype first, so the gather moves compute-dtype
-    bytes; weights not sharded over fsdp (norm scales) pass through in f32. A weight that
-    is not an array already holds its whole (ZeRO-2's `engine.optim.Resident`: stored
-    replicated, differentiated as its fsdp shard): its `gather(dim, dtype)` returns the
-    whole without moving bytes, and its backward reduce-scatters the grad as a gather's."""
-    out = dict(p)
-    sharded = [name for name, w in p.items()
-               if fsdp_dims[name] is not None and isinstance(w, jax.Array)]
-    wholes = collectives.gather_many([p[name].astype(dtype) for name in sharded], axes.fsdp,
-                                     [fsdp_dims[name] for name in sharded])
-    out.update(zip(sharded, wholes))
-    for name, w in p.items():
-        if fsdp_dims[name] is not None and not isinstance(w, jax.Array):
-            out[name] = w.gather(fsdp_dims[name], dtype)
-    return out
+    """A layer's weights made whole over fsdp, each along the dim the param table shards,
+    as `axes.weights` says: ZeRO-3 all-gathers them in one collective, cast to `dtype`
+    first (`layers.axes.GatherWeights`); ZeRO-2's weights are already whole
+    (`engine.optim.ResidentWeights`). Weights not sharded over fsdp pass through in f32."""
+    return axes.gather_weights(p, fsdp_dims, dtype)
 
 
 def block(x_BLD: jax.Array, p: dict, cfg: ModelConfig, axes: Axes,
           cache: LayerCache | None = None):
     """Pre-norm decoder block; p gathered over fsdp. x: [B, L, D] -> [B, L, D] replicated
-    over tp (cfg.tp_comm allreduce) or [B, L_tp, D] -> [B, L_tp, D] (sequence, ring).
+    over tp (axes.tp_comm allreduce) or [B, L_tp, D] -> [B, L_tp, D] (sequence, ring).
     cache (decoding): the attention reads and writes this layer's KV cache, and the block
     returns (x, cache)."""
     # sequence, ring: the norms run on x's sequence shard, so their scales' grads are
     # partial sums over tp, all-reduced by the broadcast's bwd
-    seq_tp = None if cfg.tp_comm == "allreduce" else axes.tp
+    seq_tp = axes.seq_tp
     with jax.named_scope(scopes.ATTENTION):
         scale_D = collectives.broadcast(p["attn_norm"], seq_tp)
         h_BLD = rms_norm(x_BLD, scale_D, cfg.norm_eps)
@@ -74,7 +62,7 @@ def blocks(x_BLD: jax.Array, stacked: dict, fsdp_dims: Mapping[str, int | None],
            cfg: ModelConfig, axes: Axes) -> jax.Array:
     """`lax.scan` over N stacked blocks. stacked: {name: [N, ...local shard...]}.
 
-    cfg.prefetch: layer i+1's gather is issued in the scan body before layer i's compute,
+    axes.prefetch: layer i+1's gather is issued in the scan body before layer i's compute,
     which does not wait for it, so the two can overlap. Layer 0 is gathered before the
     scan, the carry holds the gathered weights of the layer the body computes, the scan
     runs over layers 1..N-1 (gathering each for the next iteration) and the last layer
@@ -94,7 +82,7 @@ def blocks(x_BLD: jax.Array, stacked: dict, fsdp_dims: Mapping[str, int | None],
             return f
         return jax.checkpoint(f, policy=REMAT_POLICIES[cfg.remat], prevent_cse=False)
 
-    if not cfg.prefetch:
+    if not axes.prefetch:
         body = remat(lambda x_BLD, p_layer: (block(x_BLD, gather(p_layer), cfg, axes), None))
         x_BLD, _ = lax.scan(body, x_BLD, stacked)
         return x_BLD

@@ -47,7 +47,7 @@ def forward(params: dict, cache: KVCache, tokens_BL, start_B, last_B,
     cache slot of each row's first new token; last_B: index in [0, L). Decoding always
     keeps activations replicated over tp (tp_comm allreduce): a step has one token per row.
     """
-    cfg = dataclasses.replace(cfg, tp_comm="allreduce")
+    axes = dataclasses.replace(axes, tp_comm=collectives.TP_COMMS["allreduce"])
     x_BLD = model.embed(params, tokens_BL, fsdp_dims, cfg, axes)
 
     def body(x_BLD, layer):

@@ -6,9 +6,6 @@ import dataclasses
 import jax.numpy as jnp
 
 DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16}
-REMAT = ("none", "full", "dots")
-TP_COMM = ("allreduce", "sequence", "ring")
-ZERO = (1, 2, 3)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,19 +21,8 @@ class ModelConfig:
     mlp_dim: int = 768
     vocab: int = 256
     dtype: str = "bf16"  # compute dtype of matmuls; params and optimizer state stay f32
-    remat: str = "full"  # none | full | dots
+    remat: str = "full"  # none | full | dots (layers/block.py REMAT)
     attention: str = "reference"  # auto | reference | chunked | blocked | pallas (layers/attention.py)
-    # Where bytes move (issue 6). tp_comm: allreduce = Megatron TP, activations replicated
-    # over tp between blocks; sequence = Megatron sequence parallel (activations sharded
-    # over tp along L between blocks: gather before the column-parallel matmul,
-    # reduce-scatter after the row-parallel one); ring = sequence parallel with the gather
-    # and reduce-scatter decomposed into ppermute steps interleaved with partial matmuls.
-    tp_comm: str = "allreduce"
-    # zero: 3 = params, grads and optimizer state sharded over fsdp (gather per layer);
-    # 2 = params replicated, grads reduce-scattered, optimizer state sharded;
-    # 1 = params replicated, grads all-reduced then sliced, optimizer state sharded.
-    zero: int = 3
-    prefetch: bool = False  # zero 3: gather layer i+1's weights before layer i's compute
     rope_theta: float = 10_000.0
     norm_eps: float = 1e-5
 

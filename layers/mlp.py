@@ -8,7 +8,7 @@ from layers.config import ModelConfig
 
 
 def mlp(x_BLD: jax.Array, p: dict, cfg: ModelConfig, axes: Axes) -> jax.Array:
-    """x: [B, L, D] replicated over tp -> [B, L, D] replicated over tp (tp_comm
+    """x: [B, L, D] replicated over tp -> [B, L, D] replicated over tp (axes.tp_comm
     allreduce); x: [B, L_tp, D] -> [B, L_tp, D] (sequence, ring).
 
     p (gathered over fsdp): wg, wu [D, F_tp], wd [F_tp, D].
@@ -19,7 +19,8 @@ def mlp(x_BLD: jax.Array, p: dict, cfg: ModelConfig, axes: Axes) -> jax.Array:
     down = lambda h_BLF: einsum("BLF,FD->BLD", h_BLF, p["wd"], dtype=dt)  # [B, L, D]{U_tp}
     # allreduce: broadcast (bwd all-reduce dx); sequence: all-gather along L (bwd
     # reduce-scatter dx); ring: the gather as ppermutes interleaved with the matmuls
-    g_BLF, u_BLF = collectives.column_parallel(x_BLD, gate_up, axes.tp, dim=1, comm=cfg.tp_comm)
+    g_BLF, u_BLF = collectives.column_parallel(x_BLD, gate_up, axes.tp, dim=1,
+                                               comm=axes.tp_comm)
     h_BLF = jax.nn.silu(g_BLF) * u_BLF
     # all-reduce (allreduce), reduce-scatter along L (sequence), or its ring (ring)
-    return collectives.row_parallel(h_BLF, down, axes.tp, dim=1, comm=cfg.tp_comm)
+    return collectives.row_parallel(h_BLF, down, axes.tp, dim=1, comm=axes.tp_comm)

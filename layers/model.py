@@ -2,7 +2,7 @@
 training loss composed of them (vocab-parallel cross-entropy after the head).
 
 Between the stages the residual stream is x [B, L, D] (f32) replicated over tp
-(cfg.tp_comm allreduce) or [B, L_tp, D] (sequence, ring). params: local shards as stored
+(axes.tp_comm allreduce) or [B, L_tp, D] (sequence, ring). params: local shards as stored
 (see engine/params.py); fsdp_dims: for every param, the dim sharded over fsdp (None if
 replicated), in per-layer coordinates.
 """
@@ -26,7 +26,7 @@ def embed(params: dict, inputs_BL: jax.Array, fsdp_dims: Mapping, cfg: ModelConf
     """Token ids [B, L] -> the residual stream x [B, L, D] (or [B, L_tp, D])."""
     with jax.named_scope(scopes.EMBED):
         embed_VD = collectives.gather(params["embed"], axes.fsdp, dim=fsdp_dims["embed"])
-        return vocab.embed(inputs_BL, embed_VD, axes, cfg.tp_comm)
+        return vocab.embed(inputs_BL, embed_VD, axes, axes.tp_comm)
 
 
 def blocks(params: dict, x_BLD: jax.Array, fsdp_dims: Mapping, cfg: ModelConfig,
@@ -46,8 +46,8 @@ def head(params: dict, x_BLD: jax.Array, fsdp_dims: Mapping, cfg: ModelConfig,
     (layers/cache.py) multiplies them for the last token's logits."""
     # sequence, ring: x is [B, L_tp, D], so the scale's grad is a partial sum over tp,
     # all-reduced by the broadcast's bwd (allreduce: x replicated, nothing to reduce)
-    seq_tp = None if cfg.tp_comm == "allreduce" else axes.tp
-    h_BLD = rms_norm(x_BLD, collectives.broadcast(params["final_norm"], seq_tp), cfg.norm_eps)
+    h_BLD = rms_norm(x_BLD, collectives.broadcast(params["final_norm"], axes.seq_tp),
+                     cfg.norm_eps)
     unembed_DV = collectives.gather(params["unembed"].astype(cfg.compute_dtype), axes.fsdp,
                                     dim=fsdp_dims["unembed"])
     return h_BLD, unembed_DV
@@ -67,6 +67,6 @@ def loss(params: dict, inputs_BL: jax.Array, targets_BL: jax.Array, fsdp_dims: M
     with jax.named_scope(scopes.LOSS):
         h_BLD, unembed_DV = head(params, x_BLD, fsdp_dims, cfg, axes)
         loss_BL = vocab.cross_entropy(h_BLD, unembed_DV, targets_BL, axes, cfg.compute_dtype,
-                                      cfg.tp_comm)
+                                      axes.tp_comm)
         n_tokens = loss_BL.size * axes.batch_size
         return collectives.all_reduce(jnp.sum(loss_BL), axes.batch) / n_tokens

@@ -3,13 +3,12 @@ audit, pricing formulas, and a 512-device prediction traced on one CPU."""
 from __future__ import annotations
 
 import collections
-import dataclasses
 import functools
 import math
 
 import pytest
 
-from engine.config import TrainConfig, model_config
+from engine.config import ParallelConfig, TrainConfig, model_config
 from engine.cost import hardware
 from engine.cost.audit import audit, compiled_text
 from engine.cost.ledger import Row, step_ledger
@@ -120,14 +119,14 @@ def test_audit_clean_under_each_switch(switches):
     update, prefetch's N gathers per weight)."""
     from engine.step import Trainer
 
-    cfg, lay = dataclasses.replace(_cfg(), **switches), Layout.parse("fsdp4xtp2")
-    rows = step_ledger(cfg, TCFG, lay)
-    text = compiled_text(Trainer(cfg, TCFG, lay, lay.mesh()),
+    cfg, lay, par = _cfg(), Layout.parse("fsdp4xtp2"), ParallelConfig(**switches)
+    rows = step_ledger(cfg, TCFG, lay, par)
+    text = compiled_text(Trainer(cfg, TCFG, lay, lay.mesh(), par),
                          compiler_options={"xla_backend_optimization_level": 0})
     result = audit(rows, text, lay.mesh_axes(), "cpu")
     assert result.clean, (result.missing, result.extra)
     kinds = {k[0] for k in result.matched}
-    assert ("collective-permute" in kinds) == (cfg.tp_comm == "ring")
+    assert ("collective-permute" in kinds) == (par.tp_comm == "ring")
 
 
 @pytest.mark.slow

@@ -17,7 +17,7 @@ import functools
 
 import pytest
 
-from engine.config import TrainConfig, model_config
+from engine.config import ParallelConfig, TrainConfig, model_config
 from engine.cost import memory
 from engine.layout import Layout
 from engine.step import Trainer
@@ -25,11 +25,12 @@ from engine.step import Trainer
 CFG = model_config("tiny", dtype="bf16", remat="full", attention="reference")
 TCFG = TrainConfig(batch=16, seq=64)
 LAYOUT = Layout.parse("fsdp4xtp2")
-CASES = {"zero1": dict(zero=1), "zero2": dict(zero=2), "zero3": dict(zero=3),
-         "zero3 sequence": dict(zero=3, tp_comm="sequence"),
+CASES = {"zero1": (dict(), dict(zero=1)), "zero2": (dict(), dict(zero=2)),
+         "zero3": (dict(), dict(zero=3)),
+         "zero3 sequence": (dict(), dict(zero=3, tp_comm="sequence")),
          # the training CLI's default kernel below 1024 tokens (attention="auto")
-         "zero3 chunked": dict(zero=3, attention="chunked"),
-         "zero3 sequence chunked": dict(zero=3, tp_comm="sequence", attention="chunked")}
+         "zero3 chunked": (dict(attention="chunked"), dict(zero=3)),
+         "zero3 sequence chunked": (dict(attention="chunked"), dict(zero=3, tp_comm="sequence"))}
 FAST = {"xla_backend_optimization_level": 0}
 TOLERANCE = 0.15
 
@@ -37,8 +38,9 @@ TOLERANCE = 0.15
 @functools.lru_cache(maxsize=None)
 def case(name: str):
     """(prediction, measured) for one case."""
-    cfg = dataclasses.replace(CFG, **CASES[name])
-    trainer = Trainer(cfg, TCFG, LAYOUT, LAYOUT.mesh())
+    model_kw, parallel_kw = CASES[name]
+    cfg = dataclasses.replace(CFG, **model_kw)
+    trainer = Trainer(cfg, TCFG, LAYOUT, LAYOUT.mesh(), ParallelConfig(**parallel_kw))
     measured = memory.measure(memory.compile_step(trainer, FAST))
     return memory.predict(cfg, TCFG, LAYOUT, "cpu", trainer=trainer), measured
 

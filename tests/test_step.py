@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import reference_model as ref
-from engine.config import TrainConfig, model_config
+from engine.config import ParallelConfig, TrainConfig, model_config
 from engine.data import synthetic_tokens
 from engine.layout import Layout
 from engine.step import Trainer
@@ -28,9 +28,9 @@ def tokens(step=0):
     return synthetic_tokens(TCFG.seed, step, TCFG.batch, TCFG.seq, CFG.vocab)
 
 
-def trainer(layout, cfg=CFG):
+def trainer(layout, cfg=CFG, parallel=ParallelConfig()):
     lay = Layout.parse(layout)
-    return Trainer(cfg, TCFG, lay, lay.mesh())
+    return Trainer(cfg, TCFG, lay, lay.mesh(), parallel)
 
 
 def host(tree):

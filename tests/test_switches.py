@@ -6,11 +6,10 @@ test_tp_comm.py covers each tp_comm alone (zero 3) and test_zero.py each ZeRO le
 run in the default suite, the rest are marked slow. Loss, every grad and the grad norm
 must agree to test_step.py's RTOL (1e-5 relative to each tensor's largest magnitude).
 """
-import dataclasses
-
 import pytest
 
-from test_step import CFG, RTOL, assert_tree_close
+from engine.config import ParallelConfig
+from test_step import RTOL, assert_tree_close
 from test_tp_comm import init, loss_and_grads, single  # noqa: F401 (fixtures)
 
 LEVELS = [(1, False), (2, False), (3, True)]  # (zero, prefetch); zero 3 alone: test_tp_comm
@@ -28,8 +27,8 @@ CASES = [(tp_comm, zero, prefetch, layout)
     pytest.param(*case, marks=() if case in FAST else pytest.mark.slow,
                  id="-".join(map(str, case))) for case in CASES])
 def test_switches_match_single(tp_comm, zero, prefetch, layout, init, single):
-    cfg = dataclasses.replace(CFG, tp_comm=tp_comm, zero=zero, prefetch=prefetch)
-    loss, grads, gnorm, ops = loss_and_grads(layout, init, cfg)
+    parallel = ParallelConfig(tp_comm=tp_comm, zero=zero, prefetch=prefetch)
+    loss, grads, gnorm, ops = loss_and_grads(layout, init, parallel)
     want_loss, want_grads, want_gnorm, _ = single
     assert abs(loss - want_loss) <= RTOL * abs(want_loss)
     assert abs(gnorm - want_gnorm) <= RTOL * want_gnorm

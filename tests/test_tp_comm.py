@@ -9,7 +9,6 @@ the reference too, is compiled with XLA's backend (LLVM) optimization off: that 
 the compile time, which is nearly all of this file's, and leaves the HLO's collectives
 as they are.
 """
-import dataclasses
 import re
 
 import jax
@@ -17,6 +16,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 
+from engine.config import ParallelConfig
 from engine.params import param_shapes
 from test_step import CFG, RTOL, TCFG, assert_tree_close, host, tokens, trainer
 
@@ -25,9 +25,9 @@ FAST_COMPILE = {"xla_backend_optimization_level": 0}
 COLLECTIVE_OP = r"(all-gather|reduce-scatter|all-reduce|collective-permute|all-to-all)(?:-start)?\("
 
 
-def loss_and_grads(layout, init, cfg=CFG):
+def loss_and_grads(layout, init, parallel=ParallelConfig()):
     """(loss, grads, grad norm, the compiled program's collective ops) from host params."""
-    t = trainer(layout, cfg)
+    t = trainer(layout, CFG, parallel)
     params = jax.device_put(init, jax.tree.map(lambda s: NamedSharding(t.mesh, s), t.specs))
     batch = t.put_batch(tokens())
     compiled = t.loss_and_grads.lower(params, batch).compile(compiler_options=FAST_COMPILE)
@@ -53,8 +53,7 @@ def single(init):
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("tp_comm", ["sequence", "ring"])
 def test_tp_comm_matches_single(tp_comm, layout, init, single):
-    loss, grads, gnorm, ops = loss_and_grads(layout, init,
-                                             dataclasses.replace(CFG, tp_comm=tp_comm))
+    loss, grads, gnorm, ops = loss_and_grads(layout, init, ParallelConfig(tp_comm=tp_comm))
     want_loss, want_grads, want_gnorm, _ = single
     assert abs(loss - want_loss) <= RTOL * abs(want_loss)
     assert abs(gnorm - want_gnorm) <= RTOL * want_gnorm

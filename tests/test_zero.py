@@ -19,6 +19,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import reference_model as ref
 from engine import checkpoint
 from engine.cost.ledger import step_ledger
+from engine.config import ParallelConfig
 from engine.layout import Layout
 from engine.params import init_params, param_shapes, param_specs
 from test_step import CFG, PARAM_ATOL, RTOL, TCFG, assert_tree_close, host, tokens, trainer
@@ -30,7 +31,7 @@ BLOCK_WEIGHTS = 7  # wq wk wv wo wg wu wd; the two norm scales are never fsdp-sh
 
 @functools.lru_cache(maxsize=None)
 def zero_trainer(layout: str, zero: int, prefetch: bool):
-    return trainer(layout, dataclasses.replace(CFG, zero=zero, prefetch=prefetch))
+    return trainer(layout, CFG, ParallelConfig(zero=zero, prefetch=prefetch))
 
 
 def is_spec(x):
@@ -172,13 +173,13 @@ def test_checkpoints_move_between_zero_levels(single, tmp_path):
 def test_prefetch_over_three_layers_matches_the_plain_model():
     """Three layers, so the scan body runs twice and hands a gathered layer through the
     carry (with two it runs once): loss and grads equal the plain model's."""
-    cfg = dataclasses.replace(CFG, n_layers=3, prefetch=True)
+    cfg = dataclasses.replace(CFG, n_layers=3)
     rng = np.random.default_rng(0)
     init = jax.tree.map(lambda s: (0.05 * rng.standard_normal(s.shape)).astype(np.float32),
                         param_shapes(cfg))
     want_loss, want_grads = jax.jit(jax.value_and_grad(ref.loss), static_argnums=2)(
         init, tokens(), cfg.n_layers)
-    t = trainer("fsdp4xtp2", cfg)
+    t = trainer("fsdp4xtp2", cfg, ParallelConfig(prefetch=True))
     loss, grads, _ = loss_and_grads(t, place(t, init)[0])
     assert abs(loss - float(want_loss)) <= RTOL * abs(float(want_loss))
     assert_tree_close(grads, host(want_grads), what="prefetch, 3 layers ")
@@ -189,9 +190,10 @@ N = 3  # layers in the traced steps below: prefetch's scan then runs N - 1 = 2 t
 
 def collective_counts(zero, prefetch, layout="fsdp4xtp2"):
     """{(primitive, phase, scope): [executions per step of each op]} over fsdp alone."""
-    cfg = dataclasses.replace(CFG, zero=zero, prefetch=prefetch, n_layers=N)
+    cfg = dataclasses.replace(CFG, n_layers=N)
+    parallel = ParallelConfig(zero=zero, prefetch=prefetch)
     out = {}
-    for row in step_ledger(cfg, TCFG, Layout.parse(layout)):
+    for row in step_ledger(cfg, TCFG, Layout.parse(layout), parallel):
         if row.kind == "collective" and row.axes == ("fsdp",) and row.primitive != "pvary":
             out.setdefault((row.primitive, row.phase, row.scope), []).append(row.count)
     return out

@@ -110,11 +110,12 @@ def _shape_dtype_specs(cfg, tcfg, trainer):
     return params, opt_state, tokens_BL
 
 
-def trace_step(cfg, tcfg, layout) -> jcore.ClosedJaxpr:
+def trace_step(cfg, tcfg, layout, parallel=None) -> jcore.ClosedJaxpr:
     """The jaxpr of `Trainer.train_step` (the CLI's step) on `layout.abstract_mesh()`."""
+    from engine.config import ParallelConfig
     from engine.step import Trainer
 
-    trainer = Trainer(cfg, tcfg, layout, layout.abstract_mesh())
+    trainer = Trainer(cfg, tcfg, layout, layout.abstract_mesh(), parallel or ParallelConfig())
     return jax.make_jaxpr(trainer.train_step)(*_shape_dtype_specs(cfg, tcfg, trainer))
 
 
@@ -319,6 +320,6 @@ def ledger(closed: jcore.ClosedJaxpr, layout) -> list[Row]:
     return rows
 
 
-def step_ledger(cfg, tcfg, layout) -> list[Row]:
+def step_ledger(cfg, tcfg, layout, parallel=None) -> list[Row]:
     """`ledger(trace_step(...))`: the plan of one training step."""
-    return ledger(trace_step(cfg, tcfg, layout), layout)
+    return ledger(trace_step(cfg, tcfg, layout, parallel), layout)

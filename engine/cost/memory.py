@@ -245,7 +245,7 @@ def _tree_bytes(shapes, specs, sizes: dict, keep=lambda path: True) -> int:
 
 
 def predict(cfg: ModelConfig, tcfg: TrainConfig, layout: Layout, platform: str = "cpu",
-            trainer=None) -> MemoryPrediction:
+            trainer=None, parallel=None) -> MemoryPrediction:
     """The step's predicted per-device peak (module doc). `platform`: "cpu" (XLA:CPU,
     what the item list was read from: compute-dtype operands of mixed dots are upcast to
     f32), anything else keeps them in the compute dtype. `trainer`: a `Trainer` for (cfg,
@@ -261,10 +261,12 @@ def predict(cfg: ModelConfig, tcfg: TrainConfig, layout: Layout, platform: str =
     if cfg.remat not in ("full", "dots", "none"):
         raise Unsupported(f"no memory model for remat={cfg.remat!r}")
     if trainer is None:
+        from engine.config import ParallelConfig
         from engine.step import Trainer
 
-        trainer = Trainer(cfg, tcfg, layout, layout.abstract_mesh())
+        trainer = Trainer(cfg, tcfg, layout, layout.abstract_mesh(), parallel or ParallelConfig())
     t = trainer
+    par = t.parallel
     sizes = dict(layout.mesh_axes())
     shapes = param_shapes(cfg)
     params = _tree_bytes(shapes, t.specs, sizes)
@@ -279,7 +281,7 @@ def predict(cfg: ModelConfig, tcfg: TrainConfig, layout: Layout, platform: str =
 
     tp = layout.degree("tp")
     L, D, K, N = tcfg.seq, cfg.d_model, cfg.head_dim, cfg.n_layers
-    Lx = L // tp if cfg.tp_comm != "allreduce" else L
+    Lx = L // tp if par.tp_comm != "allreduce" else L
     Htp, Ftp, Vtp = cfg.n_heads // tp, cfg.mlp_dim // tp, cfg.vocab // tp
     kv_split = tp <= cfg.n_kv_heads
     Gtp = cfg.n_kv_heads // tp if kv_split else 1
@@ -341,9 +343,9 @@ def predict(cfg: ModelConfig, tcfg: TrainConfig, layout: Layout, platform: str =
     trans_full = {**attn, **mlp_items, **stream, **weights, **embed}
     # prefetch: the scan runs over layers 1..N-1 and saves each one's gathered weights
     # (its carry); the last layer follows it, not rematted
-    n = N - 1 if cfg.prefetch else N
+    n = N - 1 if par.prefetch else N
     prefetched = ({f"prefetched weights saved by the scan ({n} layers, f32 on cpu)":
-                       n * W * u} if cfg.prefetch else {})
+                       n * W * u} if par.prefetch else {})
     if cfg.remat == "full":
         res = {f"scan carry x ({n} layers)": n * x_stream, **prefetched}
         trans = trans_full
@@ -368,7 +370,7 @@ def predict(cfg: ModelConfig, tcfg: TrainConfig, layout: Layout, platform: str =
     loss = {"dlogits and a relayout": 2 * B * L * Vtp * F32,
             "unembed gathered and its f32 grad": D * Vtp * (c + F32),
             "embed grad, whole over fsdp": Vtp * D * F32}
-    if cfg.prefetch:
+    if par.prefetch:
         # the loss's backward with the last (not rematted) layer's forward saved
         # (module doc); the scanned layers' stacked grads are already allocated
         last = {"last layer: its input x (the scan's output)": x_stream,
@@ -381,7 +383,7 @@ def predict(cfg: ModelConfig, tcfg: TrainConfig, layout: Layout, platform: str =
                 "norm output (f32)": 5 * x_stream,
                 "last layer: stream 2 norm outputs cast, relaid out": 2 * x_full // F32 * c,
                 "loss: dh = dlogits unembed^T (f32) and its all-reduce over tp":
-                    x_full + (x_full if cfg.tp_comm == "allreduce" else x_stream),
+                    x_full + (x_full if par.tp_comm == "allreduce" else x_stream),
                 "loss: unembed grad, f32": D * Vtp * F32,
                 "embed grad, whole over fsdp (replaces its shard)":
                     Vtp * D * F32 - grad_embed}

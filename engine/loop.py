@@ -1,0 +1,143 @@
+"""The training loop and its hooks: after each step every hook sees the step's record
+(and the session, for the params), in order. engine/train.py builds the hooks from its
+flags; another tool can run `loop` with its own."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import sys
+import time
+
+from engine import distributed
+
+
+@dataclasses.dataclass
+class Session:
+    """What the loop runs, as `setup` leaves it: the compiled step, its state, the batch
+    of each step and where to start."""
+
+    trainer: object
+    step_fn: object
+    params: object
+    opt_state: object
+    batch: object  # (index, split="train") -> a device batch
+    start: int
+    steps: int
+    peak: float  # FLOP/s, the MFU denominator
+
+
+def loop(session: Session, hooks, say) -> int:
+    """Run the steps; after each, every hook sees (record, session) in order. A record
+    starts as {step, loss, grad_norm, step_time_s} (hooks add to it). Returns the exit
+    code: 1 on a non-finite loss, 130 on Ctrl-C (after the hooks close)."""
+    step = session.start
+    try:
+        for step in range(session.start, session.steps):
+            tokens = session.batch(step)
+            t0 = time.perf_counter()
+            session.params, session.opt_state, metrics = session.step_fn(
+                session.params, session.opt_state, tokens)
+            loss, grad_norm = (distributed.host_value(metrics[k]) for k in ("loss", "grad_norm"))
+            dt = time.perf_counter() - t0
+            if not math.isfinite(loss):
+                say(f"error: loss is {loss} at step {step + 1}; stopping", file=sys.stderr)
+                return 1
+            record = dict(step=step + 1, loss=loss, grad_norm=grad_norm, step_time_s=dt)
+            for hook in hooks:
+                hook(record, session)
+    except KeyboardInterrupt:
+        print(f"interrupted after step {step}", file=sys.stderr)
+        return 130
+    finally:
+        for hook in hooks:
+            getattr(hook, "close", lambda: None)()
+    return 0
+
+
+class Rates:
+    """Adds lr, tokens/s and MFU to the record."""
+
+    def __init__(self, cfg, tcfg, peak: float):
+        from engine import mfu
+        from engine.optim import schedule
+
+        self.lr_at, self.tokens = schedule(tcfg), tcfg.batch * tcfg.seq  # per step
+        self.flops = mfu.flops_per_token(cfg, tcfg.seq) * self.tokens  # per step
+        self.peak = peak
+
+    def __call__(self, record, session):
+        dt = record.pop("step_time_s")
+        record.update(lr=float(self.lr_at(record["step"] - 1)), tokens_per_s=self.tokens / dt,
+                      step_time_s=dt, mfu=self.flops / dt / self.peak)
+
+
+class Evaluate:
+    """Every `every` steps and at the last: the validation loss over `batches` batches."""
+
+    def __init__(self, every: int, batches: int, steps: int):
+        self.every, self.batches, self.steps = every, batches, steps
+
+    def __call__(self, record, session):
+        import numpy as np
+
+        done = record["step"]
+        if done % self.every and done != self.steps:
+            return
+        losses = [distributed.host_value(session.trainer.loss(session.params,
+                                                              session.batch(i, "val")))
+                  for i in range(self.batches)]
+        record["val_loss"] = float(np.mean(np.asarray(losses, np.float32)))
+
+
+class MetricsFile:
+    """One JSON object per step (appended on --resume)."""
+
+    def __init__(self, path: str, append: bool):
+        self.file = open(path, "a" if append else "w")
+
+    def __call__(self, record, session):
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+
+    def close(self):
+        self.file.close()
+
+
+class Log:
+    """A progress line every `every` steps and at the last (averaged over the window),
+    and the eval line when the record has one."""
+
+    def __init__(self, every: int, steps: int, rates: Rates, say):
+        self.every, self.steps, self.rates, self.say = every, steps, rates, say
+        self.window_t, self.window_n = 0.0, 0
+
+    def __call__(self, record, session):
+        done = record["step"]
+        self.window_t, self.window_n = self.window_t + record["step_time_s"], self.window_n + 1
+        if done % self.every == 0 or done == self.steps:
+            avg = self.window_t / self.window_n
+            self.say(f"step {done:>5}/{self.steps} | loss {record['loss']:.4f} | grad norm "
+                     f"{record['grad_norm']:.3f} | lr {record['lr']:.2e} | "
+                     f"{self.rates.tokens / avg:,.0f} tok/s | {avg * 1e3:.0f} ms/step | "
+                     f"MFU {100 * self.rates.flops / avg / self.rates.peak:.1f}%")
+            self.window_t, self.window_n = 0.0, 0
+        if "val_loss" in record:
+            self.say(f"eval {done:>5}/{self.steps} | val loss {record['val_loss']:.4f}")
+
+
+class Checkpoints:
+    """A checkpoint every `every` steps and at the last, keeping the newest `keep`."""
+
+    def __init__(self, directory: str, every: int, keep: int, steps: int, meta: dict, say):
+        self.directory, self.every, self.keep, self.steps = directory, every, keep, steps
+        self.meta, self.say = meta, say
+
+    def __call__(self, record, session):
+        from engine import checkpoint
+
+        done = record["step"]
+        if done % self.every == 0 or done == self.steps:
+            path = checkpoint.save(self.directory, done, session.params, session.opt_state,
+                                   self.meta, self.keep)
+            self.say(f"saved {path}")

@@ -1,0 +1,80 @@
+"""Every rule a (model, training, parallel config, layout) must satisfy, in one place.
+
+`problems` returns each as a short phrase; `check` raises them as one `ConfigError`
+line. `Trainer`, `Decoder` and every tool call these; the CLIs print the line and exit
+2. Allowed values come from their registries: `collectives.ring.TP_COMMS`,
+`engine.zero.ZERO_LEVELS`, `layers.block.REMAT_POLICIES`, the attention kernel table.
+"""
+from __future__ import annotations
+
+from collectives.ring import COMMS, TP_COMMS
+from engine.config import ConfigError, ParallelConfig, TrainConfig
+from engine.zero import ZERO
+from layers.kernels import KERNELS
+from layers.block import REMAT
+from layers.config import DTYPES, ModelConfig
+
+ATTENTIONS = ("auto", *KERNELS)
+
+
+def config_problems(cfg: ModelConfig, tcfg: TrainConfig,
+                    parallel: ParallelConfig = ParallelConfig()) -> list[str]:
+    """Everything wrong with the model, training and parallel settings on their own."""
+    problems = []
+    for name in ("d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "mlp_dim", "vocab"):
+        if getattr(cfg, name) < 1:
+            problems.append(f"{name}={getattr(cfg, name)} must be >= 1")
+    for name in ("batch", "seq", "steps"):
+        if getattr(tcfg, name) < 1:
+            problems.append(f"{name}={getattr(tcfg, name)} must be >= 1")
+    if cfg.head_dim % 2:
+        problems.append(f"head_dim={cfg.head_dim} must be even (RoPE rotates pairs)")
+    if cfg.n_kv_heads >= 1 and cfg.n_heads % cfg.n_kv_heads:
+        problems.append(f"heads={cfg.n_heads} not divisible by kv_heads={cfg.n_kv_heads}")
+    if cfg.dtype not in DTYPES:
+        problems.append(f"dtype={cfg.dtype!r} not one of {sorted(DTYPES)}")
+    if cfg.remat not in REMAT:
+        problems.append(f"remat={cfg.remat!r} not one of {list(REMAT)}")
+    if cfg.attention not in ATTENTIONS:
+        problems.append(f"attention={cfg.attention!r} not one of {list(ATTENTIONS)}")
+    if parallel.tp_comm not in COMMS:
+        problems.append(f"tp_comm={parallel.tp_comm!r} not one of {list(COMMS)}")
+    if parallel.zero not in ZERO:
+        problems.append(f"zero={parallel.zero} not one of {list(ZERO)}")
+    if parallel.prefetch and parallel.zero != 3:
+        problems.append(f"--prefetch needs --zero 3 (zero {parallel.zero} keeps params "
+                        f"replicated)")
+    if not tcfg.lr > 0 or tcfg.lr > 10:
+        problems.append(f"lr={tcfg.lr} must be in (0, 10]")
+    if tcfg.warmup < 0:
+        problems.append(f"warmup={tcfg.warmup} must be >= 0")
+    return problems
+
+
+def layout_problems(cfg: ModelConfig, tcfg: TrainConfig, parallel: ParallelConfig,
+                    layout) -> list[str]:
+    """What the layout's axis sizes do not divide (one phrase naming every factor), and
+    the sequence rule of a sequence-sharding tp_comm."""
+    problems = []
+    if divides := layout.problems(cfg, tcfg.batch):
+        problems.append(f"{layout.describe()} does not fit: " + "; ".join(divides))
+    tp = layout.degree("tp")
+    comm = TP_COMMS.get(parallel.tp_comm)
+    if comm is not None and comm.shards_sequence and tcfg.seq % tp:
+        problems.append(f"--tp-comm {parallel.tp_comm} shards the sequence over tp: "
+                        f"seq={tcfg.seq} not divisible by tp={tp}")
+    return problems
+
+
+def problems(cfg: ModelConfig, tcfg: TrainConfig, parallel: ParallelConfig, layout) -> list[str]:
+    """Every problem of the four together (an empty list: they run)."""
+    found = config_problems(cfg, tcfg, parallel)
+    if found:  # the layout rules assume sane numbers
+        return found
+    return layout_problems(cfg, tcfg, parallel, layout)
+
+
+def check(cfg: ModelConfig, tcfg: TrainConfig, parallel: ParallelConfig, layout) -> None:
+    """Raise ConfigError (one line) naming every problem."""
+    if found := problems(cfg, tcfg, parallel, layout):
+        raise ConfigError("; ".join(found))

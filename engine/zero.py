@@ -1,0 +1,164 @@
+"""ZeRO levels as strategies: what the fsdp axis shards (params / grads / optimizer state).
+
+    zero 3   params sharded, gathered per layer in the scan; grads reduce-scattered by
+             the gathers' transpose; the update runs on the shards.
+    zero 2   params stored whole; the step differentiates each param's fsdp shard and the
+             forward uses the stored whole through `optim.Resident` (no gather), whose
+             backward reduce-scatters the grad per layer; the update runs on the shards,
+             which are then all-gathered back to whole params.
+    zero 1   params stored whole; grads all-reduced over fsdp (as over dp), then sliced to
+             the shard; update and all-gather as zero 2.
+
+The optimizer state is sharded as `param_specs` says under every level. Without an fsdp
+axis the three are the same program (zero 3's): `level` picks zero 3 then.
+
+Each level answers, for the step in engine/step.py:
+    storage_specs  how params are stored between steps
+    grad_specs     how the grads come out of `loss_and_grads`
+    model_axes     what the model sees of the layout (under zero 1/2 fsdp is only a batch
+                   axis the model does not know: it would gather over it)
+    differentiate  what the step differentiates, and how the model's params are made
+                   from it
+    finish_loss    the loss averaged over the batch axes the model did not see
+    update         the optimizer update on the shards, and params back as stored
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import optax
+from jax.sharding import PartitionSpec as P
+
+import collectives
+from engine import optim
+from layers.axes import Axes
+
+RESIDENT = optim.ResidentWeights()
+
+
+def _drop_axis(specs, axis: str | None):
+    """Every spec with `axis` replaced by None (the leaf stored whole over it)."""
+    if axis is None:
+        return specs
+    return jax.tree.map(lambda spec: P(*(None if e == axis else e for e in spec)), specs,
+                        is_leaf=lambda x: isinstance(x, P))
+
+
+@dataclasses.dataclass(frozen=True)
+class ZeroLevel:
+    """A ZeRO level; the methods here are zero 3's (params, grads and optimizer state
+    sharded over fsdp), which zero 1 and 2 override where they differ."""
+
+    level: int = 3
+
+    def storage_specs(self, shard_specs, fsdp: str | None):
+        return shard_specs
+
+    def grad_specs(self, storage_specs, shard_specs):
+        return shard_specs
+
+    def model_axes(self, axes: Axes) -> Axes:
+        return axes
+
+    def differentiate(self, params, storage_specs, shard_specs, axes: Axes, dtype):
+        """(the pytree differentiated, a function from it to the params the model sees):
+        params marked per-device over the data axes they are replicated on."""
+        return optim.broadcast_params(params, storage_specs, axes), lambda diff: diff
+
+    def finish_loss(self, loss, axes: Axes):
+        return loss
+
+    def update(self, tx, grads, opt_state, params, shard_specs, fsdp: str | None):
+        """One optimizer update; (params as stored, opt_state)."""
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+
+@dataclasses.dataclass(frozen=True)
+class Zero3(ZeroLevel):
+    """Params, grads and optimizer state sharded over fsdp."""
+
+    level: int = 3
+
+
+class _Replicated(ZeroLevel):
+    """Zero 1 and 2: params stored whole on every fsdp device, optimizer state sharded,
+    the update run on this device's shard and gathered back."""
+
+    def storage_specs(self, shard_specs, fsdp):
+        return _drop_axis(shard_specs, fsdp)
+
+    def model_axes(self, axes):
+        return dataclasses.replace(axes, fsdp=None, fsdp_size=1)
+
+    def finish_loss(self, loss, axes):
+        with jax.named_scope("loss"):  # the model averaged over dp only; now over fsdp
+            return collectives.all_reduce(loss, axes.fsdp) / axes.fsdp_size
+
+    def _shard_grads(self, grads, shard_specs, fsdp):
+        return grads
+
+    def update(self, tx, grads, opt_state, params, shard_specs, fsdp):
+        grads = self._shard_grads(grads, shard_specs, fsdp)
+        local = optim.fsdp_shards(params, shard_specs, fsdp)
+        updates, opt_state = tx.update(grads, opt_state, local)
+        params = optax.apply_updates(local, updates)
+        return optim.gather_shards(params, shard_specs, fsdp), opt_state
+
+
+@dataclasses.dataclass(frozen=True)
+class Zero2(_Replicated):
+    """Grads reduce-scattered per layer (by `optim.Resident`'s backward), params whole."""
+
+    level: int = 2
+
+    def model_axes(self, axes):
+        return dataclasses.replace(super().model_axes(axes), weights=RESIDENT)
+
+    def differentiate(self, params, storage_specs, shard_specs, axes, dtype):
+        """The fsdp shards, each marked per-device over the data axes its shard is
+        replicated on (dp; dp and fsdp for the norm scales); the model sees `Resident`
+        weights (whole as stored, differentiated as the shard): block weights are made
+        whole per layer by `ResidentWeights` inside the scan, embed / unembed here, in
+        the dtype `model.loss` gathers them in. Others (norm scales) are the shards."""
+        fsdp = axes.fsdp
+        diff = optim.broadcast_params(optim.fsdp_shards(params, shard_specs, fsdp),
+                                      shard_specs, axes)
+
+        def one(path, shard, whole, spec):
+            dim = optim.fsdp_dim(spec, fsdp)
+            if dim is None:
+                return shard
+            resident = optim.Resident(shard, whole, fsdp)
+            name = jax.tree_util.keystr(path)
+            if name.startswith("['blocks']"):
+                return resident
+            with jax.named_scope("embed" if name == "['embed']" else "loss"):
+                return resident.gather(dim, dtype if name == "['unembed']" else None)
+
+        return diff, lambda shards: jax.tree_util.tree_map_with_path(one, shards, params,
+                                                                     shard_specs)
+
+
+@dataclasses.dataclass(frozen=True)
+class Zero1(_Replicated):
+    """Grads all-reduced over fsdp as over dp, then sliced to the shard for the update."""
+
+    level: int = 1
+
+    def grad_specs(self, storage_specs, shard_specs):
+        return storage_specs
+
+    def _shard_grads(self, grads, shard_specs, fsdp):
+        return optim.fsdp_shards(grads, shard_specs, fsdp)
+
+
+ZERO_LEVELS: dict[int, ZeroLevel] = {z.level: z for z in (Zero1(), Zero2(), Zero3())}
+ZERO = tuple(ZERO_LEVELS)
+
+
+def level(zero: int, fsdp: str | None) -> ZeroLevel:
+    """The strategy of ZeRO level `zero`; zero 3's without an fsdp axis (the same
+    program under every level)."""
+    return ZERO_LEVELS[zero if fsdp is not None else 3]
