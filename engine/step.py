@@ -19,7 +19,7 @@ from engine.config import ParallelConfig, TrainConfig
 from engine.layout import Layout
 from engine.params import activation_spec, fsdp_dims, init_params, param_shapes, param_specs
 from engine.validate import check
-from layers import model
+from layers import model, scopes
 from layers.config import ModelConfig
 
 
@@ -72,14 +72,14 @@ class Trainer:
         diff, seen = self.zero.differentiate(params, self.specs, self.shard_specs, self.axes,
                                              self.cfg.compute_dtype)
         loss, grads = jax.value_and_grad(lambda d: self._loss(seen(d), tokens_BL))(diff)
-        with jax.named_scope("reduce_grads"):
+        with jax.named_scope(scopes.REDUCE_GRADS):
             grads = optim.all_reduce_grads(grads, self.grad_specs, self.axes)
             grad_norm = optim.global_norm(grads, self.grad_specs)
         return loss, grads, grad_norm
 
     def _train_step(self, params, opt_state, tokens_BL):
         loss, grads, grad_norm = self._loss_and_grads(params, tokens_BL)
-        with jax.named_scope("optimizer"):
+        with jax.named_scope(scopes.OPTIMIZER):
             grads = optim.clip_by_norm(grads, grad_norm, self.tcfg.clip_norm)
             params, opt_state = self.zero.update(self.tx, grads, opt_state, params,
                                                  self.shard_specs, self.axes.fsdp)

@@ -32,6 +32,7 @@ from jax.sharding import PartitionSpec as P
 
 import collectives
 from engine import optim
+from layers import scopes
 from layers.axes import Axes
 
 RESIDENT = optim.ResidentWeights()
@@ -93,7 +94,7 @@ class _Replicated(ZeroLevel):
         return dataclasses.replace(axes, fsdp=None, fsdp_size=1)
 
     def finish_loss(self, loss, axes):
-        with jax.named_scope("loss"):  # the model averaged over dp only; now over fsdp
+        with jax.named_scope(scopes.LOSS):  # the model averaged over dp only; now over fsdp
             return collectives.all_reduce(loss, axes.fsdp) / axes.fsdp_size
 
     def _shard_grads(self, grads, shard_specs, fsdp):
@@ -134,7 +135,7 @@ class Zero2(_Replicated):
             name = jax.tree_util.keystr(path)
             if name.startswith("['blocks']"):
                 return resident
-            with jax.named_scope("embed" if name == "['embed']" else "loss"):
+            with jax.named_scope(scopes.EMBED if name == "['embed']" else scopes.LOSS):
                 return resident.gather(dim, dtype if name == "['unembed']" else None)
 
         return diff, lambda shards: jax.tree_util.tree_map_with_path(one, shards, params,

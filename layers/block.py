@@ -7,7 +7,7 @@ import jax
 from jax import lax
 
 import collectives
-from engine.cost import scopes
+from layers import scopes
 from layers.attention import LayerCache, attention
 from layers.axes import Axes
 from layers.config import ModelConfig

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax import lax
 
 import collectives
-from engine.cost import scopes
+from layers import scopes
 from layers import model
 from layers.attention import LayerCache
 from layers.axes import Axes

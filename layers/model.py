@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 import collectives
-from engine.cost import scopes
+from layers import scopes
 from layers import block, vocab
 from layers.axes import Axes
 from layers.config import ModelConfig

@@ -22,7 +22,7 @@ from jax._src import source_info_util
 from jax.extend import core as jcore
 
 from engine.cost.fusion import INLINED, Domain, canon, nbytes
-from engine.cost.scopes import SCOPES  # the named scopes, outermost first
+from layers.scopes import SCOPES  # the named scopes, outermost first
 
 # jaxpr primitive -> HLO collective kind. pvary moves nothing (it only marks a value as
 # per-device for check_vma) and lowers to no HLO op: its rows carry 0 bytes.

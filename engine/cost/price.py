@@ -39,7 +39,7 @@ import dataclasses
 
 from engine.cost.hardware import Hardware, Link
 from engine.cost.ledger import COLLECTIVES, Row
-from engine.cost.scopes import BLOCK_SCOPES
+from layers.scopes import BLOCK_SCOPES
 
 RING = {"all-gather": (1, 1), "reduce-scatter": (1, 1), "all-reduce": (2, 2),
         "all-to-all": (1, 1), "collective-permute": (None, 1)}

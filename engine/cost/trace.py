@@ -20,7 +20,8 @@ import dataclasses
 import glob
 import re
 
-from engine.cost import hlo, scopes
+from engine.cost import hlo
+from layers import scopes
 
 
 @dataclasses.dataclass(frozen=True)
