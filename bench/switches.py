@@ -1,4 +1,5 @@
-"""The issue-6 switches side by side: tokens/s, memory and predicted step time per config.
+"""The overlap and memory switches (--tp-comm, --zero, --prefetch) side by side:
+tokens/s, memory and predicted step time per config.
 
     python bench/switches.py --layout fsdp4xtp2 --model medium --steps 3 --json out.json
     python bench/switches.py --layout fsdp4xtp2 --model tiny --configs "tp_comm=ring,zero=2" zero=1
@@ -48,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--configs", nargs="+", default=list(DEFAULT_CONFIGS), metavar="K=V,...",
                    help="configs to run, each comma-separated ParallelConfig or ModelConfig "
                         "overrides of the "
-                        "base flags (default: the six issue-6 switch settings)")
+                        "base flags (default: six settings of --tp-comm, --zero and --prefetch)")
     g.add_argument("--calibration", default=None,
                    help="cpu profile JSON the in-run rates start from (bench/calibrate.py)")
     g.add_argument("--json", default=None, help="write every row as JSON")

@@ -7,7 +7,7 @@ chunked attention, LLVM at -O0 (the optimized HLO and its buffer assignment do n
 depend on it; half the compile time). The model's items were read off XLA:CPU's buffer
 assignment: they add up to within 0.5% of the tensors live at its peak, and the
 prediction is 4-8% under `memory_analysis()`'s peak for these six when last re-fitted
-(the heap's packing, not a tensor). 15% is the issue's bar; what the tolerance alone
+(the heap's packing, not a tensor). 15% is the goal; what the tolerance alone
 would not catch (zero 1's whole grads move tiny's peak by +21%, sequence parallelism by
 -13%, chunked attention by -11%) the ordering test does: the predicted peaks must rank the six
 cases as the compiler does.
