@@ -1,4 +1,5 @@
-"""Every combination of the overlap and memory switches equals `single`: --tp-comm x --zero x --prefetch.
+"""Every combination of the overlap and memory switches equals `single`:
+--tp-comm x --zero x --prefetch.
 
 test_tp_comm.py covers each tp_comm alone (zero 3) and test_zero.py each ZeRO level alone
 (tp_comm allreduce); here they are crossed on the layouts that have both fsdp and tp
