@@ -10,8 +10,8 @@ from __future__ import annotations
 from collectives.ring import COMMS, TP_COMMS
 from engine.config import ConfigError, ParallelConfig, TrainConfig
 from engine.zero import ZERO
-from layers.kernels import KERNELS
 from layers.block import REMAT
+from layers.kernels import KERNELS
 from layers.config import DTYPES, ModelConfig
 
 ATTENTIONS = ("auto", *KERNELS)
