@@ -201,12 +201,13 @@ def evaluate(r: Run) -> dict:
     from engine.mfu import flops_per_token
     from engine.train import build_parser, parse_or_exit
 
-    cfg, tcfg, layout, _ = parse_or_exit(r.argv(), build_parser())
+    cfg, tcfg, parallel, layout, _ = parse_or_exit(r.argv(), build_parser())
     hw = hardware.get(r.hardware)
-    pred = predict(step_ledger(cfg, tcfg, layout), hw, layout.mesh_axes())
+    pred = predict(step_ledger(cfg, tcfg, layout, parallel), hw, layout.mesh_axes(),
+                   prefetch=parallel.prefetch)
     mfu = predicted_mfu(pred, cfg, tcfg, hw, layout.size)
     published = tokens_per_chip(r) * flops_per_token(cfg, tcfg.seq) / PEAK[r.hardware]
-    peak_bytes, fits = memory_fit(cfg, tcfg, layout, hw)
+    peak_bytes, fits = memory_fit(cfg, tcfg, parallel, layout, hw)
     return dict(name=r.name, predicted_mfu=mfu, published_mfu=published,
                 error=mfu - published, source_mfu=r.source_mfu, predicted_step_s=pred.step_s,
                 predicted_peak_bytes=peak_bytes, fits=fits, layout=r.layout, remat=r.remat,

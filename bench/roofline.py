@@ -113,7 +113,7 @@ def fusion_table(pred, hw, top: int = 25):
     return out
 
 
-def memory_fit(cfg, tcfg, layout, hw):
+def memory_fit(cfg, tcfg, parallel, layout, hw):
     """(predicted peak bytes per device, fits in hw.hbm_capacity) for an accelerator
     (engine/cost/memory.py, flash attention); (None, None) when not modelled."""
     from engine.cost import memory
@@ -121,7 +121,7 @@ def memory_fit(cfg, tcfg, layout, hw):
     if hw.shared_host:
         return None, None
     try:
-        peak = memory.predict(cfg, tcfg, layout, platform="accelerator").peak
+        peak = memory.predict(cfg, tcfg, layout, platform="accelerator", parallel=parallel).peak
     except memory.Unsupported:
         return None, None
     return peak, (peak <= hw.hbm_capacity) if hw.hbm_capacity else None
@@ -260,7 +260,7 @@ def main(argv=None) -> int:
                     ["comm exposed", pred.exposed_comm_s, None],
                     ["step", pred.step_s, step_s], ["MFU", mfu, meas_mfu]],
                    ["step summary", "predicted", "measured"], floatfmt=".4g"))
-    peak_bytes, fits = memory_fit(cfg, tcfg, layout, hw)
+    peak_bytes, fits = memory_fit(cfg, tcfg, parallel, layout, hw)
     if peak_bytes is not None:
         cap = f" of {hw.hbm_capacity / 2**30:.0f} GiB: {'fits' if fits else 'does NOT fit'}" \
             if fits is not None else ""

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from engine.config import TrainConfig, model_config
+from engine.config import ParallelConfig, TrainConfig, model_config
 from engine.cost import hardware, memory
 from engine.cost.ledger import ledger, step_ledger
 from engine.cost.price import (attention_flops, causal_tile_fraction, predict, priced_rows,
@@ -85,13 +85,14 @@ def test_ring_factor():
 
 def test_fit_and_no_fit_on_h100():
     h100 = hardware.get("h100")
-    big = model_config("llama3-70b", dtype="bf16", remat="full", zero=1)
+    cfg = model_config("llama3-70b", dtype="bf16", remat="full")
     tcfg = TrainConfig(seq=2048, batch=8)
-    peak = memory.predict(big, tcfg, Layout.parse("fsdp8"), platform="accelerator").peak
+    peak = memory.predict(cfg, tcfg, Layout.parse("fsdp8"), platform="accelerator",
+                          parallel=ParallelConfig(zero=1)).peak
     assert peak > h100.hbm_capacity  # f32 params and grads whole on each of 8 chips
-    small = model_config("llama3-70b", dtype="bf16", remat="full", zero=3)
     tcfg = TrainConfig(seq=2048, batch=64)
-    peak = memory.predict(small, tcfg, Layout.parse("fsdp64"), platform="accelerator").peak
+    peak = memory.predict(cfg, tcfg, Layout.parse("fsdp64"), platform="accelerator",
+                          parallel=ParallelConfig(zero=3)).peak
     assert peak < h100.hbm_capacity
 
 
