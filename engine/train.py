@@ -16,7 +16,7 @@ import sys
 import time
 
 from collectives.ring import COMMS
-from engine import distributed, roles, validate
+from engine import distributed, profile, roles, validate
 from engine.config import PRESETS, ConfigError, ParallelConfig, TrainConfig, model_config
 from engine.data import BIN_DTYPES, DataError, data_problems, load_data
 from engine.layout import Layout
@@ -93,6 +93,11 @@ def build_parser(prog: str = "python -m engine.train", description: str | None =
     o.add_argument("--peak-flops", type=float, default=None,
                    help="MFU denominator in FLOP/s (default: spec sheet, or a matmul "
                         "measured at start-up on CPU)")
+    o.add_argument("--profile-steps", default=None, metavar="A:B",
+                   help="profiler trace of steps A..B (inclusive, from 1) and, at the end, "
+                        "a table of their time per scope and collective, measured vs "
+                        "predicted (engine/profile.py)")
+    o.add_argument("--profile-dir", default="profile", help="where --profile-steps writes")
     g = group("data", "data (see engine/data.py)")
     g.add_argument("--data", default="synthetic",
                    help="synthetic, python-stdlib, or a PATH.txt / PATH.jsonl (bytes as "
@@ -171,6 +176,7 @@ def _flag_problems(args, cfg, tcfg) -> list[str]:
         problems.append(f"peak_flops={args.peak_flops} must be > 0")
     if args.resume and not args.checkpoint_dir:
         problems.append("--resume needs --checkpoint-dir")
+    problems += profile.flag_problems(args.profile_steps, args.profile_dir, tcfg.steps)
     return problems
 
 
@@ -343,6 +349,9 @@ def _train(cfg, tcfg, parallel, layout, args, data) -> int:
                     layout=str(layout), data=dict(source=args.data, dtype=args.data_dtype))
         hooks.append(Checkpoints(args.checkpoint_dir, args.checkpoint_every, args.keep,
                                  tcfg.steps, meta, say))
+    if args.profile_steps:
+        hooks.append(profile.Profile(args.profile_steps, args.profile_dir, cfg, tcfg, layout,
+                                     parallel, say))
     return loop(session, hooks, say)
 
 

@@ -86,7 +86,7 @@ def test_help_holds_only_model_layout_parallel_training_flags(capsys):
 
 
 def test_training_only_flags_are_refused(capsys):
-    _one_line_error(capsys, TINY + ["--resume"], "--resume")
+    _one_line_error(capsys, TINY + ["--checkpoint-dir", "ckpt"], "--checkpoint-dir")
 
 
 def test_mfu_is_a_percent_of_the_machine_peak(tmp_path, capsys):

@@ -205,10 +205,17 @@ def cpu_profile(path: Path | str | None = None) -> Hardware:
     collective's time is `collective_fit[kind] = (latency, bandwidth)` fitted from
     measured times vs bytes on the 8-device mesh."""
     if path is None and not CALIBRATION_PATH.exists():
-        data, source = CPU_DEFAULTS, "built-in defaults (run bench/calibrate.py)"
-    else:
-        path = Path(path) if path else CALIBRATION_PATH
-        data, source = load_calibration(path), f"calibrated ({path})"
+        return cpu_defaults()
+    path = Path(path) if path else CALIBRATION_PATH
+    return _cpu(load_calibration(path), f"calibrated ({path})")
+
+
+def cpu_defaults() -> Hardware:
+    """The CPU profile from CPU_DEFAULTS, whatever calibration file exists."""
+    return _cpu(CPU_DEFAULTS, "built-in defaults (run bench/calibrate.py)")
+
+
+def _cpu(data: dict, source: str) -> Hardware:
     fit = {k: tuple(v) for k, v in data["collective_fit"].items()}
     bw, lat = fit.get("all-gather", (2e-5, data["hbm"]))[::-1]
     return Hardware("cpu", dict(data["peak_flops"]), data["vector_flops"], data["hbm"],
