@@ -12,7 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import roofline  # noqa: E402
 from engine.config import TrainConfig, model_config  # noqa: E402
-from engine.cost import hardware, report  # noqa: E402
+from engine.cost import hardware  # noqa: E402
 from engine.cost.ledger import step_ledger  # noqa: E402
 from engine.cost.price import model_flops, predict, predicted_mfu  # noqa: E402
 from engine.layout import Layout  # noqa: E402
@@ -115,6 +115,8 @@ def test_cpu_defaults_mfu_peak_is_not_below_the_pricing_rate():
 
 
 def _points_and_roofs(hw, layout):
+    from engine.cost import report
+
     cfg, tcfg = model_config("tiny"), TrainConfig()
     lay = Layout.parse(layout)
     pred = predict(step_ledger(cfg, tcfg, lay), hw, lay.mesh_axes())
