@@ -12,6 +12,7 @@ against the ledger, times `--steps` steps (median wall clock) and attributes the
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import os
@@ -116,6 +117,15 @@ def flag_problem(mine) -> str | None:
     return None
 
 
+def run_peak(cfg, trainer) -> float:
+    """The MFU denominator of a measured run, as the training CLI measures it on these
+    devices (engine/mfu.py: the best 2048^3 matmul in the compute dtype, on a CPU the
+    host's), so both tools report the same MFU for the same step time."""
+    from engine.mfu import peak_flops
+
+    return peak_flops(cfg.compute_dtype, list(trainer.mesh.devices.flat))[0]
+
+
 def main(argv=None) -> int:
     cfg, tcfg, parallel, layout, mine = parse_or_exit(argv, build_parser())
     from engine.cost import hardware
@@ -145,6 +155,8 @@ def main(argv=None) -> int:
             from engine.cost.microbench import in_run_profile
 
             hw = in_run_profile(hw, rows, trainer.mesh.devices.flatten().tolist())
+        dtype = "bfloat16" if cfg.dtype == "bf16" else "float32"
+        hw = dataclasses.replace(hw, mfu_peak={dtype: run_peak(cfg, trainer)})
     pred = predict(rows, hw, layout.mesh_axes(), prefetch=parallel.prefetch)
     if not mine.predict_only:
         step_s, measured, text = measure(cfg, tcfg, layout, trainer, tcfg.steps, mine.trace_steps)

@@ -134,17 +134,20 @@ def roofs(pred: Prediction, hw: Hardware, n_devices: int) -> list[tuple[str, flo
     rows with. On a shared host whose rates were measured for the host (not all devices
     at once) each device gets 1/n of them, as `price.compute_seconds` scales its time;
     rates measured on every device at once (`concurrent_rates`) are already per device.
-    Matmuls priced by their measured time (`Hardware.dot_seconds`) get the best rate one
-    of them reached instead of the profile's peak."""
+    Matmuls priced by their measured time (`Hardware.dot_seconds`) get, per dtype, the
+    rate those measurements add up to (their FLOPs over their seconds in the step)
+    instead of the profile's peak: one dot's own rate can sit above or below it."""
     share = n_devices if hw.shared_host and not hw.concurrent_rates else 1
     nbytes = hw.hbm * hw.mem_eff / share
-    measured = collections.defaultdict(float)
+    flops, seconds = collections.Counter(), collections.Counter()
     for p in pred.rows:
         r = p.row
-        if r.kind == "matmul" and r.dot in hw.dot_seconds and r.flops:
-            measured[r.dtype] = max(measured[r.dtype], r.flops / hw.dot_seconds[r.dot])
-    if measured:
-        out = [(f"best measured {d} matmul", f, nbytes) for d, f in sorted(measured.items())]
+        if r.kind == "matmul" and r.dot in hw.dot_seconds:
+            flops[r.dtype] += r.total_flops
+            seconds[r.dtype] += hw.dot_seconds[r.dot] * r.count
+    if flops:
+        out = [(f"measured {d} matmuls (overall rate)", flops[d] / seconds[d], nbytes)
+               for d in sorted(flops) if seconds[d]]
     else:
         out = [(f"{d} matmul", hw.matmul_peak(d) * hw.matmul_eff / share, nbytes)
                for d in sorted(hw.peak_flops)]
