@@ -131,11 +131,12 @@ def main(argv=None) -> int:
     from engine.cost import hardware
 
     try:
-        if problem := flag_problem(mine):
-            raise hardware.ProfileError(problem)
-        hw = hardware.get(mine.hardware, mine.calibration)
+        problem = flag_problem(mine)
+        hw = None if problem else hardware.get(mine.hardware, mine.calibration)
     except hardware.ProfileError as e:
-        print(f"error: {e}", file=sys.stderr)
+        problem = str(e)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
         return 2
     if not mine.predict_only:
         force_host_devices(layout.size)
@@ -144,6 +145,7 @@ def main(argv=None) -> int:
     from engine.cost.ledger import step_ledger
     from engine.cost.price import mfu as mfu_of
     from engine.cost.price import mfu_peak, model_flops, predict, predicted_mfu
+
     rows = step_ledger(cfg, tcfg, layout, parallel)
     measured, step_s, audit_clean = None, None, None
     if not mine.predict_only:

@@ -109,8 +109,9 @@ class Profile:
             self.say(table)
 
     def tables(self) -> list[str]:
-        """A header line, the per-scope and (with collectives) per-collective tables (engine/cost/report.py) of the traced
-        steps: measured (attributed from the trace) vs predicted (the cpu profile)."""
+        """A header line, then the per-scope and (with collectives) per-collective tables
+        (engine/cost/report.py) of the traced steps: measured (attributed from the
+        trace) vs predicted (the cpu profile)."""
         from engine.cost import hardware, report, trace
         from engine.cost.audit import axes_by_groups
         from engine.cost.ledger import step_ledger
