@@ -3,8 +3,8 @@
     python bench/calibrate.py [--out PATH]
 
 Measures (median of repeated timed calls after a warm-up): matmul FLOP/s per operand
-dtype (f32; bf16 with f32 accumulation) on the shapes the `small` model runs and on
-2048^3; memory bandwidth (a fused `a * x + y` on 64 MiB arrays); elementwise FLOP/s (a
+dtype (f32; bf16 with f32 accumulation) on the shapes the `small` model runs (their
+median prices matmuls) and on 2048^3 (the best rate is the MFU peak); memory bandwidth (a fused `a * x + y` on 64 MiB arrays); elementwise FLOP/s (a
 chain of exp/mul/add on a cache-resident array); and all-gather / reduce-scatter /
 all-reduce / ppermute time vs bytes on the forced 8-device mesh, fitted to
 `t = latency * hops + ring_fraction * bytes / bandwidth` (engine/cost/price.py).
@@ -62,13 +62,17 @@ def main(argv=None) -> int:
     measured = {f"{name}/{dt}": matmul_flops(*shape, dtype)
                 for name, shape in shapes.items()
                 for dt, dtype in (("float32", jnp.float32), ("bfloat16", jnp.bfloat16))}
+    # pricing rate: what the step's own shapes reach; MFU peak: the large matmul, the
+    # best rate a matmul reaches (engine/mfu.py's measurement for the training CLI)
     peak = {dt: statistics.median(v for k, v in measured.items() if k.endswith(dt)
                                   and not k.startswith("cube")) for dt in ("float32", "bfloat16")}
+    mfu_peak = {dt: max(v for k, v in measured.items() if k.endswith(dt))
+                for dt in ("float32", "bfloat16")}
     mesh = Mesh(np.array(jax.devices()[:8]), ("d",))
     points = collective_times(mesh, [1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22],
                               overhead=call_overhead(mesh))
     profile = {
-        "peak_flops": peak, "matmul_measured": measured,
+        "peak_flops": peak, "mfu_peak": mfu_peak, "matmul_measured": measured,
         "hbm": memory_bandwidth(), "vector_flops": vector_flops(),
         "collective_fit": {k: fit(k, v, mesh.size) for k, v in points.items()},
         "collective_points": points,
@@ -76,7 +80,7 @@ def main(argv=None) -> int:
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(profile, indent=1))
-    print(json.dumps({k: profile[k] for k in ("peak_flops", "hbm", "vector_flops",
+    print(json.dumps({k: profile[k] for k in ("peak_flops", "mfu_peak", "hbm", "vector_flops",
                                               "collective_fit", "load_avg")}, indent=1))
     print(f"wrote {args.out}")
     return 0

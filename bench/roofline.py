@@ -12,8 +12,10 @@ against the ledger, times `--steps` steps (median wall clock) and attributes the
 from __future__ import annotations
 
 import argparse
-import collections
+import dataclasses
+import importlib.util
 import json
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -44,73 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "accelerator fusion model, engine/cost/fusion.py)")
     g.add_argument("--plot", default=None, help="roofline PNG (needs matplotlib)")
     p = train_parser(prog="python bench/roofline.py", description=__doc__.split("\n\n")[0],
-                     parents=[own])
+                     parents=[own], groups=("model", "parallel", "training"))
     p.set_defaults(steps=5)  # steps timed for the measured column
     return p
-
-
-def _err(pred, meas):
-    return None if meas in (None, 0) else (pred - meas) / meas
-
-
-def _fmt(x, unit=""):
-    if x is None:
-        return "-"
-    return f"{100 * x:+.0f}%" if unit == "%" else f"{x:.3g}"
-
-
-def scope_table(pred, measured, hw):
-    """Rows per scope: FLOPs, bytes (as priced on `hw`), intensity, bound, predicted,
-    measured, error."""
-    from engine.cost.price import moved_bytes
-
-    agg = collections.defaultdict(lambda: [0.0, 0.0, 0.0, 0.0])
-    for p in pred.rows:
-        if p.row.kind == "collective":
-            continue
-        a = agg[p.row.scope]
-        a[0] += p.row.total_flops
-        a[1] += moved_bytes(p.row, hw) * p.row.count
-        a[2] += p.seconds
-        a[3] += p.seconds if p.bound == "compute" else 0.0
-    meas = collections.Counter()
-    for (kind, scope, *_), s in (measured or {}).items():
-        if kind in ("matmul", "memory"):
-            meas[scope] += s
-    out = []
-    for scope, (flops, nbytes, t, t_compute) in sorted(agg.items(), key=lambda kv: -kv[1][2]):
-        m = meas.get(scope) if measured else None
-        out.append([scope, flops, nbytes, flops / max(nbytes, 1),
-                    "compute" if t_compute >= t / 2 else "memory", t, m, _err(t, m)])
-    return out
-
-
-def fusion_table(pred, hw, top: int = 25):
-    """The `top` fusion groups by predicted time: scope, phase, members (primitives),
-    count, FLOPs, bytes per step, bound, predicted seconds."""
-    from engine.cost.price import moved_bytes
-
-    agg = {}
-    for p in pred.rows:
-        r = p.row
-        if r.kind == "collective":
-            continue
-        if r.fusion < 0 and r.kind != "attention":
-            continue  # merged into an identical op (CSE): moves nothing
-        key = ("kernel", id(r)) if r.fusion < 0 else ("fusion", r.fusion)
-        a = agg.setdefault(key, dict(scope=r.scope, phase=r.phase, ops=collections.Counter(),
-                                     count=r.count, flops=0.0, bytes=0.0, s=0.0, cs=0.0))
-        a["ops"][r.primitive] += 1
-        a["flops"] += r.total_flops
-        a["bytes"] += moved_bytes(r, hw) * r.count
-        a["s"] += p.seconds
-        a["cs"] += p.seconds if p.bound == "compute" else 0.0
-    out = []
-    for a in sorted(agg.values(), key=lambda a: -a["s"])[:top]:
-        ops = " ".join(f"{k}x{n}" if n > 1 else k for k, n in a["ops"].most_common(4))
-        out.append([a["scope"], a["phase"], ops, a["count"], a["flops"], a["bytes"],
-                    "compute" if a["cs"] >= a["s"] / 2 else "memory", a["s"]])
-    return out
 
 
 def memory_fit(cfg, tcfg, parallel, layout, hw):
@@ -125,62 +63,6 @@ def memory_fit(cfg, tcfg, parallel, layout, hw):
     except memory.Unsupported:
         return None, None
     return peak, (peak <= hw.hbm_capacity) if hw.hbm_capacity else None
-
-
-def collective_table(pred, measured, mesh_axes):
-    """Rows per (HLO kind, axes): bytes/step, count, predicted, predicted exposed,
-    measured transfer, wait, error."""
-    from engine.cost.audit import canonical_axes
-    from engine.cost.ledger import COLLECTIVES
-
-    agg = collections.defaultdict(lambda: [0.0, 0, 0.0, 0.0])
-    for p in pred.rows:
-        kind = COLLECTIVES.get(p.row.primitive)
-        if p.row.kind != "collective" or kind is None or p.row.bytes == 0:
-            continue
-        a = agg[(kind, canonical_axes(p.row.axes, mesh_axes))]
-        a[0] += p.row.total_bytes
-        a[1] += p.row.count
-        a[2] += p.seconds
-        a[3] += p.exposed
-    meas, wait = collections.Counter(), collections.Counter()
-    for (kind, _, _, key), s in (measured or {}).items():
-        if kind == "collective":
-            meas[key] += s
-        elif kind == "collective wait":
-            wait[key] += s
-    out = []
-    for key, (nbytes, count, t, exposed) in sorted(agg.items(), key=lambda kv: -kv[1][2]):
-        m = meas.get(key) if measured else None
-        out.append([key[0], ",".join(key[1]), nbytes, count, t, exposed, m,
-                    wait.get(key) if measured else None, _err(t, m)])
-    return out
-
-
-def plot_roofline(srows, hw, n_devices: int, path: str) -> None:
-    """Per-scope points (FLOP/B, achieved FLOP/s per device, predicted and measured)
-    under the profile's roofs. Needs the optional `plot` extra (matplotlib)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    share = n_devices if hw.shared_host else 1
-    x = [10 ** (i / 10) for i in range(-20, 51)]
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for dtype in sorted(hw.peak_flops):
-        peak = hw.matmul_peak(dtype) * hw.matmul_eff / share
-        ax.plot(x, [min(peak, i * hw.hbm * hw.mem_eff / share) for i in x], label=f"roof {dtype}")
-    for scope, flops, _, intensity, _, t_pred, t_meas, _ in srows:
-        if flops and intensity:
-            ax.scatter([intensity], [flops / t_pred], marker="o")
-            ax.annotate(scope, (intensity, flops / t_pred), fontsize=8)
-            if t_meas:
-                ax.scatter([intensity], [flops / t_meas], marker="x", color="k")
-    ax.set(xscale="log", yscale="log", xlabel="FLOP / byte", ylabel="FLOP/s per device",
-           title=f"{hw.name}: predicted (o) and measured (x) per scope")
-    ax.legend(fontsize=8)
-    fig.savefig(path, dpi=120, bbox_inches="tight")
 
 
 def measure(cfg, tcfg, layout, trainer, steps: int, trace_steps: int):
@@ -204,18 +86,66 @@ def measure(cfg, tcfg, layout, trainer, steps: int, trace_steps: int):
     return step_s, trace.attribute(events, info, step_s, trace_steps), text
 
 
+def output_problem(flag: str, path: str | None) -> str | None:
+    """Why `path` cannot be written as the file of `flag`, or None."""
+    if path is None:
+        return None
+    target = Path(path)
+    parent = target.parent
+    if target.is_dir():
+        return f"{flag} {path}: is a directory"
+    if not parent.is_dir():
+        return f"{flag} {path}: directory {parent} does not exist"
+    if not os.access(parent, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):
+        return f"{flag} {path}: not writable"
+    return None
+
+
+def flag_problem(mine) -> str | None:
+    """This report's own bad flags (no jax needed), or None."""
+    if mine.hardware != "cpu" and not mine.predict_only:
+        return (f"--hardware {mine.hardware} prices a {mine.hardware}, but measuring runs "
+                f"on this machine's CPU; pass --predict-only (or --hardware cpu)")
+    if mine.calibration is not None and mine.hardware != "cpu":
+        return f"--calibration is the cpu profile; --hardware {mine.hardware} does not use it"
+    if mine.trace_steps < 1:
+        return f"trace_steps={mine.trace_steps} must be >= 1"
+    if problem := output_problem("--json", mine.json) or output_problem("--plot", mine.plot):
+        return problem
+    if mine.plot and importlib.util.find_spec("matplotlib") is None:
+        return "--plot needs matplotlib (pip install matplotlib)"
+    return None
+
+
+def run_peak(cfg, trainer) -> float:
+    """The MFU denominator of a measured run, as the training CLI measures it on these
+    devices (engine/mfu.py: the best 2048^3 matmul in the compute dtype, on a CPU the
+    host's), so both tools report the same MFU for the same step time."""
+    from engine.mfu import peak_flops
+
+    return peak_flops(cfg.compute_dtype, list(trainer.mesh.devices.flat))[0]
+
+
 def main(argv=None) -> int:
     cfg, tcfg, parallel, layout, mine = parse_or_exit(argv, build_parser())
+    from engine.cost import hardware
+
+    try:
+        problem = flag_problem(mine)
+        hw = None if problem else hardware.get(mine.hardware, mine.calibration)
+    except hardware.ProfileError as e:
+        problem = str(e)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     if not mine.predict_only:
         force_host_devices(layout.size)
         keep_freed_memory()
-    from tabulate import tabulate
-
-    from engine.cost import hardware
+    from engine.cost import report
     from engine.cost.ledger import step_ledger
-    from engine.cost.price import model_flops, predict, predicted_mfu
+    from engine.cost.price import mfu as mfu_of
+    from engine.cost.price import mfu_peak, model_flops, predict, predicted_mfu
 
-    hw = hardware.get(mine.hardware, mine.calibration)
     rows = step_ledger(cfg, tcfg, layout, parallel)
     measured, step_s, audit_clean = None, None, None
     if not mine.predict_only:
@@ -227,6 +157,8 @@ def main(argv=None) -> int:
             from engine.cost.microbench import in_run_profile
 
             hw = in_run_profile(hw, rows, trainer.mesh.devices.flatten().tolist())
+        dtype = "bfloat16" if cfg.dtype == "bf16" else "float32"
+        hw = dataclasses.replace(hw, mfu_peak={dtype: run_peak(cfg, trainer)})
     pred = predict(rows, hw, layout.mesh_axes(), prefetch=parallel.prefetch)
     if not mine.predict_only:
         step_s, measured, text = measure(cfg, tcfg, layout, trainer, tcfg.steps, mine.trace_steps)
@@ -237,29 +169,29 @@ def main(argv=None) -> int:
             side = "dropped by compiler" if k in a.missing else "added by compiler"
             print(f"  {side}: {n} x {k} {a.names[k]}")
     print(f"hardware {hw.name} ({hw.source}); layout {layout}; {cfg.dtype}, remat {cfg.remat}")
-    heads = ["scope", "FLOPs", "bytes", "FLOP/B", "bound", "pred s", "meas s", "err"]
-    srows = scope_table(pred, measured, hw)
+    srows = report.scope_table(pred, measured, hw)
     if mine.by == "fusion":
-        print(tabulate([[*r[:4], *map(_fmt, r[4:6]), r[6], _fmt(r[7])]
-                        for r in fusion_table(pred, hw)],
-                       ["scope", "phase", "fusion (top ops)", "count", "FLOPs", "bytes",
-                        "bound", "pred s"]))
-    print(tabulate([[r[0], *map(_fmt, r[1:4]), r[4], *map(_fmt, r[5:7]), _fmt(r[7], "%")]
-                    for r in srows], heads))
-    crows = collective_table(pred, measured, layout.mesh_axes())
-    print(tabulate([[r[0], r[1], *map(_fmt, r[2:8]), _fmt(r[8], "%")] for r in crows],
-                   ["collective", "axes", "bytes/step", "count", "pred s", "pred exposed s",
-                    "meas s", "wait s", "err"]))
+        print(report.format_fusions(report.fusion_table(pred, hw)))
+    print(report.format_scopes(srows))
+    crows = report.collective_table(pred, measured, layout.mesh_axes())
+    print(report.format_collectives(crows))
     if not hw.overlap:
         print("  (no overlap on this hardware: every collective is exposed; on forced CPU "
               "devices collectives run synchronously, so measured time is all exposed)")
     mflops = model_flops(cfg, tcfg)
     mfu = predicted_mfu(pred, cfg, tcfg, hw, layout.size)
-    meas_mfu = mfu * pred.step_s / step_s if step_s else None
-    print(tabulate([["compute", pred.compute_s, None], ["comm (all)", pred.comm_s, None],
-                    ["comm exposed", pred.exposed_comm_s, None],
-                    ["step", pred.step_s, step_s], ["MFU", mfu, meas_mfu]],
-                   ["step summary", "predicted", "measured"], floatfmt=".4g"))
+    meas_mfu = mfu_of(cfg, tcfg, hw, layout.size, step_s) if step_s else None
+    g4 = lambda x: None if x is None else f"{x:.4g}"
+    pct = lambda x: None if x is None else f"{100 * x:.1f}%"
+    print(report.tabulate([["compute s", g4(pred.compute_s), None],
+                           ["comm (all) s", g4(pred.comm_s), None],
+                           ["comm exposed s", g4(pred.exposed_comm_s), None],
+                           ["step s", g4(pred.step_s), g4(step_s)],
+                           ["MFU", pct(mfu), pct(meas_mfu)]],
+                          ["step summary", "predicted", "measured"], disable_numparse=True))
+    print(f"MFU: {mflops / 1e9:.3g} model GFLOP per step over a peak of "
+          f"{mfu_peak(cfg, hw, layout.size) / 1e12:.3g} TFLOP/s "
+          f"({'the host' if hw.shared_host else f'{layout.size} chips'}, {cfg.dtype})")
     peak_bytes, fits = memory_fit(cfg, tcfg, parallel, layout, hw)
     if peak_bytes is not None:
         cap = f" of {hw.hbm_capacity / 2**30:.0f} GiB: {'fits' if fits else 'does NOT fit'}" \
@@ -271,19 +203,21 @@ def main(argv=None) -> int:
     if mine.json:
         Path(mine.json).write_text(json.dumps({
             "layout": str(layout), "hardware": mine.hardware, "predicted_step_s": pred.step_s,
-            "measured_step_s": step_s, "predicted_mfu": mfu, "measured_mfu": meas_mfu,
+            "measured_step_s": step_s, "predicted_mfu_fraction": mfu,
+            "measured_mfu_fraction": meas_mfu,
             "audit_clean": audit_clean, "predicted_peak_bytes": peak_bytes, "fits": fits,
             "predicted_compute_s": pred.compute_s,
             "predicted_comm_s": pred.comm_s, "predicted_exposed_comm_s": pred.exposed_comm_s,
             "scopes": [dict(zip(["scope", "flops", "bytes", "intensity", "bound",
-                                 "predicted_s", "measured_s", "error"], r)) for r in srows],
+                                 "predicted_s", "measured_s", "error_fraction"], r))
+                       for r in srows],
             "collectives": [dict(primitive=r[0], axes=r[1].split(",") if r[1] else [],
                                  bytes=r[2], count=r[3], predicted_s=r[4],
                                  predicted_exposed_s=r[5], predicted_hidden_s=r[4] - r[5],
                                  measured_s=r[6], wait_s=r[7]) for r in crows],
         }, indent=1))
     if mine.plot:
-        plot_roofline(srows, hw, layout.size, mine.plot)
+        report.plot_roofline(srows, pred, hw, layout.size, mine.plot)
     return 0
 
 

@@ -28,10 +28,13 @@ class Session:
 
 
 def loop(session: Session, hooks, say) -> int:
-    """Run the steps; after each, every hook sees (record, session) in order. A record
+    """Run the steps; before the first, hooks with a `begin(session)` method get it;
+    after each step, every hook sees (record, session) in order. A record
     starts as {step, loss, grad_norm, step_time_s} (hooks add to it). Returns the exit
     code: 1 on a non-finite loss, 130 on Ctrl-C (after the hooks close)."""
     step = session.start
+    for hook in hooks:  # a hook that must act before the first step has `begin`
+        getattr(hook, "begin", lambda session: None)(session)
     try:
         for step in range(session.start, session.steps):
             tokens = session.batch(step)

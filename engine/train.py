@@ -16,7 +16,7 @@ import sys
 import time
 
 from collectives.ring import COMMS
-from engine import distributed, roles, validate
+from engine import distributed, profile, roles, validate
 from engine.config import PRESETS, ConfigError, ParallelConfig, TrainConfig, model_config
 from engine.data import BIN_DTYPES, DataError, data_problems, load_data
 from engine.layout import Layout
@@ -36,17 +36,24 @@ class OneLineParser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
+GROUPS = ("model", "parallel", "training", "output", "data", "checkpoints", "processes")
+
+
 def build_parser(prog: str = "python -m engine.train", description: str | None = None,
-                 parents=()) -> argparse.ArgumentParser:
+                 parents=(), groups=GROUPS) -> argparse.ArgumentParser:
     """The training flags; tools that take the same model flags pass their own prog,
-    description and parent parsers (for their extra flags)."""
+    description, parent parsers (for their extra flags) and the flag `groups` they use
+    (--layout is always there). A group left out is not accepted on the command line;
+    its flags' defaults are still set, so `parse` sees every attribute."""
     p = OneLineParser(prog=prog, description=description or __doc__.split("\n\n")[0],
                 parents=list(parents), formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    unused = argparse.ArgumentParser(add_help=False)  # holds the groups left out
+    group = lambda name, title: (p if name in groups else unused).add_argument_group(title)
     p.add_argument("--layout", default="single",
                    help="mesh axes outermost first with sizes: single, dp8, fsdp8, tp8, "
                         "fsdp4xtp2, dp2xfsdp2xtp2, ... (axes: "
                         + "; ".join(f"{r.name}: {r.doc}" for r in roles.ROLES.values()) + ")")
-    m = p.add_argument_group("model (a preset, then any dimension overridden)")
+    m = group("model", "model (a preset, then any dimension overridden)")
     m.add_argument("--model", default="small", choices=sorted(PRESETS))
     for flag, field, what in [("--d-model", "d_model", "D"), ("--layers", "n_layers", "N"),
                               ("--heads", "n_heads", "H"), ("--kv-heads", "n_kv_heads", "G"),
@@ -61,7 +68,7 @@ def build_parser(prog: str = "python -m engine.train", description: str | None =
                    help="auto: blocked flash from 1024 tokens, else chunked (dense scores, "
                         "causal tiles skipped, flash backward); reference: plain dense "
                         "softmax, autodiff; pallas runs in interpret mode on CPU")
-    x = p.add_argument_group("where bytes move (see docs/architecture.md)")
+    x = group("parallel", "where bytes move (see docs/architecture.md)")
     x.add_argument("--tp-comm", default="allreduce", choices=COMMS,
                    help="allreduce: Megatron TP; sequence: sequence parallel (activations "
                         "sharded over tp along the sequence between blocks); ring: sequence "
@@ -72,7 +79,7 @@ def build_parser(prog: str = "python -m engine.train", description: str | None =
                         "params (gathered per layer inside the scan)")
     x.add_argument("--prefetch", action="store_true",
                    help="zero 3: gather layer i+1's weights before layer i's compute")
-    t = p.add_argument_group("training")
+    t = group("training", "training")
     d = TrainConfig()
     t.add_argument("--seq", type=int, default=d.seq, help="tokens per sequence")
     t.add_argument("--batch", type=int, default=d.batch, help="global sequences per step")
@@ -80,13 +87,18 @@ def build_parser(prog: str = "python -m engine.train", description: str | None =
     t.add_argument("--lr", type=float, default=d.lr, help="peak learning rate")
     t.add_argument("--warmup", type=int, default=d.warmup, help="linear warmup steps")
     t.add_argument("--seed", type=int, default=d.seed)
-    o = p.add_argument_group("output")
+    o = group("output", "output")
     o.add_argument("--log-every", type=int, default=10, help="progress line every N steps")
     o.add_argument("--metrics-file", default=None, help="JSONL, one object per step")
     o.add_argument("--peak-flops", type=float, default=None,
                    help="MFU denominator in FLOP/s (default: spec sheet, or a matmul "
                         "measured at start-up on CPU)")
-    g = p.add_argument_group("data (see engine/data.py)")
+    o.add_argument("--profile-steps", default=None, metavar="A:B",
+                   help="profiler trace of steps A..B (inclusive, from 1) and, at the end, "
+                        "a table of their time per scope and collective, measured vs "
+                        "predicted (engine/profile.py)")
+    o.add_argument("--profile-dir", default="profile", help="where --profile-steps writes")
+    g = group("data", "data (see engine/data.py)")
     g.add_argument("--data", default="synthetic",
                    help="synthetic, python-stdlib, or a PATH.txt / PATH.jsonl (bytes as "
                         "tokens) / PATH.bin (flat token array, nanoGPT's format)")
@@ -96,7 +108,7 @@ def build_parser(prog: str = "python -m engine.train", description: str | None =
                    help="validation loss every N steps and at the end (off when unset)")
     g.add_argument("--eval-batches", type=int, default=4,
                    help="validation batches averaged per evaluation")
-    c = p.add_argument_group("checkpoints (see engine/checkpoint.py)")
+    c = group("checkpoints", "checkpoints (see engine/checkpoint.py)")
     c.add_argument("--checkpoint-dir", default=None, help="where checkpoints are written")
     c.add_argument("--checkpoint-every", type=int, default=50,
                    help="checkpoint every N steps and at the last step")
@@ -104,13 +116,14 @@ def build_parser(prog: str = "python -m engine.train", description: str | None =
     c.add_argument("--resume", action="store_true",
                    help="continue from the newest complete checkpoint in --checkpoint-dir "
                         "(any layout; appends to --metrics-file)")
-    h = p.add_argument_group("several processes (see engine/distributed.py; "
-                             "python -m engine.launch starts them on one machine)")
+    h = group("processes", "several processes (see engine/distributed.py; "
+                           "python -m engine.launch starts them on one machine)")
     h.add_argument("--coordinator", default=None, metavar="HOST:PORT",
                    help="address of process 0's coordination service; default: a cluster's "
                         "environment (SLURM, Open MPI, Cloud TPU), else one process")
     h.add_argument("--num-processes", type=int, default=None, help="processes in the run")
     h.add_argument("--process-id", type=int, default=None, help="this process, 0-based")
+    p.set_defaults(**vars(unused.parse_args([])))
     return p
 
 
@@ -163,6 +176,7 @@ def _flag_problems(args, cfg, tcfg) -> list[str]:
         problems.append(f"peak_flops={args.peak_flops} must be > 0")
     if args.resume and not args.checkpoint_dir:
         problems.append("--resume needs --checkpoint-dir")
+    problems += profile.flag_problems(args.profile_steps, args.profile_dir, tcfg.steps)
     return problems
 
 
@@ -335,6 +349,9 @@ def _train(cfg, tcfg, parallel, layout, args, data) -> int:
                     layout=str(layout), data=dict(source=args.data, dtype=args.data_dtype))
         hooks.append(Checkpoints(args.checkpoint_dir, args.checkpoint_every, args.keep,
                                  tcfg.steps, meta, say))
+    if args.profile_steps:
+        hooks.append(profile.Profile(args.profile_steps, args.profile_dir, cfg, tcfg, layout,
+                                     parallel, say))
     return loop(session, hooks, say)
 
 

@@ -69,10 +69,18 @@ class Hardware:
     attention_tile: int = 128
     # HBM per chip, bytes (what a step's peak must fit in); 0: unknown
     hbm_capacity: float = 0.0
+    # the MFU denominator per operand dtype, when it is not `peak_flops`: on the CPU,
+    # `peak_flops` is the rate the step's own matmul shapes reach (what pricing uses)
+    # and this is the best rate a large matmul reaches (engine/mfu.py's measurement)
+    mfu_peak: dict = dataclasses.field(default_factory=dict)
     source: str = ""
 
     def matmul_peak(self, dtype: str) -> float:
         return self.peak_flops.get(dtype, self.peak_flops["float32"])
+
+    def mfu_peak_of(self, dtype: str) -> float:
+        """Peak matmul FLOP/s of `dtype` on one chip (on a shared host: on the host)."""
+        return self.mfu_peak.get(dtype) or self.matmul_peak(dtype)
 
 
 # TPU: bf16 MXU peak, HBM and ICI from Google's Cloud TPU system-architecture pages (and
@@ -132,31 +140,88 @@ PROFILES = {
 
 # `python bench/calibrate.py` on this machine (2 Zen-5 cores, 8 forced devices, load
 # average ~5 from concurrent jobs) on 2026-11-22; used only when no calibration file
-# exists. collective_fit: kind -> (latency per ring hop s, bandwidth B/s).
+# exists. collective_fit: kind -> (latency per ring hop s, bandwidth B/s). peak_flops is
+# the median rate of the `small` model's matmul shapes (what pricing uses); mfu_peak is
+# engine/mfu.py's 2048^3 matmul (f32 accumulation, best of 5) on one device, measured
+# on 2026-11-23 at load average ~1.4 with
+# `python -c "from engine.mfu import measured_matmul_peak as m; import jax.numpy as j;
+# print(m(j.float32, reps=5), m(j.bfloat16, reps=5))"`: 9.71e10 and 5.39e10.
 CPU_DEFAULTS = {
     "peak_flops": {"float32": 6.5e10, "bfloat16": 4.5e10},
+    "mfu_peak": {"float32": 9.71e10, "bfloat16": 5.39e10},
     "vector_flops": 2.0e9, "hbm": 2.5e9,
     "collective_fit": {"all-gather": (1.0e-4, 1.9e9), "reduce-scatter": (9.2e-5, 1.4e9),
                        "all-reduce": (4.1e-5, 1.1e9), "collective-permute": (7.1e-5, 8.1e8)},
 }
 
 
+class ProfileError(ValueError):
+    """A calibration file that is missing, unreadable or not a cpu profile (one line)."""
+
+
+def _positive(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0
+
+
+def load_calibration(path: Path | str) -> dict:
+    """A `bench/calibrate.py` file's contents, checked; raises ProfileError."""
+    path = Path(path)
+    if not path.is_file():
+        raise ProfileError(f"calibration file {path}: "
+                           + ("is a directory" if path.is_dir() else "not found"))
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ProfileError(f"calibration file {path}: not readable JSON ({e})") from None
+    problems = []
+    if not isinstance(data, dict):
+        raise ProfileError(f"calibration file {path}: want a JSON object "
+                           f"(bench/calibrate.py's output)")
+    for key in ("hbm", "vector_flops"):
+        if not _positive(data.get(key)):
+            problems.append(f"{key} must be a positive number")
+    for key in ("peak_flops", "mfu_peak"):
+        rates = data.get(key, {} if key == "mfu_peak" else None)
+        if not isinstance(rates, dict) or (key == "peak_flops" and "float32" not in rates) \
+                or not all(_positive(v) for v in rates.values()):
+            problems.append(f"{key} must map dtypes (float32 at least) to positive FLOP/s")
+    fit = data.get("collective_fit")
+    if not isinstance(fit, dict) or not all(
+            isinstance(v, list) and len(v) == 2 and all(isinstance(x, (int, float)) for x in v)
+            and v[1] > 0 for v in fit.values()):
+        problems.append("collective_fit must map kinds to [latency, bandwidth]")
+    if problems:
+        raise ProfileError(f"calibration file {path}: " + "; ".join(problems)
+                           + " (rerun bench/calibrate.py)")
+    return data
+
+
 def cpu_profile(path: Path | str | None = None) -> Hardware:
-    """The calibrated CPU profile (`bench/calibrate.py` output), else CPU_DEFAULTS.
+    """The CPU profile from `path` (which must exist), else from CALIBRATION_PATH when
+    it exists, else CPU_DEFAULTS. Raises ProfileError for a bad file.
 
     Each forced device is a thread of one host, so compute adds up across devices
     (shared_host) and collectives are synchronous memory copies (no overlap). A
     collective's time is `collective_fit[kind] = (latency, bandwidth)` fitted from
     measured times vs bytes on the 8-device mesh."""
+    if path is None and not CALIBRATION_PATH.exists():
+        return cpu_defaults()
     path = Path(path) if path else CALIBRATION_PATH
-    data, source = (json.loads(path.read_text()), f"calibrated ({path})") if path.exists() \
-        else (CPU_DEFAULTS, "built-in defaults (run bench/calibrate.py)")
+    return _cpu(load_calibration(path), f"calibrated ({path})")
+
+
+def cpu_defaults() -> Hardware:
+    """The CPU profile from CPU_DEFAULTS, whatever calibration file exists."""
+    return _cpu(CPU_DEFAULTS, "built-in defaults (run bench/calibrate.py)")
+
+
+def _cpu(data: dict, source: str) -> Hardware:
     fit = {k: tuple(v) for k, v in data["collective_fit"].items()}
     bw, lat = fit.get("all-gather", (2e-5, data["hbm"]))[::-1]
     return Hardware("cpu", dict(data["peak_flops"]), data["vector_flops"], data["hbm"],
                     Link(bw, lat), Link(bw, lat), 1 << 30, overlap=False, shared_host=True,
-                    bf16_collectives_in_f32=True,
-                    collective_fit=fit, source=source)
+                    bf16_collectives_in_f32=True, collective_fit=fit,
+                    mfu_peak=dict(data.get("mfu_peak", {})), source=source)
 
 
 def get(name: str, calibration: Path | str | None = None) -> Hardware:

@@ -220,9 +220,20 @@ def model_flops(cfg, tcfg) -> float:
     return flops_per_token(cfg, tcfg.seq) * tcfg.batch * tcfg.seq
 
 
-def predicted_mfu(pred: Prediction, cfg, tcfg, hw: Hardware, n_devices: int) -> float:
-    """Model FLOPs / (step time x peak of the compute dtype). On a shared host the peak
-    is the host's (devices share it), else per chip times chips."""
+def mfu_peak(cfg, hw: Hardware, n_devices: int) -> float:
+    """The MFU denominator, FLOP/s: the peak matmul rate of the compute dtype
+    (`Hardware.mfu_peak_of`) per chip times chips; on a shared host the host's peak once
+    (its devices share it), as engine/mfu.py measures it for the training CLI."""
     dtype = "bfloat16" if cfg.dtype == "bf16" else "float32"
-    peak = hw.matmul_peak(dtype) * (1 if hw.shared_host else n_devices)
-    return model_flops(cfg, tcfg) / (pred.step_s * peak)
+    return hw.mfu_peak_of(dtype) * (1 if hw.shared_host else n_devices)
+
+
+def mfu(cfg, tcfg, hw: Hardware, n_devices: int, step_s: float) -> float:
+    """Model FLOPs per second of a step of `step_s` over `mfu_peak`, a fraction (printed
+    as a percent, like the training CLI)."""
+    return model_flops(cfg, tcfg) / (step_s * mfu_peak(cfg, hw, n_devices))
+
+
+def predicted_mfu(pred: Prediction, cfg, tcfg, hw: Hardware, n_devices: int) -> float:
+    """`mfu` of the predicted step, a fraction."""
+    return mfu(cfg, tcfg, hw, n_devices, pred.step_s)

@@ -1,0 +1,159 @@
+"""bench/roofline.py's command line: bad input is one line and exit 2 before anything
+compiles, its --help holds only the flags it uses, MFU is a percent of the machine's
+peak, and the plot's roofs are the rates the prediction priced with."""
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench import roofline  # noqa: E402
+from engine.config import TrainConfig, model_config  # noqa: E402
+from engine.cost import hardware  # noqa: E402
+from engine.cost.ledger import step_ledger  # noqa: E402
+from engine.cost.price import model_flops, predict, predicted_mfu  # noqa: E402
+from engine.layout import Layout  # noqa: E402
+
+TINY = ["--predict-only", "--model", "tiny"]
+PROFILE = {"peak_flops": {"float32": 5e10, "bfloat16": 4e10}, "vector_flops": 2e9,
+           "hbm": 2.5e9, "collective_fit": {"all-gather": [1e-4, 1.9e9]}}
+
+
+def _one_line_error(capsys, argv, *words):
+    """main(argv) exits 2 with one stderr line naming `words`, and prints no table."""
+    try:
+        code = roofline.main(argv)
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    assert code == 2, (out, err)
+    assert err.startswith("error: ") and err.count("\n") == 1, err
+    assert "Traceback" not in err and "scope" not in out
+    for w in words:
+        assert w in err, err
+
+
+def _profile_file(tmp_path, **changes):
+    path = tmp_path / "cpu.json"
+    path.write_text(json.dumps({**PROFILE, **changes}))
+    return str(path)
+
+
+def test_missing_calibration_file_is_an_error(tmp_path, capsys):
+    _one_line_error(capsys, TINY + ["--calibration", str(tmp_path / "none.json")],
+                    "none.json", "not found")
+
+
+@pytest.mark.parametrize("text,word", [("{not json", "JSON"), ("[1, 2]", "object"),
+                                       (json.dumps({**PROFILE, "hbm": "fast"}), "hbm"),
+                                       (json.dumps({**PROFILE, "peak_flops": {}}),
+                                        "peak_flops")])
+def test_malformed_calibration_is_one_line(tmp_path, capsys, text, word):
+    path = tmp_path / "cpu.json"
+    path.write_text(text)
+    _one_line_error(capsys, TINY + ["--calibration", str(path)], word)
+
+
+def test_calibration_directory_is_an_error(tmp_path, capsys):
+    _one_line_error(capsys, TINY + ["--calibration", str(tmp_path)], "directory")
+
+
+@pytest.mark.parametrize("flag", ["--json", "--plot"])
+def test_output_paths_checked_up_front(tmp_path, capsys, flag):
+    _one_line_error(capsys, TINY + [flag, str(tmp_path)], flag, "is a directory")
+    _one_line_error(capsys, TINY + [flag, str(tmp_path / "no" / "out")], flag,
+                    "does not exist")
+
+
+def test_accelerator_profile_needs_predict_only(capsys):
+    """Measuring runs on this CPU: pricing an h100 against it is refused, not compiled."""
+    _one_line_error(capsys, ["--model", "tiny", "--hardware", "h100"], "--predict-only")
+
+
+def test_help_holds_only_model_layout_parallel_training_flags(capsys):
+    with pytest.raises(SystemExit):
+        roofline.main(["--help"])
+    out = capsys.readouterr().out
+    for flag in ("--model", "--layout", "--zero", "--tp-comm", "--batch", "--seq", "--steps",
+                 "--hardware", "--calibration"):
+        assert flag in out
+    for flag in ("--checkpoint-dir", "--resume", "--coordinator", "--num-processes",
+                 "--metrics-file", "--eval-every", "--data", "--peak-flops", "--log-every"):
+        assert flag not in out, flag
+
+
+def test_training_only_flags_are_refused(capsys):
+    _one_line_error(capsys, TINY + ["--checkpoint-dir", "ckpt"], "--checkpoint-dir")
+
+
+def test_mfu_is_a_percent_of_the_machine_peak(tmp_path, capsys):
+    """The MFU denominator is the profile's peak (the large matmul), not the slower rate
+    of the step's own shapes that prices matmuls; printed as a percent, a fraction in
+    JSON under a name that says so."""
+    calib = _profile_file(tmp_path, mfu_peak={"float32": 1e11, "bfloat16": 8e10})
+    out_json = tmp_path / "out.json"
+    assert roofline.main(TINY + ["--calibration", calib, "--json", str(out_json)]) == 0
+    out = capsys.readouterr().out
+    data = json.loads(out_json.read_text())
+    cfg = model_config("tiny")
+    tcfg = TrainConfig(steps=5)
+    expect = model_flops(cfg, tcfg) / (data["predicted_step_s"] * 8e10)
+    assert data["predicted_mfu_fraction"] == pytest.approx(expect)
+    assert "predicted_mfu" not in data
+    mfu_line = next(line for line in out.splitlines() if line.startswith("MFU "))
+    assert mfu_line.split()[1] == f"{100 * expect:.1f}%"
+
+
+def test_cpu_defaults_mfu_peak_is_not_below_the_pricing_rate():
+    """A peak below the rate pricing assumes puts MFU over 100% for a step priced at it."""
+    d = hardware.CPU_DEFAULTS
+    for dtype in ("float32", "bfloat16"):
+        assert d["mfu_peak"][dtype] >= d["peak_flops"][dtype]
+
+
+def _points_and_roofs(hw, layout):
+    from engine.cost import report
+
+    cfg, tcfg = model_config("tiny"), TrainConfig()
+    lay = Layout.parse(layout)
+    pred = predict(step_ledger(cfg, tcfg, lay), hw, lay.mesh_axes())
+    srows = report.scope_table(pred, None, hw)
+    return srows, report.roofs(pred, hw, lay.size), pred, cfg, tcfg, lay
+
+
+@pytest.mark.parametrize("concurrent", [False, True])
+def test_predicted_points_sit_on_or_under_the_roofs(tmp_path, concurrent):
+    """Every scope's predicted rate (FLOP/s per device) is at most the best roof at its
+    intensity: roofs are the rates the prediction used, per device (divided by the
+    device count only when the profile's rates are the whole host's)."""
+    hw = hardware.cpu_profile(_profile_file(tmp_path))
+    if concurrent:  # as microbench.in_run_profile leaves it: per-device rates, dots timed
+        cfg, tcfg, lay = model_config("tiny"), TrainConfig(), Layout.parse("fsdp8")
+        rows = step_ledger(cfg, tcfg, lay)
+        dots = {r.dot: r.flops / 3e10 for r in rows if r.dot is not None}
+        hw = dataclasses.replace(hw, dot_seconds=dots, concurrent_rates=True, hbm=1e10)
+    srows, roofs, *_ = _points_and_roofs(hw, "fsdp8")
+    assert roofs
+    for scope, flops, nbytes, intensity, _, t_pred, _, _ in srows:
+        if flops and t_pred:
+            best = max(min(f, intensity * b) for _, f, b in roofs)
+            assert flops / t_pred <= best * (1 + 1e-9), (scope, flops / t_pred, best)
+    mem = {b for _, _, b in roofs}
+    assert mem == {hw.hbm if concurrent else hw.hbm / 8}
+    matmul = sorted(f for label, f, _ in roofs if "matmul" in label)
+    if concurrent:  # the rate the timed dots add up to, not the profile's peak
+        assert matmul == pytest.approx([3e10] * len(matmul))
+    else:
+        assert matmul == pytest.approx(sorted(f / 8 for f in PROFILE["peak_flops"].values()))
+
+
+def test_predicted_mfu_uses_mfu_peak(tmp_path):
+    hw = hardware.cpu_profile(_profile_file(tmp_path, mfu_peak={"float32": 1e11}))
+    cfg, tcfg = model_config("tiny", dtype="f32"), TrainConfig()
+    lay = Layout.parse("single")
+    pred = predict(step_ledger(cfg, tcfg, lay), hw, lay.mesh_axes())
+    assert predicted_mfu(pred, cfg, tcfg, hw, 1) == pytest.approx(
+        model_flops(cfg, tcfg) / (pred.step_s * 1e11))
