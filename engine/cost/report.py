@@ -156,7 +156,9 @@ def roofs(pred: Prediction, hw: Hardware, n_devices: int) -> list[tuple[str, flo
 
 def plot_roofline(srows, pred: Prediction, hw: Hardware, n_devices: int, path: str) -> None:
     """Per-scope points (FLOP/B, achieved FLOP/s per device, predicted and measured)
-    under the roofs the prediction used (`roofs`). Needs the optional `plot` extra
+    under the roofs the prediction used (`roofs`), with the machine's peak matmul rate
+    per device (the MFU denominator) dashed above them: a measured point above a solid
+    roof is a scope the prediction over-priced. Needs the optional `plot` extra
     (matplotlib)."""
     import matplotlib
 
@@ -167,6 +169,11 @@ def plot_roofline(srows, pred: Prediction, hw: Hardware, n_devices: int, path: s
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for label, flops, nbytes in roofs(pred, hw, n_devices):
         ax.plot(x, [min(flops, i * nbytes) for i in x], label=f"roof: {label}")
+    share = n_devices if hw.shared_host else 1  # the machine's peak, per device
+    for d in sorted(hw.peak_flops):
+        ax.axhline(hw.mfu_peak_of(d) / share, linestyle="--", linewidth=0.8, color="grey")
+        ax.annotate(f"{d} peak (MFU denominator)", (x[0], hw.mfu_peak_of(d) / share),
+                    fontsize=7, color="grey")
     for scope, flops, _, intensity, _, t_pred, t_meas, _ in srows:
         if flops and intensity:
             ax.scatter([intensity], [flops / t_pred], marker="o")
