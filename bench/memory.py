@@ -1,0 +1,97 @@
+"""Per-device peak memory of one training step three ways: XLA:CPU's, the hand model's
+and the program's liveness.
+
+    python bench/memory.py
+    python bench/memory.py --presets tiny --layouts fsdp8 --dtypes bf16 --attention chunked
+
+For each (preset, layout, dtype), remat full, one row: the measured peak
+(`engine.cost.memory.measure` of the compiled step: arguments + temp + unaliased
+outputs; compile only, no run), `engine.cost.memory.predict` (the hand enumeration) and
+`engine.cost.liveness.peak_bytes` of the traced step without and with the fusion rule,
+each in MiB with its ratio to the measured peak.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine.train import UsageError, force_host_devices  # noqa: E402
+
+MiB = 2 ** 20
+SEQ = {"tiny": 64, "small": 256}  # the sequence lengths engine/cost/memory.py was read at
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python bench/memory.py",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--presets", nargs="+", default=["tiny", "small"])
+    p.add_argument("--layouts", nargs="+", default=["fsdp8", "fsdp4xtp2", "single"])
+    p.add_argument("--dtypes", nargs="+", default=["f32", "bf16"])
+    p.add_argument("--attention", default="reference",
+                   help="attention kernel (reference or chunked: what memory.predict models "
+                        "on cpu)")
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--seq", type=int, default=None,
+                   help="tokens per row (default: 64 for tiny, 256 for small)")
+    return p
+
+
+def rows(args) -> list[dict]:
+    from engine.config import ParallelConfig, TrainConfig, model_config
+    from engine.cost import liveness, memory
+    from engine.cost.ledger import trace_step
+    from engine.layout import Layout
+    from engine.step import Trainer
+    from engine.validate import problems
+
+    out = []
+    for preset in args.presets:
+        for name in args.layouts:
+            for dtype in args.dtypes:
+                cfg = model_config(preset, dtype=dtype, remat="full", attention=args.attention)
+                tcfg = TrainConfig(batch=args.batch, seq=args.seq or SEQ.get(preset, 256))
+                layout = Layout.parse(name)
+                bad = problems(cfg, tcfg, ParallelConfig(), layout)
+                if bad:
+                    raise UsageError(f"{preset} {name} {dtype}: {bad[0]}")
+                trainer = Trainer(cfg, tcfg, layout, layout.mesh(), ParallelConfig())
+                measured = memory.measure(memory.compile_step(
+                    trainer, {"xla_backend_optimization_level": 0}))["peak"]
+                hand = memory.predict(cfg, tcfg, layout, "cpu", trainer=trainer).peak
+                closed = trace_step(cfg, tcfg, layout)
+                live, _ = liveness.peak_bytes(closed)
+                fused, _ = liveness.peak_bytes(closed, fuse=True)
+                out.append(dict(preset=preset, layout=name, dtype=dtype, seq=tcfg.seq,
+                                measured=measured, hand=hand, liveness=live,
+                                liveness_fused=fused))
+                print(_line(out[-1]), flush=True)
+    return out
+
+
+def _line(r: dict) -> str:
+    m = r["measured"]
+    cells = [f"{r['preset']:6s} {r['layout']:10s} {r['dtype']:5s} L={r['seq']:<4d}",
+             f"{m / MiB:8.2f}"]
+    for key in ("hand", "liveness", "liveness_fused"):
+        cells.append(f"{r[key] / MiB:8.2f} ({r[key] / m:5.2f}x)")
+    return " | ".join(cells)
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    force_host_devices(8)
+    try:
+        print("model  layout     dtype L     | measured |    hand model    |     liveness     "
+              "| liveness, fused   (MiB per device; ratio to measured)")
+        rows(args)
+    except (UsageError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
