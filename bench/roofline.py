@@ -261,10 +261,19 @@ def main(argv=None) -> int:
                     ["step", pred.step_s, step_s], ["MFU", mfu, meas_mfu]],
                    ["step summary", "predicted", "measured"], floatfmt=".4g"))
     peak_bytes, fits = memory_fit(cfg, tcfg, layout, hw)
+    live = None
     if peak_bytes is not None:
         cap = f" of {hw.hbm_capacity / 2**30:.0f} GiB: {'fits' if fits else 'does NOT fit'}" \
             if fits is not None else ""
         print(f"predicted peak HBM per device {peak_bytes / 2**30:.1f} GiB{cap}")
+        # `fits` is the hand model's (flash attention's own buffers); the liveness walk
+        # of the traced jnp step is an upper bound (XLA:CPU: 1.0-1.33x, bench/memory.py)
+        from engine.cost import liveness
+        from engine.cost.ledger import trace_step
+        closed = trace_step(cfg, tcfg, layout, parallel)
+        live, fused = (liveness.peak_bytes(closed, fuse=f)[0] for f in (False, True))
+        print(f"  liveness of the traced step: {live / 2**30:.1f} GiB (upper bound), "
+              f"{fused / 2**30:.1f} GiB with loop fusion")
     if step_s:
         print(f"step error {100 * (pred.step_s - step_s) / step_s:+.1f}% "
               f"(model {mflops / 1e9:.1f} GFLOP/step)")
@@ -273,6 +282,7 @@ def main(argv=None) -> int:
             "layout": str(layout), "hardware": mine.hardware, "predicted_step_s": pred.step_s,
             "measured_step_s": step_s, "predicted_mfu": mfu, "measured_mfu": meas_mfu,
             "audit_clean": audit_clean, "predicted_peak_bytes": peak_bytes, "fits": fits,
+            "liveness_peak_bytes": live,
             "predicted_compute_s": pred.compute_s,
             "predicted_comm_s": pred.comm_s, "predicted_exposed_comm_s": pred.exposed_comm_s,
             "scopes": [dict(zip(["scope", "flops", "bytes", "intensity", "bound",
