@@ -138,7 +138,11 @@ The items add up to within 0.5% of the tensors XLA:CPU holds at its peak (tiny, 
 medium; `full` and, under prefetch, "last layer" re-read after the chunked kernel kept
 E and 1/rowsum and gather_many moved bf16 as u32 pairs); `memory_analysis()`'s temp is
 1-7% above that (the heap's packing of those buffers, not a tensor), so the prediction
-runs that much under the measured peak. `none`, `dots` and the loss phase were refitted
+runs that much under the measured peak. Across more configurations (`python
+bench/memory.py`: remat full, reference attention, tiny L = 64 and small L = 256 on
+fsdp8, fsdp4xtp2, single, f32 and bf16) it is 0.82-0.98x of the measured peak, lowest on
+one device (0.82-0.88x); engine/cost/liveness.py's walk of the traced program bounds the
+same rows from above (1.00-1.33x). `none`, `dots` and the loss phase were refitted
 only for dtypes (c for the gathered weights and the einsum backward; E and 1/rowsum for
 chunked `none`'s saved probabilities); their items were not re-read from the compiler.
 Spot checks (tiny, fsdp4xtp2, zero 3, chunked): `dots` -5%, `none` -15% (under: its peak was
