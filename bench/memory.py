@@ -18,23 +18,31 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.train import UsageError, force_host_devices  # noqa: E402
+from engine.train import OneLineParser, UsageError, force_host_devices  # noqa: E402
 
 MiB = 2 ** 20
 SEQ = {"tiny": 64, "small": 256}  # the sequence lengths engine/cost/memory.py was read at
 
 
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return int(text)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python bench/memory.py",
+    p = OneLineParser(prog="python bench/memory.py",
                                 description=__doc__.split("\n\n")[0])
-    p.add_argument("--presets", nargs="+", default=["tiny", "small"])
+    from engine.config import PRESETS
+
+    p.add_argument("--presets", nargs="+", default=["tiny", "small"], choices=sorted(PRESETS))
     p.add_argument("--layouts", nargs="+", default=["fsdp8", "fsdp4xtp2", "single"])
     p.add_argument("--dtypes", nargs="+", default=["f32", "bf16"])
     p.add_argument("--attention", default="reference",
                    help="attention kernel (reference or chunked: what memory.predict models "
                         "on cpu)")
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--seq", type=int, default=None,
+    p.add_argument("--batch", type=_positive, default=16)
+    p.add_argument("--seq", type=_positive, default=None,
                    help="tokens per row (default: 64 for tiny, 256 for small)")
     return p
 
@@ -52,7 +60,7 @@ def rows(args) -> list[dict]:
         for name in args.layouts:
             for dtype in args.dtypes:
                 cfg = model_config(preset, dtype=dtype, remat="full", attention=args.attention)
-                tcfg = TrainConfig(batch=args.batch, seq=args.seq or SEQ.get(preset, 256))
+                tcfg = TrainConfig(batch=args.batch, seq=SEQ.get(preset, 256) if args.seq is None else args.seq)
                 layout = Layout.parse(name)
                 bad = problems(cfg, tcfg, ParallelConfig(), layout)
                 if bad:
@@ -81,9 +89,11 @@ def _line(r: dict) -> str:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
-    force_host_devices(8)
     try:
+        args = build_parser().parse_args(argv)
+        from engine.layout import Layout
+
+        force_host_devices(max(Layout.parse(name).size for name in args.layouts))
         print("model  layout     dtype L     | measured |    hand model    |     liveness     "
               "| liveness, fused   (MiB per device; ratio to measured)")
         rows(args)
