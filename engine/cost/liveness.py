@@ -50,9 +50,14 @@ measured peak `memory.measure` = arguments + temp + unaliased outputs):
     small single    bf16    281.51  237.27 (0.84)   302.77 (1.08)   232.44 (0.83)
 
 With chunked attention (its custom_vjp chunks; `--presets tiny --attention chunked`, same
-six tiny rows) the unfused walk is 1.02-1.37x and the fused one 0.71-1.08x.
+six tiny rows) the unfused walk is 1.02-1.37x and the fused one 0.71-1.08x. With the
+jnp `blocked` kernel (a scan over key blocks inside each layer's scan; `--presets tiny
+--layouts fsdp4xtp2 single --attention blocked`, which `memory.predict` refuses on cpu)
+it is not a bound: 0.94x and 0.88x in f32, 1.17x and 1.18x in bf16 (fused 0.61-0.91x);
+what XLA:CPU holds there beyond the walk (copies into the nested loops' state are the
+suspect) was not read off its buffer assignment.
 
-The unfused walk is an upper bound on every row (1.00-1.33x): its peak falls, as the
+The unfused walk is an upper bound on every row of the table (1.00-1.33x): its peak falls, as the
 compiler's does, in the backward scan over layers while one layer is recomputed and
 differentiated; it overcounts most in bf16 (each cast a buffer of its own, where XLA
 fuses casts into their consumers) and least on one device (the argument bytes dominate).
