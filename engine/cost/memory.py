@@ -277,7 +277,8 @@ def predict(cfg: ModelConfig, tcfg: TrainConfig, layout: Layout, platform: str =
         kernel = "flash"  # the target's flash kernel (engine/cost/price.py)
     if kernel not in ("reference", "chunked", "flash"):
         raise Unsupported(f"no memory model for the {kernel!r} attention kernel (only "
-                          f"'reference' and 'chunked' were checked against the compiler)")
+                          f"'reference' and 'chunked' were checked against the compiler; "
+                          f"engine.cost.liveness walks any traced step)")
     if cfg.remat not in ("full", "dots", "none"):
         raise Unsupported(f"no memory model for remat={cfg.remat!r}")
     if trainer is None:
