@@ -60,7 +60,8 @@ def rows(args) -> list[dict]:
         for name in args.layouts:
             for dtype in args.dtypes:
                 cfg = model_config(preset, dtype=dtype, remat="full", attention=args.attention)
-                tcfg = TrainConfig(batch=args.batch, seq=SEQ.get(preset, 256) if args.seq is None else args.seq)
+                seq = SEQ.get(preset, 256) if args.seq is None else args.seq
+                tcfg = TrainConfig(batch=args.batch, seq=seq)
                 layout = Layout.parse(name)
                 bad = problems(cfg, tcfg, ParallelConfig(), layout)
                 if bad:

@@ -57,8 +57,8 @@ it is not a bound: 0.94x and 0.88x in f32, 1.17x and 1.18x in bf16 (fused 0.61-0
 what XLA:CPU holds there beyond the walk (copies into the nested loops' state are the
 suspect) was not read off its buffer assignment.
 
-The unfused walk is an upper bound on every row of the table (1.00-1.33x): its peak falls, as the
-compiler's does, in the backward scan over layers while one layer is recomputed and
+The unfused walk is an upper bound on every row of the table (1.00-1.33x): its peak
+falls, as the compiler's does, in the backward scan over layers while one layer is recomputed and
 differentiated; it overcounts most in bf16 (each cast a buffer of its own, where XLA
 fuses casts into their consumers) and least on one device (the argument bytes dominate).
 The fused walk is under XLA:CPU's peak (0.67-0.95x): XLA:CPU keeps more elementwise
@@ -68,12 +68,11 @@ XLA fuses more, it is the closer estimate (not checked against a compiler).
 """
 from __future__ import annotations
 
-import math
 from collections import Counter
 
-import jax.numpy as jnp
 from jax.extend import core as jcore
 
+from engine.cost.fusion import nbytes
 from engine.cost.ledger import FUSIBLE, REDUCTIONS
 
 # ops XLA turns into bitcasts of their operand (or that only mark it): no new buffer
@@ -83,10 +82,6 @@ ALIASES = {"reshape", "squeeze", "expand_dims", "pvary", "stop_gradient",
 CALLS = {"jit", "pjit", "closed_call", "core_call", "remat2", "checkpoint",
          "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr", "custom_lin",
          "shard_map"}
-
-
-def nbytes(aval) -> int:
-    return math.prod(aval.shape) * jnp.dtype(aval.dtype).itemsize if hasattr(aval, "shape") else 0
 
 
 def _body(eqn):
@@ -187,7 +182,7 @@ class _Walk:
 
     def _eqn(self, eqn):
         name = eqn.primitive.name
-        outs = [v for v in eqn.outvars]
+        outs = list(eqn.outvars)
         if name in ALIASES:
             self._at(0, ())
             for o, i in zip(outs, eqn.invars):
