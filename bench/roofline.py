@@ -193,10 +193,19 @@ def main(argv=None) -> int:
           f"{mfu_peak(cfg, hw, layout.size) / 1e12:.3g} TFLOP/s "
           f"({'the host' if hw.shared_host else f'{layout.size} chips'}, {cfg.dtype})")
     peak_bytes, fits = memory_fit(cfg, tcfg, parallel, layout, hw)
+    live = None
     if peak_bytes is not None:
         cap = f" of {hw.hbm_capacity / 2**30:.0f} GiB: {'fits' if fits else 'does NOT fit'}" \
             if fits is not None else ""
         print(f"predicted peak HBM per device {peak_bytes / 2**30:.1f} GiB{cap}")
+        # `fits` is the hand model's (flash attention's own buffers); the liveness walk
+        # of the traced jnp step is an upper bound (XLA:CPU: 1.0-1.33x, bench/memory.py)
+        from engine.cost import liveness
+        from engine.cost.ledger import trace_step
+        closed = trace_step(cfg, tcfg, layout, parallel)
+        live, fused = (liveness.peak_bytes(closed, fuse=f)[0] for f in (False, True))
+        print(f"  liveness of the traced step: {live / 2**30:.1f} GiB (upper bound), "
+              f"{fused / 2**30:.1f} GiB with loop fusion")
     if step_s:
         print(f"step error {100 * (pred.step_s - step_s) / step_s:+.1f}% "
               f"(model {mflops / 1e9:.1f} GFLOP/step)")
@@ -206,6 +215,7 @@ def main(argv=None) -> int:
             "measured_step_s": step_s, "predicted_mfu_fraction": mfu,
             "measured_mfu_fraction": meas_mfu,
             "audit_clean": audit_clean, "predicted_peak_bytes": peak_bytes, "fits": fits,
+            "liveness_peak_bytes": live,
             "predicted_compute_s": pred.compute_s,
             "predicted_comm_s": pred.comm_s, "predicted_exposed_comm_s": pred.exposed_comm_s,
             "scopes": [dict(zip(["scope", "flops", "bytes", "intensity", "bound",

@@ -21,11 +21,14 @@ allocated): arguments + residuals + non-block grads + the loss's transient; the 
 the two is the prediction (`phase`). Under prefetch the second candidate is "last layer"
 instead (below).
 
-Shapes per device: B = batch / (dp·fsdp); L = seq; L_x = L / tp under tp_comm sequence
-and ring (the residual stream between blocks is sharded along L), else L; H_tp, F_tp,
-V_tp = heads, MLP hidden, vocab / tp; G_tp = kv heads a tp rank uses (G / tp, or 1 when
-tp > G); K head dim; D d_model; N layers; W = one layer's weights on a tp rank (wq, wk,
-wv, wo, wg, wu, wd; kv whole when tp > G), W_r the same with kv sliced to the rank (G_tp);
+Shapes per device, read off the specs (engine/params.py): B, L_x = this device's shard of
+the residual stream [B, L, D] under the activation table (B = batch / (dp·fsdp); L_x =
+L / tp under a sequence-sharding tp_comm, else L); L = seq; H_tp, F_tp, V_tp = heads, MLP
+hidden, vocab of one tp rank's shard of wq, wg, embed in the param table; G_tp = kv heads
+a tp rank uses (its shard of wk, or 1 when the table replicates kv because tp > G); K
+head dim; D d_model; N layers; W = one layer's weights on a tp rank (wq, wk, wv, wo, wg,
+wu, wd as the param table shards them over tp; kv whole when tp > G), W_r the same with
+kv sliced to the rank (G_tp);
 c = bytes of the compute dtype; u = bytes of a compute-dtype operand of a mixed
 (compute dtype x f32) dot: 4 on `cpu` (XLA:CPU upcasts it to f32), else c. Matmuls run
 through `layers.common.einsum`, whose backward casts the f32 cotangent to the compute
@@ -135,7 +138,11 @@ The items add up to within 0.5% of the tensors XLA:CPU holds at its peak (tiny, 
 medium; `full` and, under prefetch, "last layer" re-read after the chunked kernel kept
 E and 1/rowsum and gather_many moved bf16 as u32 pairs); `memory_analysis()`'s temp is
 1-7% above that (the heap's packing of those buffers, not a tensor), so the prediction
-runs that much under the measured peak. `none`, `dots` and the loss phase were refitted
+runs that much under the measured peak. Across more configurations (`python
+bench/memory.py`: remat full, reference attention, tiny L = 64 and small L = 256 on
+fsdp8, fsdp4xtp2, single, f32 and bf16) it is 0.82-0.98x of the measured peak, lowest on
+one device (0.82-0.88x); engine/cost/liveness.py's walk of the traced program bounds the
+same rows from above (1.00-1.33x). `none`, `dots` and the loss phase were refitted
 only for dtypes (c for the gathered weights and the einsum backward; E and 1/rowsum for
 chunked `none`'s saved probabilities); their items were not re-read from the compiler.
 Spot checks (tiny, fsdp4xtp2, zero 3, chunked): `dots` -5%, `none` -15% (under: its peak was
@@ -226,13 +233,26 @@ class MemoryPrediction:
         return self.params + self.grads + self.opt_state
 
 
+def _shard_shape(shape: tuple, spec: P, sizes: dict) -> tuple:
+    """One device's shard of a global `shape` stored as `spec` on a mesh of `sizes`."""
+    out = list(shape)
+    for dim, entry in enumerate(spec):
+        for axis in (entry,) if isinstance(entry, str) else (entry or ()):
+            out[dim] //= sizes.get(axis, 1)
+    return tuple(out)
+
+
 def _shard_bytes(sds, spec: P, sizes: dict) -> int:
     """Bytes of one device's shard of `sds` stored as `spec` on a mesh of `sizes`."""
-    n = math.prod(sds.shape)
-    for entry in spec:
-        for axis in (entry,) if isinstance(entry, str) else (entry or ()):
-            n //= sizes.get(axis, 1)
-    return n * jnp.dtype(sds.dtype).itemsize
+    return math.prod(_shard_shape(sds.shape, spec, sizes)) * jnp.dtype(sds.dtype).itemsize
+
+
+def _flat(shapes, specs):
+    """(name "a/b", shape, spec) for every param of two trees nested alike."""
+    flat_specs = dict(jax.tree_util.tree_leaves_with_path(
+        specs, is_leaf=lambda x: isinstance(x, P)))
+    for path, sds in jax.tree_util.tree_leaves_with_path(shapes):
+        yield "/".join(k.key for k in path), sds, flat_specs[path]
 
 
 def _tree_bytes(shapes, specs, sizes: dict, keep=lambda path: True) -> int:
@@ -250,14 +270,15 @@ def predict(cfg: ModelConfig, tcfg: TrainConfig, layout: Layout, platform: str =
     what the item list was read from: compute-dtype operands of mixed dots are upcast to
     f32), anything else keeps them in the compute dtype. `trainer`: a `Trainer` for (cfg,
     tcfg, layout) to take the specs from; by default one on the layout's abstract mesh."""
-    from engine.params import param_shapes
+    from engine.params import PARAMS_ROLE, activation_spec, param_shapes, param_specs
 
     kernel = resolve_attention(cfg.attention, tcfg.seq)
     if platform != "cpu" and kernel in ("blocked", "pallas"):
         kernel = "flash"  # the target's flash kernel (engine/cost/price.py)
     if kernel not in ("reference", "chunked", "flash"):
         raise Unsupported(f"no memory model for the {kernel!r} attention kernel (only "
-                          f"'reference' and 'chunked' were checked against the compiler)")
+                          f"'reference' and 'chunked' were checked against the compiler; "
+                          f"engine.cost.liveness walks any traced step)")
     if cfg.remat not in ("full", "dots", "none"):
         raise Unsupported(f"no memory model for remat={cfg.remat!r}")
     if trainer is None:
@@ -276,17 +297,26 @@ def predict(cfg: ModelConfig, tcfg: TrainConfig, layout: Layout, platform: str =
                                    keep=lambda path: not path.startswith("['blocks']"))
     grad_embed = _tree_bytes(shapes, t.grad_specs, sizes,
                              keep=lambda path: path.startswith("['embed']"))
-    B = tcfg.batch // t.axes.batch_size
-    tokens = B * (tcfg.seq + 1) * 4
+    # this device's tokens [B, L+1] int32 and residual stream [B, L_x, D] (f32), as the
+    # activation table shards them
+    tokens = _shard_bytes(jax.ShapeDtypeStruct((tcfg.batch, tcfg.seq + 1), jnp.int32),
+                          activation_spec("tokens", layout), sizes)
+    B, Lx, _ = _shard_shape((tcfg.batch, tcfg.seq, cfg.d_model),
+                            activation_spec("residual", layout, par.tp_comm), sizes)
 
-    tp = layout.degree("tp")
     L, D, K, N = tcfg.seq, cfg.d_model, cfg.head_dim, cfg.n_layers
-    Lx = L // tp if par.tp_comm != "allreduce" else L
-    Htp, Ftp, Vtp = cfg.n_heads // tp, cfg.mlp_dim // tp, cfg.vocab // tp
-    kv_split = tp <= cfg.n_kv_heads
-    Gtp = cfg.n_kv_heads // tp if kv_split else 1
-    W = 2 * D * Htp * K + 2 * D * (Gtp if kv_split else cfg.n_kv_heads) * K + 3 * D * Ftp
-    W_rank = 2 * D * Htp * K + 2 * D * Gtp * K + 3 * D * Ftp  # kv sliced to this rank
+    # one layer's weights as gathered on a tp rank: the param table's shards with fsdp
+    # whole; H_tp, F_tp, V_tp and the kv heads a rank stores read off them
+    gathered = {name: _shard_shape(sds.shape, spec, {**sizes, PARAMS_ROLE: 1})
+                for name, sds, spec in _flat(shapes, param_specs(cfg, layout))}
+    Htp, Ftp, Vtp = (gathered["blocks/wq"][2], gathered["blocks/wg"][2],
+                     gathered["embed"][0])
+    G_stored = gathered["blocks/wk"][2]       # G / tp, or G (replicated) when tp > G
+    # the attention slices a replicated kv (tp > G) to the one head its rank uses
+    Gtp = G_stored if G_stored < cfg.n_kv_heads or layout.degree("tp") == 1 else 1
+    W = sum(math.prod(shape[1:]) for name, shape in gathered.items()
+            if name.startswith("blocks/w"))
+    W_rank = W - 2 * D * (G_stored - Gtp) * K  # kv sliced to this rank
     c = jnp.dtype(cfg.compute_dtype).itemsize
     u = F32 if platform == "cpu" else c  # a compute-dtype operand of a mixed dot
 
@@ -383,7 +413,7 @@ def predict(cfg: ModelConfig, tcfg: TrainConfig, layout: Layout, platform: str =
                 "norm output (f32)": 5 * x_stream,
                 "last layer: stream 2 norm outputs cast, relaid out": 2 * x_full // F32 * c,
                 "loss: dh = dlogits unembed^T (f32) and its all-reduce over tp":
-                    x_full + (x_full if par.tp_comm == "allreduce" else x_stream),
+                    x_full + x_stream,
                 "loss: unembed grad, f32": D * Vtp * F32,
                 "embed grad, whole over fsdp (replaces its shard)":
                     Vtp * D * F32 - grad_embed}
