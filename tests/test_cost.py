@@ -94,7 +94,7 @@ def test_collective_bytes_match_hand_formulas(layout, dtype):
         assert got[("psum_invariant", ("dp",))] == sharded * 4
 
 
-@pytest.mark.parametrize("layout", ["fsdp8", "tp8", "fsdp4xtp2", "dp2xfsdp2xtp2"])
+@pytest.mark.parametrize("layout", ["fsdp8", "tp8", "fsdp4xtp2", "dp2xfsdp2xtp2", "cp4xfsdp2"])
 def test_audit_clean(layout):
     """The compiled step holds exactly the ledger's collectives (kinds, groups, dtypes,
     bytes, executions counting while-loop trips), modulo the named rules."""
