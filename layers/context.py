@@ -42,8 +42,15 @@ def local_positions(n: int, axes: Axes) -> jax.Array:
     """Global positions of this rank's n = L_cp local tokens: [n] int32."""
     if axes.cp is None:
         return jnp.arange(n, dtype=jnp.int32)
+    return chunk_positions(collectives.axis_index(axes.cp), n, axes.cp_size)
+
+
+def chunk_positions(rank: jax.Array, n: int, cp: int) -> jax.Array:
+    """Global positions of the n = L_cp tokens cp rank `rank` holds (chunks rank and
+    2cp − 1 − rank): [n] int32."""
     c = n // 2
-    return jnp.concatenate([m * c + jnp.arange(c, dtype=jnp.int32) for m in chunk_ids(axes)])
+    return jnp.concatenate([m * c + jnp.arange(c, dtype=jnp.int32)
+                            for m in (rank, 2 * cp - 1 - rank)])
 
 
 def natural_order(x_BSX: jax.Array, cp: int) -> jax.Array:

@@ -24,7 +24,7 @@ from engine.params import activation_spec, param_shapes
 from engine.step import Trainer
 from engine import validate
 from layers import context
-from layers.kernels.context import allgather_attention
+from layers.kernels.context import CP_COMMS
 from test_step import CFG, RTOL, TCFG, assert_tree_close, host, run
 from test_tp_comm import COLLECTIVE_OP, FAST_COMPILE
 
@@ -133,8 +133,9 @@ def test_chunks_are_load_balanced_and_gather_back_in_order():
         np.testing.assert_array_equal(np.asarray(back)[2 * i:2 * i + 2], x_BL)
 
 
-def test_allgather_attention_matches_dense_values_and_grads():
-    """The kernel alone on cp4 (chunks of c=3): outputs and dq, dk, dv equal the dense
+@pytest.mark.parametrize("comm", list(CP_COMMS))
+def test_cp_attention_matches_dense_values_and_grads(comm):
+    """Each cp kernel alone on cp4 (chunks of c=3): outputs and dq, dk, dv equal the dense
     causal attention of the whole sequence (GQA: 4 query heads over 2 kv heads)."""
     lay = Layout.parse("cp4")
     axes = lay.role_axes()
@@ -146,7 +147,7 @@ def test_allgather_attention_matches_dense_values_and_grads():
 
     def local(q, k, v, w):  # whole sequences in, this rank's chunks through the kernel
         cut = lambda x: context.shard_sequence(x, axes)
-        o = allgather_attention(cut(q), cut(k), cut(v), axes=axes)
+        o = CP_COMMS[comm](cut(q), cut(k), cut(v), axes=axes)
         return collectives.all_reduce(jnp.sum(o * cut(w)), "cp")
 
     sharded = jax.jit(jax.value_and_grad(
@@ -164,6 +165,15 @@ def test_cp_layout_matches_single(layout, init, single):
     got = loss_and_grads(layout, init)
     assert_matches(got, single, layout)
     assert "all-gather" in got[3]  # K and V over cp (and params over fsdp)
+
+
+@pytest.mark.parametrize("layout", [
+    "cp4xfsdp2", "cp8", *(pytest.param(lay, marks=pytest.mark.slow)
+                          for lay in ("cp2xfsdp2xtp2", "dp2xcp4"))])
+def test_cp_ring_matches_single(layout, init, single):
+    got = loss_and_grads(layout, init, parallel=ParallelConfig(cp_comm="ring"))
+    assert_matches(got, single, f"{layout} ring")
+    assert "collective-permute" in got[3]  # K and V around the cp ring
 
 
 @pytest.mark.parametrize("layout, parallel", [
