@@ -52,7 +52,8 @@ class ParallelConfig:
               decomposed into ppermute steps interleaved with partial matmuls.
     cp_comm:  how attention reaches the keys of the other cp ranks
               (layers/kernels/context.py `CP_COMMS`): allgather = all-gather K and V
-              over cp, reduce-scatter dK and dV in the backward.
+              over cp, reduce-scatter dK and dV in the backward; ring = K and V
+              passed around the cp ring by ppermute into an online-softmax carry.
     """
 
     zero: int = 3

@@ -69,7 +69,8 @@ def build_parser(prog: str = "python -m engine.train", description: str | None =
                         "partial matmuls)")
     x.add_argument("--cp-comm", default="allgather", choices=list(validate.CP_COMMS),
                    help="on the cp axis: allgather: all-gather K and V over cp, "
-                        "reduce-scatter dK and dV in the backward")
+                        "reduce-scatter dK and dV in the backward; ring: K and V passed "
+                        "around the cp ring (ppermute) into an online softmax")
     x.add_argument("--zero", type=int, default=3, choices=ZERO,
                    help="on the fsdp axis: 1 shards optimizer state, 2 also grads, 3 also "
                         "params (gathered per layer inside the scan)")
