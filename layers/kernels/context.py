@@ -14,8 +14,8 @@ S = cp · L_cp the whole sequence.
                The forward never holds more than one remote block and saves only
                the row log-sum-exp. The backward (custom VJP) sends K and V around
                again with dK and dV accumulators travelling beside them, recomputing
-               each block's probabilities; one last shift takes dK, dV home. Masked
-               tiles are computed, then masked (not skipped).
+               each block's probabilities; one last shift takes dK, dV home. Of each
+               remote block only the visible half is computed (`_earlier`).
 
 `CP_COMMS` is the registry `--cp-comm` names; `CP_KERNELS` the local kernels that take
 global query and key offsets (the only ones a cp rank's chunks can use).
