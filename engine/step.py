@@ -4,7 +4,8 @@
 strategy from engine/zero.py (storage and grad specs, what the model sees, the loss's
 reduction, the update). `parallel.tp_comm`, `parallel.cp_comm` and `parallel.prefetch`
 reach the layers through `layers.axes.Axes`. Under cp the tokens are replicated over cp
-and each rank cuts its load-balanced chunks at the start of the loss (layers/context.py). The step body below is the same for every setting.
+and each rank cuts its load-balanced chunks at the start of the loss (layers/context.py).
+The step body below is the same for every setting.
 """
 from __future__ import annotations
 

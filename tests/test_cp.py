@@ -17,7 +17,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import collectives
 import reference_model as ref
-from engine.config import ConfigError, ParallelConfig, TrainConfig, model_config
+from engine.config import ConfigError, ParallelConfig, TrainConfig
 from engine.data import synthetic_tokens
 from engine.layout import Layout
 from engine.params import activation_spec, param_shapes
@@ -123,8 +123,9 @@ def test_chunks_are_load_balanced_and_gather_back_in_order():
         back_BL = context.natural_order(collectives.gather(mine_BL, "cp", dim=1), 4)
         return mine_BL, pos_L[None], back_BL
 
+    out_specs = (P(None, "cp"), P(None, "cp"), P("cp"))
     mine, pos, back = jax.jit(jax.shard_map(body, mesh=lay.mesh(), in_specs=P(),
-                                            out_specs=(P(None, "cp"), P(None, "cp"), P("cp"))))(x_BL)
+                                            out_specs=out_specs))(x_BL)
     c = 3
     for i in range(4):
         want_L = np.concatenate([np.arange(i * c, i * c + c), np.arange((7 - i) * c, (8 - i) * c)])
