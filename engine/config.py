@@ -50,11 +50,16 @@ class ParallelConfig:
               Megatron sequence parallel (activations sharded over tp along L between
               blocks); ring = sequence parallel with the gather and reduce-scatter
               decomposed into ppermute steps interleaved with partial matmuls.
+    cp_comm:  how attention reaches the keys of the other cp ranks
+              (layers/kernels/context.py `CP_COMMS`): allgather = all-gather K and V
+              over cp, reduce-scatter dK and dV in the backward; ring = K and V
+              passed around the cp ring by ppermute into an online-softmax carry.
     """
 
     zero: int = 3
     prefetch: bool = False
     tp_comm: str = "allreduce"
+    cp_comm: str = "allgather"
 
 
 def model_config(preset: str, **overrides) -> ModelConfig:

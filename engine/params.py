@@ -9,8 +9,10 @@ for GQA.
 
 The activation table beside it says how the step's and the decoder's activations are
 sharded, by what each dim is split as (the registry's `shards` words): `batch` over
-every batch role, `heads` over the heads role, `sequence` over tp under a
-sequence-sharding tp_comm (the residual stream between blocks).
+every batch role, `heads` over the heads role, `sequence` over cp (each cp rank's
+load-balanced chunks, layers/context.py) and then over tp under a sequence-sharding
+tp_comm (the residual stream between blocks). Tokens are replicated over cp: each rank
+cuts its chunks inside the step.
 """
 from __future__ import annotations
 
@@ -62,8 +64,11 @@ def activation_spec(name: str, layout: Layout, tp_comm: str = "allreduce") -> P:
     def axes(what):
         if what is None:
             return None
-        if what == "sequence":
-            return _resolve("tp", None, layout) if TP_COMMS[tp_comm].shards_sequence else None
+        if what == "sequence":  # cp's chunks (outer), then tp's pieces of them
+            names = tuple(r for r in roles.roles_sharding("sequence") if layout.degree(r) > 1)
+            if TP_COMMS[tp_comm].shards_sequence and layout.degree("tp") > 1:
+                names += ("tp",)
+            return names[0] if len(names) == 1 else (names or None)
         names = tuple(r for r in roles.roles_sharding(what) if layout.degree(r) > 1)
         if what == "batch":
             return names or None

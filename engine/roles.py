@@ -51,6 +51,9 @@ ROLES: dict[str, Role] = {r.name: r for r in (
          doc="params, grads, optimizer state and batch sharded (ZeRO)"),
     Role("tp", ("heads",), data=False, divides=("heads", "mlp_dim", "vocab"),
          doc="heads, MLP hidden and vocab sharded (Megatron)"),
+    # cp's rule is seq divisible by 2*cp (load-balanced chunks): engine/validate.py
+    Role("cp", ("sequence",), data=True, divides=(),
+         doc="sequence sharded in load-balanced causal chunks (context parallel)"),
 )}
 
 # Model dims a role may have to divide, as `ModelConfig` field names (and "batch").

@@ -2,8 +2,10 @@
 
 `parallel.zero` picks what the fsdp axis shards (params / grads / optimizer state): a
 strategy from engine/zero.py (storage and grad specs, what the model sees, the loss's
-reduction, the update). `parallel.tp_comm` and `parallel.prefetch` reach the layers
-through `layers.axes.Axes`. The step body below is the same for every setting.
+reduction, the update). `parallel.tp_comm`, `parallel.cp_comm` and `parallel.prefetch`
+reach the layers through `layers.axes.Axes`. Under cp the tokens are replicated over cp
+and each rank cuts its load-balanced chunks at the start of the loss (layers/context.py).
+The step body below is the same for every setting.
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from engine.config import ParallelConfig, TrainConfig
 from engine.layout import Layout
 from engine.params import activation_spec, fsdp_dims, init_params, param_shapes, param_specs
 from engine.validate import check
-from layers import model, scopes
+from layers import context, model, scopes
 from layers.config import ModelConfig
 
 
@@ -41,7 +43,7 @@ class Trainer:
         self.cfg, self.tcfg, self.layout, self.mesh = cfg, tcfg, layout, mesh
         self.parallel = parallel
         self.axes = layout.role_axes(tp_comm=collectives.TP_COMMS[parallel.tp_comm],
-                                     prefetch=parallel.prefetch)
+                                     cp_comm=parallel.cp_comm, prefetch=parallel.prefetch)
         self.zero = zero.level(parallel.zero, self.axes.fsdp)
         self.shard_specs = param_specs(cfg, layout)  # sharded over fsdp as the table says
         self.specs = self.zero.storage_specs(self.shard_specs, self.axes.fsdp)  # between steps
@@ -64,7 +66,13 @@ class Trainer:
 
     # -- per-shard bodies -------------------------------------------------------------
     def _loss(self, params, tokens_BL):
-        loss = model.loss(params, tokens_BL[:, :-1], tokens_BL[:, 1:], self._dims, self.cfg,
+        # cp: tokens arrive replicated over cp (int32, L+1 per row: small next to the
+        # activations) and each rank cuts its two load-balanced chunks of inputs and
+        # targets here, once, with local slices; the batch format, put_batch and every
+        # caller of it stay as they are
+        inputs_BL, targets_BL = (context.shard_sequence(x_BL, self.axes)
+                                 for x_BL in (tokens_BL[:, :-1], tokens_BL[:, 1:]))
+        loss = model.loss(params, inputs_BL, targets_BL, self._dims, self.cfg,
                           self._model_axes)
         return self.zero.finish_loss(loss, self.axes)
 

@@ -74,6 +74,10 @@ def build_parser(prog: str = "python -m engine.train", description: str | None =
                         "sharded over tp along the sequence between blocks); ring: sequence "
                         "parallel with collective matmuls (ppermute steps interleaved with "
                         "partial matmuls)")
+    x.add_argument("--cp-comm", default="allgather", choices=list(validate.CP_COMMS),
+                   help="on the cp axis: allgather: all-gather K and V over cp, "
+                        "reduce-scatter dK and dV in the backward; ring: K and V passed "
+                        "around the cp ring (ppermute) into an online softmax")
     x.add_argument("--zero", type=int, default=3, choices=ZERO,
                    help="on the fsdp axis: 1 shards optimizer state, 2 also grads, 3 also "
                         "params (gathered per layer inside the scan)")
@@ -136,7 +140,8 @@ def parse(argv, parser: argparse.ArgumentParser | None = None) -> tuple:
         dtype=args.dtype, remat=args.remat, attention=args.attention)
     tcfg = TrainConfig(batch=args.batch, seq=args.seq, steps=args.steps, lr=args.lr,
                        warmup=args.warmup, seed=args.seed)
-    parallel = ParallelConfig(zero=args.zero, prefetch=args.prefetch, tp_comm=args.tp_comm)
+    parallel = ParallelConfig(zero=args.zero, prefetch=args.prefetch, tp_comm=args.tp_comm,
+                              cp_comm=args.cp_comm)
     problems = validate.config_problems(cfg, tcfg, parallel) + _flag_problems(args, cfg, tcfg)
     if problems:
         raise UsageError("; ".join(problems))

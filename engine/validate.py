@@ -11,8 +11,9 @@ from collectives.ring import COMMS, TP_COMMS
 from engine.config import ConfigError, ParallelConfig, TrainConfig
 from engine.zero import ZERO
 from layers.block import REMAT
-from layers.kernels import KERNELS
 from layers.config import DTYPES, ModelConfig
+from layers.kernels import KERNELS
+from layers.kernels.context import CP_COMMS, CP_KERNELS
 
 ATTENTIONS = ("auto", *KERNELS)
 
@@ -39,6 +40,8 @@ def config_problems(cfg: ModelConfig, tcfg: TrainConfig,
         problems.append(f"attention={cfg.attention!r} not one of {list(ATTENTIONS)}")
     if parallel.tp_comm not in COMMS:
         problems.append(f"tp_comm={parallel.tp_comm!r} not one of {list(COMMS)}")
+    if parallel.cp_comm not in CP_COMMS:
+        problems.append(f"cp_comm={parallel.cp_comm!r} not one of {list(CP_COMMS)}")
     if parallel.zero not in ZERO:
         problems.append(f"zero={parallel.zero} not one of {list(ZERO)}")
     if parallel.prefetch and parallel.zero != 3:
@@ -63,6 +66,31 @@ def layout_problems(cfg: ModelConfig, tcfg: TrainConfig, parallel: ParallelConfi
     if comm is not None and comm.shards_sequence and tcfg.seq % tp:
         problems.append(f"--tp-comm {parallel.tp_comm} shards the sequence over tp: "
                         f"seq={tcfg.seq} not divisible by tp={tp}")
+    problems.extend(cp_problems(cfg, tcfg, parallel, layout))
+    return problems
+
+
+def cp_problems(cfg: ModelConfig, tcfg: TrainConfig, parallel: ParallelConfig,
+                layout) -> list[str]:
+    """cp cuts each sequence into 2*cp load-balanced chunks (layers/context.py), and a
+    sequence-sharding tp_comm splits a rank's 2 chunks over tp; the chunks' queries
+    need a kernel taking global offsets."""
+    cp, tp = layout.degree("cp"), layout.degree("tp")
+    if cp == 1:
+        return []
+    problems = []
+    if tcfg.seq % (2 * cp):
+        problems.append(f"cp={cp} cuts the sequence into 2*cp={2 * cp} chunks: "
+                        f"seq={tcfg.seq} not divisible by {2 * cp}")
+    comm = TP_COMMS.get(parallel.tp_comm)
+    if (comm is not None and comm.shards_sequence and not tcfg.seq % (2 * cp)
+            and (tcfg.seq // cp) % tp):
+        problems.append(f"--tp-comm {parallel.tp_comm} shards a cp rank's seq/cp="
+                        f"{tcfg.seq // cp} tokens over tp: not divisible by tp={tp}")
+    kernel = "reference" if cfg.attention == "auto" else cfg.attention
+    if kernel not in CP_KERNELS:
+        problems.append(f"attention={cfg.attention!r} takes no global offsets under cp "
+                        f"(use one of {list(CP_KERNELS)} or auto)")
     return problems
 
 

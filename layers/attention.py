@@ -19,7 +19,9 @@ from layers.common import einsum
 from layers.config import ModelConfig
 from layers.kernels import attention_kernel, reference_attention
 from layers.kernels import resolve_attention  # noqa: F401 (re-exported for the CLIs)
-from layers.rope import rope, rope_rows
+from layers.kernels.context import CP_COMMS
+from layers.context import local_positions
+from layers.rope import rope, rope_at, rope_rows
 
 
 class LayerCache(NamedTuple):
@@ -88,6 +90,12 @@ def out_projection(o_BLHK: jax.Array, p: dict, cfg: ModelConfig, axes: Axes) -> 
     return collectives.row_parallel(o_BLHK, out, axes.tp, dim=1, comm=axes.tp_comm)
 
 
+def cp_kernel(name: str) -> str:
+    """The local kernel a cp rank's chunks use: `auto` is the dense reference (the one
+    kernel taking global offsets: `layers.kernels.context.CP_KERNELS`)."""
+    return "reference" if name == "auto" else name
+
+
 def attention(x_BLD: jax.Array, p: dict, cfg: ModelConfig, axes: Axes,
               cache: LayerCache | None = None):
     """x: [B, L, D] replicated over tp -> [B, L, D] replicated over tp (tp_comm
@@ -99,6 +107,8 @@ def attention(x_BLD: jax.Array, p: dict, cfg: ModelConfig, axes: Axes,
     at their positions and written into it, and the queries attend over the whole cache
     (the dense reference kernel with one query offset per row); returns (y, the cache
     with the new tokens) instead of y.
+    Under cp, L is this rank's two load-balanced chunks (layers/context.py): RoPE at
+    their global positions, keys and values from every cp rank as `axes.cp_comm` says.
     """
     dt = cfg.compute_dtype
     q_BLHK, k_BLGK, v_BLGK = qkv_projections(x_BLD, p, cfg, axes)
@@ -109,6 +119,13 @@ def attention(x_BLD: jax.Array, p: dict, cfg: ModelConfig, axes: Axes,
         o_BLHK = reference_attention(q_BLHK.astype(dt), cache.k_BCGK, cache.v_BCGK,
                                      q_offset=cache.start_B, axes=axes)
         return out_projection(o_BLHK, p, cfg, axes), cache
+    if axes.cp is not None:  # this rank's two chunks: global positions, keys over cp
+        pos_L = local_positions(q_BLHK.shape[1], axes)
+        q_BLHK, k_BLGK = (rope_at(x, pos_L, cfg.rope_theta) for x in (q_BLHK, k_BLGK))
+        o_BLHK = CP_COMMS[axes.cp_comm](q_BLHK.astype(dt), k_BLGK.astype(dt),
+                                        v_BLGK.astype(dt), axes=axes,
+                                        kernel=cp_kernel(cfg.attention))
+        return out_projection(o_BLHK, p, cfg, axes)
     q_BLHK, k_BLGK = rope(q_BLHK, theta=cfg.rope_theta), rope(k_BLGK, theta=cfg.rope_theta)
     attend = attention_kernel(cfg.attention, q_BLHK.shape[1])
     o_BLHK = attend(q_BLHK.astype(dt), k_BLGK.astype(dt), v_BLGK.astype(dt), causal=True,

@@ -8,7 +8,7 @@ from typing import Mapping
 
 import collectives
 from collectives.ring import ALLREDUCE, TpComm
-from engine.roles import roles_sharding
+from engine.roles import data_roles, roles_sharding
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,9 +38,12 @@ class Axes:
     dp:   params replicated, batch sharded.
     fsdp: params, grads, optimizer state and batch sharded (ZeRO).
     tp:   heads, MLP hidden and vocab sharded (Megatron).
+    cp:   the sequence sharded in load-balanced causal chunks (layers/context.py).
 
     tp_comm:  how activations move over tp (`collectives.ring.TpComm`: allreduce,
               sequence or ring).
+    cp_comm:  how attention reaches the keys of the other cp ranks
+              (`layers.kernels.context.CP_COMMS`: allgather).
     weights:  how a layer's weights are made whole (`GatherWeights` for ZeRO-3; ZeRO-2's
               `engine.optim.ResidentWeights`).
     prefetch: gather layer i+1's weights before layer i's compute (layers/block.py).
@@ -49,10 +52,13 @@ class Axes:
     dp: str | None = None
     fsdp: str | None = None
     tp: str | None = None
+    cp: str | None = None
     dp_size: int = 1
     fsdp_size: int = 1
     tp_size: int = 1
+    cp_size: int = 1
     tp_comm: TpComm = ALLREDUCE
+    cp_comm: str = "allgather"
     weights: object = GATHER
     prefetch: bool = False
 
@@ -66,6 +72,19 @@ class Axes:
     def batch_size(self) -> int:
         size = 1
         for r in roles_sharding("batch"):
+            size *= getattr(self, f"{r}_size")
+        return size
+
+    @property
+    def data(self) -> tuple[str, ...]:
+        """Axes along which devices see different tokens (the registry's data roles: the
+        batch axes and cp): the loss is summed over these."""
+        return tuple(a for a in (getattr(self, r) for r in data_roles()) if a is not None)
+
+    @property
+    def data_size(self) -> int:
+        size = 1
+        for r in data_roles():
             size *= getattr(self, f"{r}_size")
         return size
 

@@ -60,7 +60,9 @@ def loss(params: dict, inputs_BL: jax.Array, targets_BL: jax.Array, fsdp_dims: M
 
     inputs, targets: [B_batch, L] with the batch sharded over `axes.batch`; position t of
     inputs predicts position t of targets (for a token stream, targets are the inputs
-    shifted by one).
+    shifted by one). Under cp, [B_batch, L_cp]: this rank's two load-balanced chunks
+    (`layers.context.shard_sequence`); the loss is summed over every data axis (batch
+    axes and cp) and divided by the global token count.
     """
     x_BLD = embed(params, inputs_BL, fsdp_dims, cfg, axes)
     x_BLD = blocks(params, x_BLD, fsdp_dims, cfg, axes)
@@ -68,5 +70,5 @@ def loss(params: dict, inputs_BL: jax.Array, targets_BL: jax.Array, fsdp_dims: M
         h_BLD, unembed_DV = head(params, x_BLD, fsdp_dims, cfg, axes)
         loss_BL = vocab.cross_entropy(h_BLD, unembed_DV, targets_BL, axes, cfg.compute_dtype,
                                       axes.tp_comm)
-        n_tokens = loss_BL.size * axes.batch_size
-        return collectives.all_reduce(jnp.sum(loss_BL), axes.batch) / n_tokens
+        n_tokens = loss_BL.size * axes.data_size
+        return collectives.all_reduce(jnp.sum(loss_BL), axes.data) / n_tokens

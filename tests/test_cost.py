@@ -94,7 +94,7 @@ def test_collective_bytes_match_hand_formulas(layout, dtype):
         assert got[("psum_invariant", ("dp",))] == sharded * 4
 
 
-@pytest.mark.parametrize("layout", ["fsdp8", "tp8", "fsdp4xtp2", "dp2xfsdp2xtp2"])
+@pytest.mark.parametrize("layout", ["fsdp8", "tp8", "fsdp4xtp2", "dp2xfsdp2xtp2", "cp4xfsdp2"])
 def test_audit_clean(layout):
     """The compiled step holds exactly the ledger's collectives (kinds, groups, dtypes,
     bytes, executions counting while-loop trips), modulo the named rules."""
@@ -127,6 +127,25 @@ def test_audit_clean_under_each_switch(switches):
     assert result.clean, (result.missing, result.extra)
     kinds = {k[0] for k in result.matched}
     assert ("collective-permute" in kinds) == (par.tp_comm == "ring")
+
+
+def test_audit_clean_cp_ring():
+    """--cp-comm ring on cp4xfsdp2: the compiled step holds exactly the ledger's
+    collective-permutes (per layer: 2(cp-1) K/V shifts forward, 2(cp-1) K/V and 2cp
+    dK/dV shifts backward). Remat none: under remat, XLA merges the recomputed
+    forward's K/V shifts with the backward's identical ones, which the ledger counts
+    twice."""
+    from engine.step import Trainer
+
+    cfg, lay, par = _cfg(remat="none"), Layout.parse("cp4xfsdp2"), ParallelConfig(cp_comm="ring")
+    rows = step_ledger(cfg, TCFG, lay, par)
+    text = compiled_text(Trainer(cfg, TCFG, lay, lay.mesh(), par),
+                         compiler_options={"xla_backend_optimization_level": 0})
+    result = audit(rows, text, lay.mesh_axes(), "cpu")
+    assert result.clean, (result.missing, result.extra)
+    permutes = sum(n for k, n in result.matched.items() if k[0] == "collective-permute")
+    cp = lay.degree("cp")
+    assert permutes == cfg.n_layers * (2 * (cp - 1) + 2 * (cp - 1) + 2 * cp)
 
 
 @pytest.mark.slow

@@ -81,7 +81,7 @@ def test_the_roles_come_from_the_registry():
     assert all({r, f"{r}_size"} <= fields for r in roles.ROLES)  # a role is two Axes fields
     a = Layout.parse("dp2xfsdp2xtp2").role_axes()
     assert (a.batch, a.batch_size) == (("dp", "fsdp"), 4)
-    assert roles.data_roles() == ("dp", "fsdp")
+    assert roles.data_roles() == ("dp", "fsdp", "cp")  # cp: a data axis for all but attention
 
 
 @pytest.mark.parametrize("layout,tp_comm,spec", [

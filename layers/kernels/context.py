@@ -1,0 +1,205 @@
+"""Context-parallel attention: queries of this cp rank's two load-balanced chunks
+(layers/context.py) against the keys of the whole sequence.
+
+Shape letters as in layers/kernels/shared.py; L_cp = 2c local tokens, c per chunk,
+S = cp · L_cp the whole sequence.
+
+    allgather  all-gather K and V over cp (G kv heads only: small under GQA), put them
+               in position order, and attend each local query chunk with a causal mask
+               at its global positions. Under check_vma the gather's transpose is a
+               reduce-scatter, so the backward reduce-scatters dK and dV over cp.
+    ring       K and V travel around the cp ring by ppermute, one rank's chunks per step
+               (cp steps, cp − 1 shifts), each step folded into an online-softmax carry
+               (running max, sum and output) with the causal mask at global positions.
+               The forward never holds more than one remote block and saves only
+               the row log-sum-exp. The backward (custom VJP) sends K and V around
+               again with dK and dV accumulators travelling beside them, recomputing
+               each block's probabilities; one last shift takes dK, dV home. Of each
+               remote block only the visible half is computed (`_earlier`).
+
+`CP_COMMS` is the registry `--cp-comm` names; `CP_KERNELS` the local kernels that take
+global query and key offsets (the only ones a cp rank's chunks can use).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax.numpy as jnp
+from jax import lax
+
+import collectives
+from layers.context import chunk_ids, chunk_positions, natural_order
+from layers.kernels.reference import reference_attention
+from layers.kernels.shared import MASK_VALUE, causal_mask, flash_vjp, softmax_scale
+
+CP_KERNELS = {"reference": reference_attention}
+
+
+def allgather_attention(q_BLHK, k_BLGK, v_BLGK, *, axes, kernel: str = "reference"):
+    """q [B, L_cp, H, K], k, v [B, L_cp, G, K] (this rank's chunks i and 2cp−1−i) ->
+    o [B, L_cp, H, K] in q's dtype: causal attention at global positions over the keys
+    all-gathered from every cp rank."""
+    attend = CP_KERNELS[kernel]
+    k_BSGK, v_BSGK = (natural_order(collectives.gather(x, axes.cp, dim=1), axes.cp_size)
+                      for x in (k_BLGK, v_BLGK))
+    c = q_BLHK.shape[1] // 2
+    outs = [attend(q_BLHK[:, j * c:(j + 1) * c], k_BSGK, v_BSGK, causal=True, q_offset=m * c,
+                   k_offset=0)
+            for j, m in enumerate(chunk_ids(axes))]
+    return jnp.concatenate(outs, axis=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Ring:
+    """Static description of a ring: the cp axis and its size."""
+
+    axis: str | None
+    size: int
+
+
+def _scores(q_BLGRK, k_BSGK, mask_LS=None):
+    """Scaled scores s_BGRLS (f32), masked where mask_LS is False (None: all visible)."""
+    s_BGRLS = jnp.einsum("BLGRK,BSGK->BGRLS", q_BLGRK, k_BSGK,
+                         preferred_element_type=jnp.float32) * softmax_scale(q_BLGRK.shape[-1])
+    return s_BGRLS if mask_LS is None else jnp.where(mask_LS, s_BGRLS, MASK_VALUE)
+
+
+def _block_stats(q_BLGRK, k_BSGK, v_BSGK, mask_LS=None):
+    """One block's softmax pieces: row max m_BGRL, sum l_BGRL of exp(s - m), and
+    unnormalised output acc_BGRLK (all f32)."""
+    s_BGRLS = _scores(q_BLGRK, k_BSGK, mask_LS)
+    m_BGRL = jnp.max(s_BGRLS, axis=-1)
+    e_BGRLS = jnp.exp(s_BGRLS - m_BGRL[..., None])
+    if mask_LS is not None:
+        e_BGRLS = jnp.where(mask_LS, e_BGRLS, 0.0)
+    acc_BGRLK = jnp.einsum("BGRLS,BSGK->BGRLK", e_BGRLS.astype(v_BSGK.dtype), v_BSGK,
+                           preferred_element_type=jnp.float32)
+    return m_BGRL, jnp.sum(e_BGRLS, axis=-1), acc_BGRLK
+
+
+def _block_grads(q_BLGRK, k_BSGK, v_BSGK, do_BLGRK, lse_BGRL, delta_BGRL, mask_LS=None):
+    """One block's (dq, dk, dv), f32, from P = exp(s - lse) recomputed."""
+    f32 = jnp.float32
+    s_BGRLS = _scores(q_BLGRK, k_BSGK, mask_LS)
+    p_BGRLS = jnp.exp(s_BGRLS - lse_BGRL[..., None])
+    if mask_LS is not None:
+        p_BGRLS = jnp.where(mask_LS, p_BGRLS, 0.0)
+    do_BLGRK = do_BLGRK.astype(f32)
+    dv_BSGK = jnp.einsum("BGRLS,BLGRK->BSGK", p_BGRLS, do_BLGRK)
+    dp_BGRLS = jnp.einsum("BLGRK,BSGK->BGRLS", do_BLGRK, v_BSGK.astype(f32))
+    ds_BGRLS = p_BGRLS * (dp_BGRLS - delta_BGRL[..., None]) * softmax_scale(q_BLGRK.shape[-1])
+    dq_BLGRK = jnp.einsum("BGRLS,BSGK->BLGRK", ds_BGRLS, k_BSGK.astype(f32))
+    dk_BSGK = jnp.einsum("BGRLS,BLGRK->BSGK", ds_BGRLS, q_BLGRK.astype(f32))
+    return dq_BLGRK, dk_BSGK, dv_BSGK
+
+
+def _diagonal_mask(L: int, ring: _Ring):
+    """Step 0 (this rank's own chunks): the causal mask at global positions [L, L]."""
+    pos_L = chunk_positions(collectives.axis_index(ring.axis), L, ring.size)
+    return causal_mask(pos_L, pos_L)
+
+
+def _earlier(step: int, ring: _Ring):
+    """At step > 0 the chunks held come from rank src = i - step. If src < i, both local
+    query chunks see all of chunk src and none of chunk 2cp-1-src: the visible tile is
+    (all queries) x (the first key chunk). Else only query chunk 2cp-1-i sees anything,
+    and it sees both key chunks: (the second query chunk) x (all keys). Either way one
+    unmasked tile of half the block; the other half is skipped."""
+    i = collectives.axis_index(ring.axis)
+    return (i - step) % ring.size < i
+
+
+def _pad_rows(x, c: int, axis: int, value):
+    """Put the second query chunk's rows x back in a whole local row range: `value`
+    (nothing seen) for the first chunk's c rows."""
+    pad = jnp.full(x.shape[:axis] + (c,) + x.shape[axis + 1:], value, x.dtype)
+    return jnp.concatenate([pad, x], axis=axis)
+
+
+def _pad_keys(x, axis: int = 1):
+    """A first key chunk's grads back in the whole block: zeros for the second chunk."""
+    return jnp.concatenate([x, jnp.zeros_like(x)], axis=axis)
+
+
+def _ring_forward(q_BLGRK, k_BSGK, v_BSGK, ring: _Ring):
+    """o_BLGRK (q's dtype) and the row log-sum-exp lse_BGRL (f32) for the backward."""
+    L = q_BLGRK.shape[1]
+    c = L // 2
+    m_BGRL, l_BGRL, acc_BGRLK = _block_stats(q_BLGRK, k_BSGK, v_BSGK, _diagonal_mask(L, ring))
+    kv = (k_BSGK, v_BSGK)
+
+    def keys_first(q_BLGRK, k_BSGK, v_BSGK):
+        return _block_stats(q_BLGRK, k_BSGK[:, :c], v_BSGK[:, :c])
+
+    def queries_second(q_BLGRK, k_BSGK, v_BSGK):
+        m_BGRL, l_BGRL, acc_BGRLK = _block_stats(q_BLGRK[:, c:], k_BSGK, v_BSGK)
+        return (_pad_rows(m_BGRL, c, 3, MASK_VALUE), _pad_rows(l_BGRL, c, 3, 0.0),
+                _pad_rows(acc_BGRLK, c, 3, 0.0))
+
+    for step in range(1, ring.size):
+        kv = tuple(collectives.ring_shift(x, ring.axis) for x in kv)
+        mb_BGRL, lb_BGRL, accb_BGRLK = lax.cond(_earlier(step, ring), keys_first,
+                                                queries_second, q_BLGRK, *kv)
+        m_new_BGRL = jnp.maximum(m_BGRL, mb_BGRL)
+        old_BGRL, new_BGRL = jnp.exp(m_BGRL - m_new_BGRL), jnp.exp(mb_BGRL - m_new_BGRL)
+        l_BGRL = l_BGRL * old_BGRL + lb_BGRL * new_BGRL
+        acc_BGRLK = acc_BGRLK * old_BGRL[..., None] + accb_BGRLK * new_BGRL[..., None]
+        m_BGRL = m_new_BGRL
+    # every query sees its own key (step 0), so l > 0
+    o_BLGRK = (acc_BGRLK / l_BGRL[..., None]).transpose(0, 3, 1, 2, 4)
+    return o_BLGRK.astype(q_BLGRK.dtype), (m_BGRL + jnp.log(l_BGRL),)
+
+
+def _ring_backward(ring: _Ring, residuals, do_BLGRK):
+    """K/V go around the ring again with their dK/dV accumulators beside them; at each
+    step the visible tile's P = exp(s - lse) is recomputed, dQ accumulates here and the
+    tile's dK, dV are added to the accumulators travelling with the block. After the
+    cp steps each accumulator is one rank short of home: one more shift delivers it."""
+    q_BLGRK, k_BSGK, v_BSGK, o_BLGRK, lse_BGRL = residuals
+    L = q_BLGRK.shape[1]
+    c = L // 2
+    delta_BGRL = jnp.einsum("BLGRK,BLGRK->BGRL", do_BLGRK.astype(jnp.float32),
+                            o_BLGRK.astype(jnp.float32))
+    dq_BLGRK, dk_BSGK, dv_BSGK = _block_grads(q_BLGRK, k_BSGK, v_BSGK, do_BLGRK, lse_BGRL,
+                                              delta_BGRL, _diagonal_mask(L, ring))
+    kv, dkv = (k_BSGK, v_BSGK), (dk_BSGK, dv_BSGK)
+
+    def keys_first(q_BLGRK, k_BSGK, v_BSGK):
+        dq, dk, dv = _block_grads(q_BLGRK, k_BSGK[:, :c], v_BSGK[:, :c], do_BLGRK, lse_BGRL,
+                                  delta_BGRL)
+        return dq, _pad_keys(dk), _pad_keys(dv)
+
+    def queries_second(q_BLGRK, k_BSGK, v_BSGK):
+        dq, dk, dv = _block_grads(q_BLGRK[:, c:], k_BSGK, v_BSGK, do_BLGRK[:, c:],
+                                  lse_BGRL[..., c:], delta_BGRL[..., c:])
+        return _pad_rows(dq, c, 1, 0.0), dk, dv
+
+    for step in range(1, ring.size):
+        kv = tuple(collectives.ring_shift(x, ring.axis) for x in kv)
+        dkv = tuple(collectives.ring_shift(x, ring.axis) for x in dkv)
+        dq, dk, dv = lax.cond(_earlier(step, ring), keys_first, queries_second, q_BLGRK, *kv)
+        dq_BLGRK = dq_BLGRK + dq
+        dkv = (dkv[0] + dk, dkv[1] + dv)
+    dk_BSGK, dv_BSGK = (collectives.ring_shift(x, ring.axis) for x in dkv)
+    return (dq_BLGRK.astype(q_BLGRK.dtype), dk_BSGK.astype(k_BSGK.dtype),
+            dv_BSGK.astype(v_BSGK.dtype))
+
+
+@functools.cache
+def _ring(ring: _Ring):
+    return flash_vjp(_ring_forward, _ring_backward, ring)
+
+
+def ring_attention(q_BLHK, k_BLGK, v_BLGK, *, axes, kernel: str = "reference"):
+    """q [B, L_cp, H, K], k, v [B, L_cp, G, K] (this rank's chunks) -> o [B, L_cp, H, K]
+    in q's dtype, the allgather kernel's result with K and V passed around the ring.
+    kernel: unused (the ring folds dense blocks itself)."""
+    B, L, H, K = q_BLHK.shape
+    G = k_BLGK.shape[2]
+    o_BLGRK = _ring(_Ring(axes.cp, axes.cp_size))(q_BLHK.reshape(B, L, G, H // G, K),
+                                                   k_BLGK, v_BLGK)
+    return o_BLGRK.reshape(B, L, H, K)
+
+
+CP_COMMS = {"allgather": allgather_attention, "ring": ring_attention}
