@@ -188,7 +188,8 @@ def force_host_devices(n: int) -> None:
 def load_checked_data(cfg, tcfg, args):
     """--data loaded and checked against the model and sequence length (no jax needed)."""
     data = load_data(args.data, cfg.vocab, args.data_dtype)
-    problems = data_problems(data, tcfg.seq, cfg.vocab, need_val=args.eval_every is not None)
+    problems = data_problems(data, tcfg.seq, cfg.vocab, need_val=args.eval_every is not None,
+                             vocab_limit=LIMITS["vocab"])
     if problems:
         raise DataError("; ".join(problems))
     return data

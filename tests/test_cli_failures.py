@@ -46,3 +46,13 @@ def test_first_optimizer_update_moves_the_params():
     # Adam's first update is lr * g / |g| = lr per element: lr / warmup at step 1
     np.testing.assert_allclose(optax.apply_updates(params, updates)["w"],
                                1 - tcfg.lr / tcfg.warmup, rtol=1e-5)
+
+
+# -- data ----------------------------------------------------------------------------------
+def test_random_uint32_bin_points_at_the_dtype_not_a_huge_vocab(tmp_path, capsys):
+    path = tmp_path / "random.bin"
+    np.random.default_rng(0).integers(0, 2**32, 4096, dtype=np.uint32).tofile(path)
+    code, out, err = run_main(capsys, "--data", str(path), "--data-dtype", "uint32")
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert "beyond any vocab the engine accepts (limit 16,777,216)" in err
+    assert "--data-dtype" in err and "need --vocab" not in err
