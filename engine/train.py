@@ -307,6 +307,18 @@ def setup(cfg, tcfg, parallel, layout, args, data, say):
     return Session(trainer, step_fn, params, opt_state, batch, start, tcfg.steps, peak)
 
 
+def check_output_file(path: str, flag: str) -> None:
+    """Raise UsageError (one line) unless `path` can be opened for writing; a file the
+    check creates is removed again. Run before compiling, so a typo costs no compile."""
+    existed = os.path.lexists(path)
+    try:
+        open(path, "a").close()
+    except OSError as e:
+        raise UsageError(f"{flag} {path}: cannot write it ({e.strerror or e})") from None
+    if not existed:
+        os.remove(path)
+
+
 def _peak(cfg, args, devices) -> tuple[float, str]:
     """The MFU denominator and where it came from."""
     if args.peak_flops:
@@ -320,6 +332,8 @@ def _train(cfg, tcfg, parallel, layout, args, data) -> int:
 
     is_main = distributed.is_main()  # process 0 prints and writes the metrics file
     say = (lambda *a, **k: print(*a, **k, flush=True)) if is_main else (lambda *a, **k: None)
+    if args.metrics_file and is_main:
+        check_output_file(args.metrics_file, "--metrics-file")
     session = setup(cfg, tcfg, parallel, layout, args, data, say)
     if session is None:
         return 0

@@ -56,3 +56,43 @@ def test_random_uint32_bin_points_at_the_dtype_not_a_huge_vocab(tmp_path, capsys
     assert code == 2 and out == "" and err.count("\n") == 1
     assert "beyond any vocab the engine accepts (limit 16,777,216)" in err
     assert "--data-dtype" in err and "need --vocab" not in err
+
+
+# -- output paths, checked before compiling ------------------------------------------------
+@pytest.mark.parametrize("where,phrase", [
+    ("missing/m.jsonl", "No such file or directory"),
+    ("adir", "Is a directory"),
+])
+def test_unwritable_metrics_file_is_one_line_before_compiling(where, phrase, tmp_path, capsys):
+    (tmp_path / "adir").mkdir()
+    path = tmp_path / where
+    code, out, err = run_main(capsys, "--metrics-file", str(path))
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err
+    assert f"--metrics-file {path}: cannot write it ({phrase})" in err
+    assert "compiled" not in out
+
+
+def test_read_only_metrics_file_is_refused(tmp_path, capsys, monkeypatch):
+    """A read-only file (as root, which writes anyway, the open is made to fail as it
+    would for a user)."""
+    path = tmp_path / "m.jsonl"
+    path.write_text("")
+    path.chmod(0o444)
+    real_open = open
+
+    def deny(file, *a, **k):
+        if str(file) == str(path) and os.geteuid() == 0:
+            raise PermissionError(13, "Permission denied", str(file))
+        return real_open(file, *a, **k)
+
+    monkeypatch.setattr("builtins.open", deny)
+    code, out, err = run_main(capsys, "--metrics-file", str(path))
+    assert code == 2 and err.count("\n") == 1
+    assert "cannot write it (Permission denied)" in err and "compiled" not in out
+
+
+def test_checked_metrics_file_is_not_left_behind(tmp_path):
+    from engine.train import check_output_file
+
+    check_output_file(str(tmp_path / "m.jsonl"), "--metrics-file")
+    assert os.listdir(tmp_path) == []
