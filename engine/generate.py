@@ -18,7 +18,8 @@ import time
 from engine import roles
 from engine.config import ConfigError
 from engine.layout import Layout
-from engine.train import OneLineParser, UsageError, force_host_devices, keep_freed_memory
+from engine.train import (DefaultsFormatter, OneLineParser, UsageError, force_host_devices,
+                          keep_freed_memory)
 from layers.config import DTYPES, ModelConfig
 
 REPLACEMENT = "\ufffd".encode()  # what a token >= 256 (not a byte) prints as
@@ -26,11 +27,12 @@ REPLACEMENT = "\ufffd".encode()  # what a token >= 256 (not a byte) prints as
 
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="python -m engine.generate", description=__doc__.split("\n\n")[0],
-                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                      formatter_class=DefaultsFormatter)
     p.add_argument("--checkpoint-dir", required=True, help="the newest checkpoint here is used")
     p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
     p.add_argument("--prompts-file", default=None, help="UTF-8 text, one prompt per line")
-    p.add_argument("--max-new-tokens", type=int, default=200)
+    p.add_argument("--max-new-tokens", type=int, default=200,
+                   help="new tokens per prompt at most")
     p.add_argument("--temperature", type=float, default=0.8, help="0: greedy (argmax)")
     p.add_argument("--top-k", type=int, default=None, help="sample among the k likeliest")
     p.add_argument("--seed", type=int, default=0, help="sampling is a function of the seed")

@@ -36,18 +36,31 @@ class OneLineParser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
+class DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows "(default: X)" after a flag's help, except when there is no default to show
+    (None, a flag that is off) or the help already says what the default is."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if (any(action.default is v for v in (None, False, argparse.SUPPRESS))
+                or action.default == [] or "default" in text):
+            return text
+        return super()._get_help_string(action)
+
+
 def build_parser(prog: str = "python -m engine.train", description: str | None = None,
                  parents=()) -> argparse.ArgumentParser:
     """The training flags; tools that take the same model flags pass their own prog,
     description and parent parsers (for their extra flags)."""
     p = OneLineParser(prog=prog, description=description or __doc__.split("\n\n")[0],
-                parents=list(parents), formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                parents=list(parents), formatter_class=DefaultsFormatter)
     p.add_argument("--layout", default="single",
                    help="mesh axes outermost first with sizes: single, dp8, fsdp8, tp8, "
                         "fsdp4xtp2, dp2xfsdp2xtp2, ... (axes: "
                         + "; ".join(f"{r.name}: {r.doc}" for r in roles.ROLES.values()) + ")")
     m = p.add_argument_group("model (a preset, then any dimension overridden)")
-    m.add_argument("--model", default="small", choices=sorted(PRESETS))
+    m.add_argument("--model", default="small", choices=sorted(PRESETS),
+                   help="preset dimensions (engine/config.py)")
     for flag, field, what in [("--d-model", "d_model", "D"), ("--layers", "n_layers", "N"),
                               ("--heads", "n_heads", "H"), ("--kv-heads", "n_kv_heads", "G"),
                               ("--head-dim", "head_dim", "K"), ("--mlp-dim", "mlp_dim", "F"),
@@ -76,10 +89,11 @@ def build_parser(prog: str = "python -m engine.train", description: str | None =
     d = TrainConfig()
     t.add_argument("--seq", type=int, default=d.seq, help="tokens per sequence")
     t.add_argument("--batch", type=int, default=d.batch, help="global sequences per step")
-    t.add_argument("--steps", type=int, default=d.steps)
+    t.add_argument("--steps", type=int, default=d.steps, help="optimizer steps in the run")
     t.add_argument("--lr", type=float, default=d.lr, help="peak learning rate")
     t.add_argument("--warmup", type=int, default=d.warmup, help="linear warmup steps")
-    t.add_argument("--seed", type=int, default=d.seed)
+    t.add_argument("--seed", type=int, default=d.seed,
+                   help="init and batch order are functions of the seed")
     o = p.add_argument_group("output")
     o.add_argument("--log-every", type=int, default=10, help="progress line every N steps")
     o.add_argument("--metrics-file", default=None, help="JSONL, one object per step")
@@ -361,6 +375,9 @@ def main(argv=None) -> int:
     except (UsageError, ConfigError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # before the loop (which reports its own): setup, compile
+        print("interrupted before training started", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ schedule's first step, output paths checked before compiling, --help text, rates
 data messages, Ctrl-C. In-process `main` where no compile is needed; a subprocess only
 where a signal must be sent."""
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -96,3 +97,61 @@ def test_checked_metrics_file_is_not_left_behind(tmp_path):
 
     check_output_file(str(tmp_path / "m.jsonl"), "--metrics-file")
     assert os.listdir(tmp_path) == []
+
+
+# -- Ctrl-C --------------------------------------------------------------------------------
+def interrupt_after(module, args, line_start, timeout=300):
+    """Run `python -m module args`, send SIGINT once a stdout line starts with
+    `line_start`; (exit code, stdout, stderr)."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    proc = subprocess.Popen([sys.executable, "-m", module, *args], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    lines = []
+    for raw in proc.stdout:
+        lines.append(raw)
+        if raw.startswith(line_start.encode()):
+            proc.send_signal(signal.SIGINT)
+            break
+    out, err = proc.communicate(timeout=timeout)
+    return proc.returncode, b"".join(lines) + out, err.decode()
+
+
+def test_ctrl_c_while_compiling_is_one_line_exit_130():
+    code, out, err = interrupt_after("engine.train", CLI, "layout ")
+    assert code == 130, (out, err)
+    assert err.count("\n") == 1 and "Traceback" not in err, (out, err)
+    # the loop reports its own interruption; before it, setup and the compile
+    assert err == ("interrupted after step 0\n" if b"compiled the step" in out
+                   else "interrupted before training started\n"), (out, err)
+
+
+# -- --help --------------------------------------------------------------------------------
+DOUBLED = re.compile(r"\(default: [^)]*\) \(default:")
+
+
+def help_text(module_main, capsys) -> str:
+    with pytest.raises(SystemExit) as e:
+        module_main(["--help"])
+    assert e.value.code == 0
+    return " ".join(capsys.readouterr().out.split())  # unwrapped
+
+
+def test_train_help_shows_defaults_once(capsys):
+    text = help_text(main, capsys)
+    for shown in ("preset dimensions (engine/config.py) (default: small)",
+                  "optimizer steps in the run (default: 50)",
+                  "init and batch order are functions of the seed (default: 0)"):
+        assert shown in text
+    assert "(default: None)" not in text and "(default: False)" not in text
+    assert "(default: spec sheet" in text and not DOUBLED.search(text)
+    assert "issue" not in text.lower()
+
+
+def test_generate_help_shows_defaults_once(capsys):
+    from engine.generate import main as generate_main
+
+    text = help_text(generate_main, capsys)
+    assert "new tokens per prompt at most (default: 200)" in text
+    assert "(default: None)" not in text and not DOUBLED.search(text)
+    assert "(default: longest prompt + max new tokens)" in text
+    assert "issue" not in text.lower()
