@@ -179,6 +179,15 @@ def generate(decoder, params, prompts, max_new: int, seed: int, stop: bytes = b"
                       int(lengths_B[:n].sum()), prefill_s, steps * n, decode_s)
 
 
+def rate(tokens: int, seconds: float) -> str:
+    """"N tokens in S s (R tok/s)" for the timing line."""
+    from engine.loop import per_second
+
+    if seconds <= 0:
+        return f"{tokens} tokens"
+    return f"{tokens} tokens in {seconds:.3f} s ({per_second(tokens / seconds)} tok/s)"
+
+
 def load_model(request: Request):
     """(checkpoint, ModelConfig) of the newest checkpoint; raises UsageError."""
     from engine import checkpoint
@@ -256,7 +265,6 @@ def _generate(request: Request, ckpt, cfg: ModelConfig, batch: int) -> int:
             text = text[:-len(request.stop)]
         print(f"=== {i + 1}: {len(prompt)} prompt bytes + {len(tokens)} new ({reason}) ===")
         print((prompt + text).decode("utf-8", errors="replace"), flush=True)
-    rate = lambda n, s: f"{n} tokens in {s:.3f} s ({n / s:,.0f} tok/s)" if s > 0 else f"{n} tokens"
     print(f"prefill: {rate(gen.prefill_tokens, gen.prefill_s)} | decode: "
           f"{rate(gen.decode_tokens, gen.decode_s)}", flush=True)
     return 0

@@ -155,3 +155,19 @@ def test_generate_help_shows_defaults_once(capsys):
     assert "(default: None)" not in text and not DOUBLED.search(text)
     assert "(default: longest prompt + max new tokens)" in text
     assert "issue" not in text.lower()
+
+
+# -- rates ---------------------------------------------------------------------------------
+def test_slow_rates_keep_their_digits():
+    import types
+
+    from engine.generate import rate
+    from engine.loop import Log
+
+    lines = []
+    rates = types.SimpleNamespace(tokens=16, flops=1e9, peak=1e12)
+    log = Log(every=1, steps=1, rates=rates, say=lines.append)
+    log(dict(step=1, loss=1.0, grad_norm=1.0, lr=1e-3, step_time_s=64.0), None)
+    assert "| 0.25 tok/s |" in lines[0]
+    assert rate(3, 4.0) == "3 tokens in 4.000 s (0.75 tok/s)"
+    assert rate(12345, 1.0) == "12345 tokens in 1.000 s (12,345 tok/s)"
