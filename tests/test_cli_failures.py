@@ -171,3 +171,78 @@ def test_slow_rates_keep_their_digits():
     assert "| 0.25 tok/s |" in lines[0]
     assert rate(3, 4.0) == "3 tokens in 4.000 s (0.75 tok/s)"
     assert rate(12345, 1.0) == "12345 tokens in 1.000 s (12,345 tok/s)"
+
+
+# -- the KV cache against memory -----------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory):
+    """A checkpoint of the tiny preset, built on the host (no compile)."""
+    from engine import checkpoint
+    from engine.config import model_config
+    from test_checkpoint import host_state, meta, trainer
+
+    cfg = model_config("tiny")
+    state = host_state(trainer("single", cfg), 0)
+    d = str(tmp_path_factory.mktemp("tiny"))
+    checkpoint.save(d, 1, state.params, state.opt_state, meta(cfg), 1)
+    return d
+
+
+def run_generate(capsys, *args):
+    from engine.generate import main as generate_main
+
+    code = generate_main(list(args))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.parametrize("args,phrase", [
+    (["--max-new-tokens", "1000000000"],
+     "a KV cache of 1,000,000,002 slots for 1 row(s) needs 238.4 GiB per device"),
+    (["--cache-len", "1000000000"], "a KV cache of 1,000,000,000 slots"),
+    (["--cache-len", "3000000000"], "cache_len=3,000,000,000 must be < 2**31"),
+    (["--cache-len", "1e8"], "argument --cache-len: invalid int value: '1e8'"),
+    (["--max-new-tokens", "2.5"], "argument --max-new-tokens: invalid int value: '2.5'"),
+])
+def test_cache_that_cannot_fit_is_refused_up_front(args, phrase, tiny_checkpoint, capsys,
+                                                   monkeypatch):
+    from engine import validate
+
+    monkeypatch.setattr(validate, "available_host_memory", lambda: 64 * 2**30)
+    code, out, err = run_generate(capsys, "--checkpoint-dir", tiny_checkpoint, "--prompt", "hi",
+                                  *args)
+    assert code == 2 and out == "" and err.count("\n") == 1, err
+    assert phrase in err
+
+
+def test_cache_bytes_follow_the_layout():
+    from engine.config import model_config
+    from engine.layout import Layout
+    from engine.validate import cache_bytes_per_device, decoder_problems
+
+    cfg = model_config("tiny", n_heads=8, n_kv_heads=2, head_dim=8, dtype="f32")
+    B, C = 4, 1000
+    # fsdp2xtp4: rows over fsdp (2 each), G' = max(2, 4) = 4 heads over tp (1 each)
+    per_device = 2 * cfg.n_layers * (B // 2) * C * 1 * cfg.head_dim * 4
+    assert cache_bytes_per_device(cfg, Layout.parse("fsdp2xtp4"), B, C) == per_device
+    # single: all rows, both kv heads, one device
+    single = 2 * cfg.n_layers * B * C * 2 * cfg.head_dim * 4
+    assert cache_bytes_per_device(cfg, Layout.parse("single"), B, C) == single
+    layout = Layout.parse("fsdp2xtp4")
+    assert decoder_problems(cfg, layout, B, C, memory=8 * per_device, devices_per_memory=8) == []
+    found = decoder_problems(cfg, layout, B, C, memory=8 * per_device - 1, devices_per_memory=8)
+    assert len(found) == 1 and "x 8 devices" in found[0]
+    assert decoder_problems(cfg, layout, B, C, memory=None, devices_per_memory=8) == []
+
+
+def test_decoder_refuses_a_cache_that_cannot_fit(monkeypatch):
+    """The rule lives in the library: building a Decoder checks it too."""
+    from engine import validate
+    from engine.config import ConfigError, model_config
+    from engine.decode import Decoder, Sampling
+    from engine.layout import Layout
+
+    monkeypatch.setattr(validate, "available_host_memory", lambda: 2**30)
+    layout = Layout.parse("single")
+    with pytest.raises(ConfigError, match="a KV cache of 10,000,000 slots"):
+        Decoder(model_config("tiny"), layout, layout.mesh(), 1, 10**7, Sampling())
