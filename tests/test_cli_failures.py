@@ -181,10 +181,16 @@ def tiny_checkpoint(tmp_path_factory):
     from engine.config import model_config
     from test_checkpoint import host_state, meta, trainer
 
+    import jax
+
+    from engine.params import param_shapes
+
     cfg = model_config("tiny")
-    state = host_state(trainer("single", cfg), 0)
+    state = host_state(trainer("single", cfg), 0)  # flat: {keystr: array}
+    paths, treedef = jax.tree_util.tree_flatten_with_path(param_shapes(cfg))
+    params = treedef.unflatten([state.params[jax.tree_util.keystr(p)] for p, _ in paths])
     d = str(tmp_path_factory.mktemp("tiny"))
-    checkpoint.save(d, 1, state.params, state.opt_state, meta(cfg), 1)
+    checkpoint.save(d, 1, params, state.opt_state, meta(cfg), 1)
     return d
 
 
@@ -246,3 +252,70 @@ def test_decoder_refuses_a_cache_that_cannot_fit(monkeypatch):
     layout = Layout.parse("single")
     with pytest.raises(ConfigError, match="a KV cache of 10,000,000 slots"):
         Decoder(model_config("tiny"), layout, layout.mesh(), 1, 10**7, Sampling())
+
+
+# -- generation: streaming and Ctrl-C ------------------------------------------------------
+def test_stream_holds_back_a_possible_stop_and_split_utf8():
+    from engine.generate import Stream
+
+    written = []
+    stream = Stream(b"\n\n", written.append)
+    text = "héllo\n\n".encode()
+    reasons = [""] * (len(text) - 1) + ["stop"]
+    for token, reason in zip(text, reasons):
+        stream(0, token, reason)
+    assert "".join(written) == "héllo"
+    assert "\ufffd" not in "".join(written)  # é's two bytes were never split
+    assert written[0] == "h" and len(written) >= 4  # written as decoded, not at the end
+    interrupted = []
+    stream = Stream(b"xyz", interrupted.append)
+    for token in b"abcxy":
+        stream(0, token, "")
+    assert "".join(interrupted) == "abc"  # "xy" may begin the stop
+    stream.close()
+    assert "".join(interrupted) == "abcxy"
+
+
+def interrupting_step(after: int):
+    """A Decoder.step that raises KeyboardInterrupt (as Ctrl-C would) on call `after`."""
+    from engine.decode import Decoder
+
+    real, calls = Decoder.step, []
+
+    def step(self, *a, **k):
+        calls.append(1)
+        if len(calls) == after:
+            raise KeyboardInterrupt
+        return real(self, *a, **k)
+
+    return step
+
+
+@pytest.mark.parametrize("prompts", [["hi"], ["hi", "hello"]])
+def test_interrupted_generation_keeps_its_text(prompts, tiny_checkpoint, capsys,
+                                               monkeypatch):
+    """One prompt streams; several print every row's text so far; exit 130, one line."""
+    from engine.decode import Decoder
+
+    monkeypatch.setattr(Decoder, "step", interrupting_step(after=4))
+    args = [a for p in prompts for a in ("--prompt", p)]
+    code, out, err = run_generate(capsys, "--checkpoint-dir", tiny_checkpoint, *args,
+                                  "--max-new-tokens", "50", "--temperature", "0")
+    assert code == 130, err
+    assert err == "interrupted after 4 new token(s)\n"  # prefill's token and 3 steps
+    if len(prompts) == 1:
+        assert "=== 1: 2 prompt bytes ===\nhi" in out and "=== 1: 4 new (interrupted) ===" in out
+    else:
+        assert "=== 1: 2 prompt bytes + 4 new (interrupted) ===\nhi" in out
+        assert "=== 2: 5 prompt bytes + 4 new (interrupted) ===\nhello" in out
+
+
+def test_ctrl_c_while_generate_compiles_is_one_line(tiny_checkpoint, capsys, monkeypatch):
+    from engine.decode import Decoder
+
+    def compile(self, *a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Decoder, "compile", compile)
+    code, out, err = run_generate(capsys, "--checkpoint-dir", tiny_checkpoint, "--prompt", "hi")
+    assert code == 130 and err == "interrupted before generating\n"
