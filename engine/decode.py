@@ -62,7 +62,8 @@ def check_decoder(cfg: ModelConfig, layout: Layout, batch: int, cache_len: int) 
     own, as its memory_stats report); raises ConfigError before anything is allocated."""
     device = jax.devices()[0]
     if device.platform == "cpu":
-        memory, sharing = validate.available_host_memory(), min(layout.size, jax.local_device_count())
+        memory = validate.available_host_memory()
+        sharing = min(layout.size, jax.local_device_count())
     else:
         memory, sharing = (device.memory_stats() or {}).get("bytes_limit"), 1
     if found := validate.decoder_problems(cfg, layout, batch, cache_len, memory, sharing):
