@@ -194,8 +194,11 @@ def _python_stdlib() -> Corpus:
     return Corpus("python-stdlib", train_T, val_T, files=len(rel))
 
 
-def data_problems(data, seq: int, vocab: int, need_val: bool) -> list[str]:
-    """What makes `data` unusable for sequences of `seq` tokens and a model of `vocab`."""
+def data_problems(data, seq: int, vocab: int, need_val: bool,
+                  vocab_limit: int | None = None) -> list[str]:
+    """What makes `data` unusable for sequences of `seq` tokens and a model of `vocab`
+    (`vocab_limit`: the largest vocab the caller accepts; a token past it means the file
+    was read with the wrong token dtype, not that the model is too small)."""
     if isinstance(data, Synthetic):
         return []
     problems = []
@@ -206,7 +209,11 @@ def data_problems(data, seq: int, vocab: int, need_val: bool) -> list[str]:
         problems.append(f"{data.name}: its validation split has {len(data.val_T)} tokens, "
                         f"--eval-every needs seq+1={seq + 1}")
     top = data.max_token()
-    if top >= vocab:
+    if vocab_limit is not None and top >= vocab_limit:
+        problems.append(f"{data.name} holds token {top:,}, beyond any vocab the engine accepts "
+                        f"(limit {vocab_limit:,}): read as {data.train_T.dtype.name}, is "
+                        f"--data-dtype the file's token type?")
+    elif top >= vocab:
         problems.append(f"{data.name} holds token {top} but the model's vocab is {vocab} "
                         f"(need --vocab >= {top + 1})")
     return problems

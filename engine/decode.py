@@ -26,10 +26,10 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import collectives
-from engine.config import ParallelConfig, TrainConfig
+from engine import validate
+from engine.config import ConfigError
 from engine.layout import Layout
 from engine.params import activation_spec, fsdp_dims, param_specs
-from engine.validate import check
 from layers import cache as kv
 from layers.config import ModelConfig
 
@@ -56,9 +56,18 @@ def sample(logits_BV: jax.Array, seed, t, rows_B: jax.Array, sampling: Sampling)
 
 
 def check_decoder(cfg: ModelConfig, layout: Layout, batch: int, cache_len: int) -> None:
-    """`engine.validate.check` for decoding `batch` rows into `cache_len` slots (decoding
-    keeps activations replicated over tp: tp_comm allreduce); raises ConfigError."""
-    check(cfg, TrainConfig(batch=batch, seq=cache_len), ParallelConfig(), layout)
+    """`engine.validate.decoder_problems` for decoding `batch` rows into `cache_len`
+    slots, the cache measured against the memory it will live in (on CPU every device of
+    the layout shares this host's available RAM; on an accelerator each device has its
+    own, as its memory_stats report); raises ConfigError before anything is allocated."""
+    device = jax.devices()[0]
+    if device.platform == "cpu":
+        memory = validate.available_host_memory()
+        sharing = min(layout.size, jax.local_device_count())
+    else:
+        memory, sharing = (device.memory_stats() or {}).get("bytes_limit"), 1
+    if found := validate.decoder_problems(cfg, layout, batch, cache_len, memory, sharing):
+        raise ConfigError("; ".join(found))
 
 
 class Decoder:

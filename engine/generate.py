@@ -4,7 +4,9 @@ prompts with the newest checkpoint's model, on any layout that fits it.
 Prompts are UTF-8 bytes (one token per byte, so the vocab must be >= 256), right-padded
 to the longest and run through one prefill; then one compiled decode step per token
 over a static-size KV cache (engine/decode.py). A row stops at --max-new-tokens or when
-its continuation ends with --stop. Bad input exits 2 with one line on stderr.
+its continuation ends with --stop. One prompt's text is printed as it is decoded; with
+several, each row is printed whole when all have finished. Ctrl-C stops decoding, prints
+what every row has so far and exits 130. Bad input exits 2 with one line on stderr.
 """
 from __future__ import annotations
 
@@ -18,7 +20,8 @@ import time
 from engine import roles
 from engine.config import ConfigError
 from engine.layout import Layout
-from engine.train import OneLineParser, UsageError, force_host_devices, keep_freed_memory
+from engine.train import (DefaultsFormatter, OneLineParser, UsageError, force_host_devices,
+                          keep_freed_memory)
 from layers.config import DTYPES, ModelConfig
 
 REPLACEMENT = "\ufffd".encode()  # what a token >= 256 (not a byte) prints as
@@ -26,11 +29,12 @@ REPLACEMENT = "\ufffd".encode()  # what a token >= 256 (not a byte) prints as
 
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="python -m engine.generate", description=__doc__.split("\n\n")[0],
-                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                      formatter_class=DefaultsFormatter)
     p.add_argument("--checkpoint-dir", required=True, help="the newest checkpoint here is used")
     p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
     p.add_argument("--prompts-file", default=None, help="UTF-8 text, one prompt per line")
-    p.add_argument("--max-new-tokens", type=int, default=200)
+    p.add_argument("--max-new-tokens", type=int, default=200,
+                   help="new tokens per prompt at most")
     p.add_argument("--temperature", type=float, default=0.8, help="0: greedy (argmax)")
     p.add_argument("--top-k", type=int, default=None, help="sample among the k likeliest")
     p.add_argument("--seed", type=int, default=0, help="sampling is a function of the seed")
@@ -128,17 +132,22 @@ class Generation:
     prefill_s: float
     decode_tokens: int
     decode_s: float
+    interrupted: bool = False  # Ctrl-C: the rows hold what was decoded until then
 
 
 def token_bytes(tokens) -> bytes:
     return b"".join(bytes([t]) if t < 256 else REPLACEMENT for t in tokens)
 
 
-def generate(decoder, params, prompts, max_new: int, seed: int, stop: bytes = b"") -> Generation:
+def generate(decoder, params, prompts, max_new: int, seed: int, stop: bytes = b"",
+             on_token=None) -> Generation:
     """Continue each prompt (a sequence of token ids) by up to `max_new` tokens.
 
     Rows are right-padded to the longest prompt and the batch to `decoder.batch` with
-    one-token dummy rows; row b's k-th new token is written to cache slot len_b + k."""
+    one-token dummy rows; row b's k-th new token is written to cache slot len_b + k.
+    `on_token(b, token, reason)` sees each row's tokens as they are decoded (reason:
+    "" while the row goes on). Ctrl-C (KeyboardInterrupt) ends the loop: unfinished rows
+    get the reason "interrupted" and the result says so."""
     import jax
     import numpy as np
 
@@ -160,21 +169,64 @@ def generate(decoder, params, prompts, max_new: int, seed: int, stop: bytes = b"
                 reasons[b] = "stop"
             elif len(out[b]) == max_new:
                 reasons[b] = "max tokens"
+            if on_token is not None:
+                on_token(b, tok, reasons[b])
 
     t0 = time.perf_counter()
-    cache, next_B, _ = decoder.prefill(params, tokens_BL, lengths_B, seed)
-    take(next_B)
-    prefill_s, t0 = time.perf_counter() - t0, time.perf_counter()
-    steps = 0
-    for t in range(1, max_new):
-        if all(reasons):
-            break
-        cache, next_B, _ = decoder.step(params, cache, next_B, lengths_B + t - 1, t, seed)
+    prefill_s, steps, interrupted = 0.0, 0, False
+    try:
+        cache, next_B, _ = decoder.prefill(params, tokens_BL, lengths_B, seed)
         take(next_B)
-        steps += 1
+        prefill_s, t0 = time.perf_counter() - t0, time.perf_counter()
+        for t in range(1, max_new):
+            if all(reasons):
+                break
+            cache, next_B, _ = decoder.step(params, cache, next_B, lengths_B + t - 1, t, seed)
+            take(next_B)
+            steps += 1
+    except KeyboardInterrupt:
+        interrupted = True
+        reasons = [r or "interrupted" for r in reasons]
     decode_s = time.perf_counter() - t0
     return Generation(tuple(tuple(o) for o in out), tuple(reasons),
-                      int(lengths_B[:n].sum()), prefill_s, steps * n, decode_s)
+                      int(lengths_B[:n].sum()), prefill_s, steps * n, decode_s, interrupted)
+
+
+class Stream:
+    """Writes one row's new text as it is decoded (`on_token` of `generate`). Holds back
+    the last len(stop) - 1 bytes, which may turn out to begin --stop (never printed), and
+    incomplete UTF-8 sequences."""
+
+    def __init__(self, stop: bytes, write):
+        self.stop, self.write, self.pending = stop, write, b""
+        self.utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def __call__(self, row: int, token: int, reason: str) -> None:
+        self.pending += token_bytes([token])
+        if reason == "stop":
+            self.pending = self.pending[:-len(self.stop)]
+        keep = 0 if reason else min(len(self.pending), max(len(self.stop) - 1, 0))
+        ready, self.pending = (self.pending[:len(self.pending) - keep],
+                               self.pending[len(self.pending) - keep:])
+        self._emit(ready, final=bool(reason))
+
+    def close(self) -> None:
+        """Write what is held back (the run ended without a reason: interrupted)."""
+        self._emit(self.pending, final=True)
+        self.pending = b""
+
+    def _emit(self, data: bytes, final: bool) -> None:
+        if text := self.utf8.decode(data, final):
+            self.write(text)
+
+
+def rate(tokens: int, seconds: float) -> str:
+    """"N tokens in S s (R tok/s)" for the timing line."""
+    from engine.loop import per_second
+
+    if seconds <= 0:
+        return f"{tokens} tokens"
+    return f"{tokens} tokens in {seconds:.3f} s ({per_second(tokens / seconds)} tok/s)"
 
 
 def load_model(request: Request):
@@ -246,17 +298,30 @@ def _generate(request: Request, ckpt, cfg: ModelConfig, batch: int) -> int:
           f"slots; {how}", flush=True)
     seconds = decoder.compile(params, max(len(p) for p in request.prompts))
     print(f"compiled prefill and decode step in {seconds:.1f} s", flush=True)
-    gen = generate(decoder, params, [list(p) for p in request.prompts], request.max_new,
-                   args.seed, request.stop)
-    for i, (prompt, tokens, reason) in enumerate(zip(request.prompts, gen.tokens, gen.reasons)):
-        text = token_bytes(tokens)
-        if reason == "stop":
-            text = text[:-len(request.stop)]
-        print(f"=== {i + 1}: {len(prompt)} prompt bytes + {len(tokens)} new ({reason}) ===")
-        print((prompt + text).decode("utf-8", errors="replace"), flush=True)
-    rate = lambda n, s: f"{n} tokens in {s:.3f} s ({n / s:,.0f} tok/s)" if s > 0 else f"{n} tokens"
+    prompts = [list(p) for p in request.prompts]
+    if len(prompts) == 1:  # streamed: an interrupted run keeps what it printed
+        prompt = request.prompts[0]
+        print(f"=== 1: {len(prompt)} prompt bytes ===")
+        print(prompt.decode("utf-8", errors="replace"), end="", flush=True)
+        stream = Stream(request.stop, lambda text: print(text, end="", flush=True))
+        gen = generate(decoder, params, prompts, request.max_new, args.seed, request.stop,
+                       on_token=stream)
+        stream.close()
+        print(f"\n=== 1: {len(gen.tokens[0])} new ({gen.reasons[0]}) ===", flush=True)
+    else:  # rows finish at different times: each printed whole at the end
+        gen = generate(decoder, params, prompts, request.max_new, args.seed, request.stop)
+        for i, (prompt, tokens, reason) in enumerate(zip(request.prompts, gen.tokens,
+                                                         gen.reasons)):
+            text = token_bytes(tokens)
+            if reason == "stop":
+                text = text[:-len(request.stop)]
+            print(f"=== {i + 1}: {len(prompt)} prompt bytes + {len(tokens)} new ({reason}) ===")
+            print((prompt + text).decode("utf-8", errors="replace"), flush=True)
     print(f"prefill: {rate(gen.prefill_tokens, gen.prefill_s)} | decode: "
           f"{rate(gen.decode_tokens, gen.decode_s)}", flush=True)
+    if gen.interrupted:
+        print(f"interrupted after {max(map(len, gen.tokens))} new token(s)", file=sys.stderr)
+        return 130
     return 0
 
 
@@ -269,6 +334,9 @@ def main(argv=None) -> int:
     except (UsageError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # loading or compiling (generation reports its own)
+        print("interrupted before generating", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

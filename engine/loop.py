@@ -58,6 +58,12 @@ def loop(session: Session, hooks, say) -> int:
     return 0
 
 
+def per_second(x: float) -> str:
+    """A rate for a log line: thousands separated from 100 up, else 3 significant digits
+    (a slow run's 0.25 tok/s must not print as 0)."""
+    return f"{x:,.0f}" if x >= 100 else f"{x:.3g}"
+
+
 class Rates:
     """Adds lr, tokens/s and MFU to the record."""
 
@@ -122,7 +128,7 @@ class Log:
             avg = self.window_t / self.window_n
             self.say(f"step {done:>5}/{self.steps} | loss {record['loss']:.4f} | grad norm "
                      f"{record['grad_norm']:.3f} | lr {record['lr']:.2e} | "
-                     f"{self.rates.tokens / avg:,.0f} tok/s | {avg * 1e3:.0f} ms/step | "
+                     f"{per_second(self.rates.tokens / avg)} tok/s | {avg * 1e3:.0f} ms/step | "
                      f"MFU {100 * self.rates.flops / avg / self.rates.peak:.1f}%")
             self.window_t, self.window_n = 0.0, 0
         if "val_loss" in record:

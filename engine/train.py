@@ -39,6 +39,18 @@ class OneLineParser(argparse.ArgumentParser):
 GROUPS = ("model", "parallel", "training", "output", "data", "checkpoints", "processes")
 
 
+class DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows "(default: X)" after a flag's help, except when there is no default to show
+    (None, a flag that is off) or the help already says what the default is."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if (any(action.default is v for v in (None, False, argparse.SUPPRESS))
+                or action.default == [] or "default" in text):
+            return text
+        return super()._get_help_string(action)
+
+
 def build_parser(prog: str = "python -m engine.train", description: str | None = None,
                  parents=(), groups=GROUPS) -> argparse.ArgumentParser:
     """The training flags; tools that take the same model flags pass their own prog,
@@ -46,7 +58,7 @@ def build_parser(prog: str = "python -m engine.train", description: str | None =
     (--layout is always there). A group left out is not accepted on the command line;
     its flags' defaults are still set, so `parse` sees every attribute."""
     p = OneLineParser(prog=prog, description=description or __doc__.split("\n\n")[0],
-                parents=list(parents), formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                parents=list(parents), formatter_class=DefaultsFormatter)
     unused = argparse.ArgumentParser(add_help=False)  # holds the groups left out
     group = lambda name, title: (p if name in groups else unused).add_argument_group(title)
     p.add_argument("--layout", default="single",
@@ -54,7 +66,8 @@ def build_parser(prog: str = "python -m engine.train", description: str | None =
                         "fsdp4xtp2, dp2xfsdp2xtp2, ... (axes: "
                         + "; ".join(f"{r.name}: {r.doc}" for r in roles.ROLES.values()) + ")")
     m = group("model", "model (a preset, then any dimension overridden)")
-    m.add_argument("--model", default="small", choices=sorted(PRESETS))
+    m.add_argument("--model", default="small", choices=sorted(PRESETS),
+                   help="preset dimensions (engine/config.py)")
     for flag, field, what in [("--d-model", "d_model", "D"), ("--layers", "n_layers", "N"),
                               ("--heads", "n_heads", "H"), ("--kv-heads", "n_kv_heads", "G"),
                               ("--head-dim", "head_dim", "K"), ("--mlp-dim", "mlp_dim", "F"),
@@ -87,10 +100,11 @@ def build_parser(prog: str = "python -m engine.train", description: str | None =
     d = TrainConfig()
     t.add_argument("--seq", type=int, default=d.seq, help="tokens per sequence")
     t.add_argument("--batch", type=int, default=d.batch, help="global sequences per step")
-    t.add_argument("--steps", type=int, default=d.steps)
+    t.add_argument("--steps", type=int, default=d.steps, help="optimizer steps in the run")
     t.add_argument("--lr", type=float, default=d.lr, help="peak learning rate")
     t.add_argument("--warmup", type=int, default=d.warmup, help="linear warmup steps")
-    t.add_argument("--seed", type=int, default=d.seed)
+    t.add_argument("--seed", type=int, default=d.seed,
+                   help="init and batch order are functions of the seed")
     o = group("output", "output")
     o.add_argument("--log-every", type=int, default=10, help="progress line every N steps")
     o.add_argument("--metrics-file", default=None, help="JSONL, one object per step")
@@ -207,7 +221,8 @@ def force_host_devices(n: int) -> None:
 def load_checked_data(cfg, tcfg, args):
     """--data loaded and checked against the model and sequence length (no jax needed)."""
     data = load_data(args.data, cfg.vocab, args.data_dtype)
-    problems = data_problems(data, tcfg.seq, cfg.vocab, need_val=args.eval_every is not None)
+    problems = data_problems(data, tcfg.seq, cfg.vocab, need_val=args.eval_every is not None,
+                             vocab_limit=LIMITS["vocab"])
     if problems:
         raise DataError("; ".join(problems))
     return data
@@ -325,6 +340,18 @@ def setup(cfg, tcfg, parallel, layout, args, data, say):
     return Session(trainer, step_fn, params, opt_state, batch, start, tcfg.steps, peak)
 
 
+def check_output_file(path: str, flag: str) -> None:
+    """Raise UsageError (one line) unless `path` can be opened for writing; a file the
+    check creates is removed again. Run before compiling, so a typo costs no compile."""
+    existed = os.path.lexists(path)
+    try:
+        open(path, "a").close()
+    except OSError as e:
+        raise UsageError(f"{flag} {path}: cannot write it ({e.strerror or e})") from None
+    if not existed:
+        os.remove(path)
+
+
 def _peak(cfg, args, devices) -> tuple[float, str]:
     """The MFU denominator and where it came from."""
     if args.peak_flops:
@@ -338,6 +365,8 @@ def _train(cfg, tcfg, parallel, layout, args, data) -> int:
 
     is_main = distributed.is_main()  # process 0 prints and writes the metrics file
     say = (lambda *a, **k: print(*a, **k, flush=True)) if is_main else (lambda *a, **k: None)
+    if args.metrics_file and is_main:
+        check_output_file(args.metrics_file, "--metrics-file")
     session = setup(cfg, tcfg, parallel, layout, args, data, say)
     if session is None:
         return 0
@@ -368,6 +397,9 @@ def main(argv=None) -> int:
     except (UsageError, ConfigError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # before the loop (which reports its own): setup, compile
+        print("interrupted before training started", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -4,10 +4,17 @@
 line. `Trainer`, `Decoder` and every tool call these; the CLIs print the line and exit
 2. Allowed values come from their registries: `collectives.ring.TP_COMMS`,
 `engine.zero.ZERO_LEVELS`, `layers.block.REMAT_POLICIES`, the attention kernel table.
+`decoder_problems` adds the KV cache's size against the memory it must fit in.
 """
 from __future__ import annotations
 
+import math
+import os
+
+import numpy as np
+
 from collectives.ring import COMMS, TP_COMMS
+from engine import roles
 from engine.config import ConfigError, ParallelConfig, TrainConfig
 from engine.zero import ZERO
 from layers.block import REMAT
@@ -106,3 +113,51 @@ def check(cfg: ModelConfig, tcfg: TrainConfig, parallel: ParallelConfig, layout)
     """Raise ConfigError (one line) naming every problem."""
     if found := problems(cfg, tcfg, parallel, layout):
         raise ConfigError("; ".join(found))
+
+
+def cache_bytes_per_device(cfg: ModelConfig, layout, batch: int, cache_len: int) -> int:
+    """Bytes of one device's KV cache (keys and values, every layer, compute dtype): the
+    global cache [N, B, C, G', K] (G' = max(G, tp)) with B sharded over the batch axes and
+    G' over tp, as engine/decode.py places it."""
+    tp = math.prod(layout.degree(r) for r in roles.roles_sharding("heads"))
+    rows = math.prod(layout.degree(r) for r in roles.roles_sharding("batch"))
+    kv_heads = max(cfg.n_kv_heads, tp)
+    return (2 * cfg.n_layers * (batch // rows) * cache_len * (kv_heads // tp) * cfg.head_dim
+            * np.dtype(DTYPES[cfg.dtype]).itemsize)
+
+
+def available_host_memory() -> int:
+    """Bytes the kernel can still hand out (/proc/meminfo MemAvailable; physical memory
+    where that file does not exist)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def decoder_problems(cfg: ModelConfig, layout, batch: int, cache_len: int,
+                     memory: int | None, devices_per_memory: int = 1) -> list[str]:
+    """`problems` for decoding `batch` rows into a cache of `cache_len` slots (decoding
+    keeps activations replicated over tp: tp_comm allreduce), then whether the cache fits:
+    `devices_per_memory` devices' caches must fit in `memory` bytes (all of this host's
+    devices in its RAM on CPU; one device in its own memory on an accelerator; None: not
+    checked). Positions are int32, so cache_len < 2**31."""
+    found = problems(cfg, TrainConfig(batch=batch, seq=cache_len), ParallelConfig(), layout)
+    if found:
+        return found
+    if cache_len >= 2**31:
+        return [f"cache_len={cache_len:,} must be < 2**31 (positions are int32)"]
+    per_device = cache_bytes_per_device(cfg, layout, batch, cache_len)
+    need = per_device * devices_per_memory
+    if memory is not None and need > memory:
+        where = (f" x {devices_per_memory} devices = {need / 2**30:,.1f} GiB"
+                 if devices_per_memory > 1 else "")
+        found.append(f"a KV cache of {cache_len:,} slots for {batch} row(s) needs "
+                     f"{per_device / 2**30:,.1f} GiB per device{where}, more than the "
+                     f"{memory / 2**30:,.1f} GiB available: lower the cache length "
+                     f"(prompt + new tokens)")
+    return found
