@@ -7,26 +7,25 @@ layout, and programs are compiled with XLA's backend optimization off (compile t
 nearly all of this file's). Tolerances as in test_step.py.
 """
 import dataclasses
-import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
 
 import collectives
 import reference_model as ref
 from engine.config import ConfigError, ParallelConfig, TrainConfig
 from engine.data import synthetic_tokens
 from engine.layout import Layout
-from engine.params import activation_spec, param_shapes
+from engine.params import activation_spec
 from engine.step import Trainer
 from engine import validate
 from layers import context
 from layers.kernels.context import CP_COMMS
 from test_step import CFG, RTOL, TCFG, assert_tree_close, host, run
-from test_tp_comm import COLLECTIVE_OP, FAST_COMPILE
+from test_tp_comm import compiled_loss_and_grads, random_params
 
 CP_LAYOUTS = ["cp4xfsdp2", "cp2xfsdp2xtp2", "dp2xcp4", "cp8"]
 
@@ -39,21 +38,12 @@ def loss_and_grads(layout, init, cfg=CFG, tcfg=TCFG, parallel=ParallelConfig()):
     """(loss, grads, grad norm, the compiled program's collective ops) from host params."""
     lay = Layout.parse(layout)
     t = Trainer(cfg, tcfg, lay, lay.mesh(), parallel)
-    params = jax.device_put(init, jax.tree.map(lambda s: NamedSharding(t.mesh, s), t.specs))
-    batch = t.put_batch(tokens(tcfg))
-    compiled = t.loss_and_grads.lower(params, batch).compile(compiler_options=FAST_COMPILE)
-    loss, grads, gnorm = compiled(params, batch)
-    ops = set(re.findall(COLLECTIVE_OP, compiled.as_text()))
-    return float(loss), host(grads), float(gnorm), ops
+    return compiled_loss_and_grads(t, init, t.put_batch(tokens(tcfg)))
 
 
 @pytest.fixture(scope="module")
 def init():
-    """Host params [global shapes]: matrices N(0, 0.1²), norm scales 1 + N(0, 0.1²)."""
-    rng = np.random.default_rng(TCFG.seed)
-    draw = lambda path, s: (("norm" in jax.tree_util.keystr(path))
-                            + 0.1 * rng.normal(size=s.shape)).astype(np.float32)
-    return jax.tree_util.tree_map_with_path(draw, param_shapes(CFG))
+    return random_params(CFG, TCFG.seed)
 
 
 def plain(init, tcfg):

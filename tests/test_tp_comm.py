@@ -25,24 +25,32 @@ FAST_COMPILE = {"xla_backend_optimization_level": 0}
 COLLECTIVE_OP = r"(all-gather|reduce-scatter|all-reduce|collective-permute|all-to-all)(?:-start)?\("
 
 
-def loss_and_grads(layout, init, parallel=ParallelConfig()):
-    """(loss, grads, grad norm, the compiled program's collective ops) from host params."""
-    t = trainer(layout, CFG, parallel)
+def compiled_loss_and_grads(t, init, batch):
+    """(loss, grads, grad norm, the compiled program's collective ops) of Trainer `t` on
+    host params `init` placed as it stores them."""
     params = jax.device_put(init, jax.tree.map(lambda s: NamedSharding(t.mesh, s), t.specs))
-    batch = t.put_batch(tokens())
     compiled = t.loss_and_grads.lower(params, batch).compile(compiler_options=FAST_COMPILE)
     loss, grads, gnorm = compiled(params, batch)
     ops = set(re.findall(COLLECTIVE_OP, compiled.as_text()))
     return float(loss), host(grads), float(gnorm), ops
 
 
-@pytest.fixture(scope="module")
-def init():
+def loss_and_grads(layout, init, parallel=ParallelConfig()):
+    t = trainer(layout, CFG, parallel)
+    return compiled_loss_and_grads(t, init, t.put_batch(tokens()))
+
+
+def random_params(cfg, seed):
     """Host params [global shapes]: matrices N(0, 0.1²), norm scales 1 + N(0, 0.1²)."""
-    rng = np.random.default_rng(TCFG.seed)
+    rng = np.random.default_rng(seed)
     draw = lambda path, s: (("norm" in jax.tree_util.keystr(path))
                             + 0.1 * rng.normal(size=s.shape)).astype(np.float32)
-    return jax.tree_util.tree_map_with_path(draw, param_shapes(CFG))
+    return jax.tree_util.tree_map_with_path(draw, param_shapes(cfg))
+
+
+@pytest.fixture(scope="module")
+def init():
+    return random_params(CFG, TCFG.seed)
 
 
 @pytest.fixture(scope="module")
