@@ -297,7 +297,7 @@ def setup(cfg, tcfg, parallel, layout, args, data, say):
     from engine.loop import Session
     from engine.params import param_count
     from engine.step import Trainer
-    from layers.attention import resolve_attention
+    from layers.attention import cp_kernel, resolve_attention
 
     ckpt = _open_checkpoints(cfg, args, say)
     mesh = layout.mesh()
@@ -305,15 +305,17 @@ def setup(cfg, tcfg, parallel, layout, args, data, say):
     devices = list(mesh.devices.flat)
     _check_memory(cfg, devices)
     peak, peak_src = _peak(cfg, args, devices)
+    kernel = (f"{cp_kernel(cfg.attention)} attention over cp ({parallel.cp_comm})"
+              if layout.degree("cp") > 1 else
+              f"{resolve_attention(cfg.attention, tcfg.seq)} attention")
     procs = f" in {jax.process_count()} processes" if jax.process_count() > 1 else ""
     say(f"layout {layout} on {len(devices)} {devices[0].platform} device(s){procs}; "
         f"model {args.model} ({param_count(cfg) / 1e6:.2f}M params, D={cfg.d_model} "
         f"N={cfg.n_layers} H={cfg.n_heads} G={cfg.n_kv_heads} K={cfg.head_dim} "
         f"F={cfg.mlp_dim} V={cfg.vocab}); {cfg.dtype} compute, remat {cfg.remat}, "
-        f"{resolve_attention(cfg.attention, tcfg.seq)} attention; "
-        f"{tcfg.batch * tcfg.seq} tokens/step; peak {peak / 1e12:.2f} TFLOP/s ({peak_src})")
+        f"{kernel}; {tcfg.batch * tcfg.seq} tokens/step; peak {peak / 1e12:.2f} TFLOP/s ({peak_src})")
     say(f"data {data.describe()}")
-    if resolve_attention(cfg.attention, tcfg.seq) == "pallas" and devices[0].platform == "cpu":
+    if kernel.startswith("pallas") and devices[0].platform == "cpu":
         say("note: no accelerator, so the Pallas kernels run in interpret mode: the same "
             "kernel code, much slower")
 
