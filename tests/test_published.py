@@ -48,6 +48,20 @@ def test_matmul_epilogue_fuses_but_a_second_matmul_does_not_join():
     x, w, h = 256 * 128 * 4, 128 * 128 * 4, 256 * 128 * 4
     first = sum(r.fused_bytes for r in rows if r.fusion == dots[0].fusion)
     assert first == x + w + h  # reads x, w; writes tanh's output only
+    # a library-call matmul (GPU): the product is written, and tanh reads it back in a
+    # loop fusion of its own
+    assert tanh.lib_fusion != dots[0].lib_fusion
+    assert dots[0].lib_bytes == x + w + h
+    assert tanh.lib_bytes == 2 * h
+
+
+def test_gpu_profiles_price_matmul_products_written_tpu_fused():
+    from engine.cost.price import moved_bytes
+
+    rows = _rows(lambda x, w: jnp.tanh(x @ w), (256, 128), (128, 128))
+    tanh = next(r for r in rows if r.primitive == "tanh")
+    assert moved_bytes(tanh, hardware.get("h100")) == 2 * 256 * 128 * 4
+    assert moved_bytes(tanh, hardware.get("v5p")) == tanh.fused_bytes
 
 
 @pytest.mark.parametrize("keys,tile,expected", [(2048, 128, 17 / 32), (128, 128, 1.0),

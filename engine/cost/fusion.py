@@ -9,9 +9,15 @@ custom_vjp bodies), then fuses across what were call boundaries:
   producers: one kernel reads the chain's inputs and writes what leaves it;
 - input fusion: a reduction joins the elementwise chain feeding it (the chain is
   never written; the reduced result is);
-- output (epilogue) fusion: the elementwise consumers of a matmul join it when every
-  consumer of its result is fusible, so the f32 product is not written and re-read
-  (one matmul per fusion: a chain fed by two matmuls takes the first one met).
+- output (epilogue) fusion, TPU only: the elementwise consumers of a matmul join it
+  when every consumer of its result is fusible, so the f32 product is not written and
+  re-read (one matmul per fusion: a chain fed by two matmuls takes the first one met).
+  XLA:TPU emits a dot as a "convolution fusion" kernel that takes elementwise producers
+  and consumers into it. XLA:GPU emits a dot as a cuBLAS / cuBLASLt call
+  (`GemmRewriter`, xla/service/gpu/transforms/gemm_rewriter.cc), which fuses only a
+  scale, a bias add and a ReLU / GELU epilogue; no other consumer of its product joins
+  it (a SwiGLU's silu(g)·u, a cast, a residual add are a separate loop fusion that
+  reads the product back), so `Hardware.epilogue_fusion` is False on GPU profiles.
 
 A `Domain` is one fusion scope: the body of a `shard_map`, `scan`, `while` or `cond`
 (loop bodies are separate computations to XLA, so nothing fuses across them). Each
@@ -63,8 +69,11 @@ class Domain:
     def add(self, row_index: int, name: str, ins, outs):
         self.entries.append((row_index, name, list(ins), list(outs)))
 
-    def groups(self, fusible: set, reductions: set, free: set) -> tuple[list, list]:
-        """(group id per entry, bytes per entry) under the module doc's rules."""
+    def groups(self, fusible: set, reductions: set, free: set,
+               epilogue: bool = True) -> tuple[list, list]:
+        """(group id per entry, bytes per entry) under the module doc's rules;
+        `epilogue=False` forms no output fusion (a matmul is a library call that
+        writes its product, as on GPU)."""
         n = len(self.entries)
         parent = list(range(n))
         has_dot = [e[1] == "dot_general" for e in self.entries]
@@ -104,7 +113,8 @@ class Domain:
                 pname = self.entries[p][1]
                 if pname in joins:
                     union(p, i)
-                elif pname == "dot_general" and name in joins and epilogue_only(key):
+                elif (epilogue and pname == "dot_general" and name in joins
+                      and epilogue_only(key)):
                     union(p, i)
         gid = [find(i) for i in range(n)]
         moved = [0.0] * n

@@ -62,6 +62,10 @@ class Hardware:
     # accelerator XLA: fusion groups formed across inlined calls and into matmul
     # epilogues price memory traffic (Row.fused_bytes); CPU keeps Row.bytes
     fusion: bool = False
+    # with `fusion`: a matmul's elementwise consumers join its kernel (XLA:TPU's
+    # convolution fusions); False where a matmul is a library call that writes its
+    # product (GPU: cuBLAS; engine/cost/fusion.py)
+    epilogue_fusion: bool = True
     # flash attention kernel: fraction of the matmul peak its causal fwd + bwd reaches
     # (0: no kernel, the jnp key-block scan is priced as it runs, the CPU's case), and
     # its square score tile (queries = keys per tile)
@@ -127,6 +131,7 @@ def _gpu(name, bf16, tf32, fp32, hbm, nvlink_dir, nic, matmul_eff, attention_eff
     return Hardware(name, {"bfloat16": bf16, "float32": tf32}, fp32, hbm,
                     Link(nvlink_dir, 5e-6), Link(nic, 1e-5), 8,
                     matmul_eff=matmul_eff, mem_eff=0.85, link_eff=0.8, fusion=True,
+                    epilogue_fusion=False,
                     attention_eff=attention_eff, hbm_capacity=80e9, source="published specs")
 
 

@@ -88,6 +88,10 @@ class Row:
     # fusion group's traffic, and the group's id (-1: not a compute row of a group)
     fused_bytes: float = -1.0
     fusion: int = -1
+    # the same without epilogue fusion (a matmul is a library call writing its product:
+    # GPU), and that group's id
+    lib_bytes: float = -1.0
+    lib_fusion: int = -1
     # "blocked": the row is inside the jnp flash kernel's key-block scan, which an
     # accelerator replaces by its own attention kernel (a `kind="attention"` row)
     kernel: str = ""
@@ -296,7 +300,7 @@ def _walk(jaxpr, stack, count, mesh_shape, rows, domain=None, alias=None, site=0
             if twin is not None:  # XLA's CSE: the same op on the same operands, done once
                 for v, key in zip(eqn.outvars, twin):
                     alias[v] = key
-                rows[-1] = dataclasses.replace(rows[-1], fused_bytes=0.0)
+                rows[-1] = dataclasses.replace(rows[-1], fused_bytes=0.0, lib_bytes=0.0)
                 continue
             outs = [(canon(v, alias, site), nbytes(v.aval)) for v in eqn.outvars]
             domain.remember(name, eqn.params, [k for k, _ in ins], [k for k, _ in outs])
@@ -305,9 +309,11 @@ def _walk(jaxpr, stack, count, mesh_shape, rows, domain=None, alias=None, site=0
     if own:
         domain.outs = {canon(v, alias, site) for v in jaxpr.outvars}
         gid, moved = domain.groups(FUSIBLE, REDUCTIONS, FREE)
-        for (i, *_), g, b in zip(domain.entries, gid, moved):
+        lib_gid, lib_moved = domain.groups(FUSIBLE, REDUCTIONS, FREE, epilogue=False)
+        for (i, *_), g, b, lg, lb in zip(domain.entries, gid, moved, lib_gid, lib_moved):
             rows[i] = dataclasses.replace(rows[i], fused_bytes=float(b),
-                                          fusion=domain.entries[g][0])
+                                          fusion=domain.entries[g][0], lib_bytes=float(lb),
+                                          lib_fusion=domain.entries[lg][0])
 
 
 def ledger(closed: jcore.ClosedJaxpr, layout) -> list[Row]:

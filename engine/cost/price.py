@@ -156,7 +156,15 @@ def priced_rows(rows: list[Row], hw: Hardware) -> list[Row]:
 def moved_bytes(row: Row, hw: Hardware) -> float:
     """Bytes one execution of a compute row moves on `hw`: its fusion group share with
     `hw.fusion`, else `Row.bytes`."""
-    return row.fused_bytes if hw.fusion and row.fused_bytes >= 0 else row.bytes
+    if not hw.fusion:
+        return row.bytes
+    fused = row.fused_bytes if hw.epilogue_fusion else row.lib_bytes
+    return fused if fused >= 0 else row.bytes
+
+
+def fusion_id(row: Row, hw: Hardware) -> int:
+    """The row's fusion group on `hw` (engine/cost/fusion.py), -1 for none."""
+    return row.fusion if hw.epilogue_fusion else row.lib_fusion
 
 
 def compute_seconds(row: Row, hw: Hardware, n_devices: int) -> tuple[float, str]:

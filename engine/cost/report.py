@@ -13,7 +13,7 @@ import collections
 from tabulate import tabulate
 
 from engine.cost.hardware import Hardware
-from engine.cost.price import Prediction, moved_bytes
+from engine.cost.price import Prediction, fusion_id, moved_bytes
 
 SCOPE_HEADS = ["scope", "FLOPs", "bytes", "FLOP/B", "bound", "pred s", "meas s", "err"]
 COLLECTIVE_HEADS = ["collective", "axes", "bytes/step", "count", "pred s", "pred exposed s",
@@ -66,9 +66,10 @@ def fusion_table(pred: Prediction, hw: Hardware, top: int = 25) -> list[list]:
         r = p.row
         if r.kind == "collective":
             continue
-        if r.fusion < 0 and r.kind != "attention":
+        fid = fusion_id(r, hw)
+        if fid < 0 and r.kind != "attention":
             continue  # merged into an identical op (CSE): moves nothing
-        key = ("kernel", id(r)) if r.fusion < 0 else ("fusion", r.fusion)
+        key = ("kernel", id(r)) if fid < 0 else ("fusion", fid)
         a = agg.setdefault(key, dict(scope=r.scope, phase=r.phase, ops=collections.Counter(),
                                      count=r.count, flops=0.0, bytes=0.0, s=0.0, cs=0.0))
         a["ops"][r.primitive] += 1
