@@ -25,6 +25,11 @@ Model differences are matched on FLOPs, never by changing the model: MPT and GPT
 (Megatron) use a two-matrix GELU MLP with hidden 4D, whose matmul FLOPs equal a SwiGLU
 with hidden 8D/3 (2·D·4D = 3·D·F), rounded to a multiple of tp; MPT's ALiBi and GPT's
 learned positions cost no matmul FLOPs (RoPE here costs a few elementwise ones).
+Attention is priced as the kernel the source ran: a flash kernel (cuDNN / FlashAttention
+on GPU, Pallas splash on TPU) for every row but Megatron's. Megatron-LM in 2021 predates
+FlashAttention (Dao et al. 2022): it formed the [s, s] scores in memory (QK^T GEMM, its
+fused scale-mask-softmax kernel, then the PV GEMM), which is what this engine's
+`reference` kernel does, so those rows run `--attention reference`.
 Gradient accumulation is modelled per microbatch (batch = microbatch x data-parallel
 ranks): the optimizer step, amortized over the microbatches in the source, is < 1% of a
 step here.
@@ -78,6 +83,7 @@ class Run:
     source: str
     note: str = ""
     tp_comm: str = "allreduce"
+    attention: str = "auto"
 
     def argv(self) -> list[str]:
         # every source's FSDP issues the next layer's weight gather before the current
@@ -90,7 +96,7 @@ class Run:
                 "--head-dim", str(self.head_dim), "--mlp-dim", str(self.mlp_dim),
                 "--vocab", str(self.vocab), "--seq", str(self.seq), "--batch", str(self.batch),
                 "--layout", self.layout, "--remat", self.remat, "--zero", str(self.zero),
-                "--tp-comm", self.tp_comm]
+                "--tp-comm", self.tp_comm, "--attention", self.attention]
 
 
 def gelu_match(d: int, tp: int = 1) -> int:
@@ -104,18 +110,24 @@ def _mpt(name, hw, chips, d, heads, layers, micro, remat, tps, mfu, zero=3, note
                zero, tps, "tps", mfu, FOUNDRY, note)
 
 
-def _maxtext(name, hw, chips, scale_dims, micro, layout, remat, tflops, mfu, seq=2048):
+def _maxtext(name, hw, chips, scale_dims, micro, layout, remat, tflops, mfu, seq=2048,
+             tp_comm="allreduce"):
+    """chips: a v4-N / v5p-N slice has N/2 chips (N counts TensorCores, two per chip);
+    v5e-N has N. tp_comm: MaxText's v5p scripts set XLA:TPU's asynchronous collective
+    fusion and `xla_tpu_overlap_compute_collective_tc`, which run the tensor-parallel
+    collectives under compute: the engine's overlapped form is `--tp-comm ring`."""
     layers, d, heads, mlp = scale_dims
     return Run(f"MaxText {name} {chips}x{hw}", hw, chips, layers, d, heads, heads, 128, mlp,
                32000, seq, micro * chips, layout, remat, 3, tflops, "maxtext_tflops", mfu,
-               MAXTEXT.format(hw))
+               MAXTEXT.format(hw), tp_comm=tp_comm)
 
 
 def _megatron(name, layers, h, heads, tp, gpus, batch, tflops, mfu):
     return Run(f"Megatron {name} {gpus}xa100", "a100", gpus, layers, h, heads, heads,
                h // heads, gelu_match(h, tp), 51200, 2048, batch, f"dp{gpus // tp}xtp{tp}"
                if tp > 1 else f"dp{gpus}", "full", 3, tflops, "megatron_tflops", mfu, MEGATRON,
-               "plain data parallel (no ZeRO), full recomputation")
+               "plain data parallel (no ZeRO), full recomputation, unfused attention",
+               attention="reference")
 
 
 def _titan(name, chips, layers, d, heads, kv, mlp, batch, layout, remat, tps, source, note):
@@ -152,7 +164,8 @@ RUNS = (
     _maxtext("32B", "v5e", 256, (32, 8192, 64, 28672), 4, "fsdp256", "full", 132, 66.86),
     _maxtext("64B", "v5e", 256, (64, 8192, 64, 28672), 2, "fsdp256", "full", 118, 59.90),
     _maxtext("22B", "v4", 64, (48, 6144, 24, 24576), 13, "fsdp64", "full", 156, 56.7),
-    _maxtext("32B", "v5p", 128, (32, 8192, 64, 28672), 6, "fsdp32xtp4", "dots", 328, 71.47),
+    _maxtext("32B", "v5p", 64, (32, 8192, 64, 28672), 6, "fsdp16xtp4", "dots", 328, 71.47,
+             tp_comm="ring"),
     # Megatron-LM, A100 80GB (Selene), Table 1 rows without pipeline parallelism
     _megatron("1.7B", 24, 2304, 24, 1, 32, 512, 137, 44),
     _megatron("3.6B", 30, 3072, 32, 2, 64, 512, 138, 44),
