@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Mapping
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 
 import collectives
@@ -67,11 +68,13 @@ def blocks(x_BLD: jax.Array, stacked: dict, fsdp_dims: Mapping[str, int | None],
     scan, the carry holds the gathered weights of the layer the body computes, the scan
     runs over layers 1..N-1 (gathering each for the next iteration) and the last layer
     is computed after it: each weight is gathered exactly N times in the forward, as
-    without prefetch. Only the block is rematted, so its gathered weights (the carry)
-    are saved for the backward: N layers' whole weights in the compute dtype, and no
-    re-gather in the backward (without prefetch, remat re-gathers instead). The last
-    layer is not rematted: its backward follows its forward at once, and XLA would
-    merge the recompute into the forward (dropping the recompute's collectives)."""
+    without prefetch. Under remat `full` the backward is a scan of its own that
+    prefetches too (`prefetched_full_remat`): only each layer's input is saved, and
+    the weights are gathered again, one layer ahead, as the backward walks down. Under
+    `dots` and `none` the scan is differentiated as written: the carried weights are
+    saved for the backward (N layers' whole weights in the compute dtype, no re-gather),
+    and the last layer is not rematted (its backward follows its forward at once, and
+    XLA would merge the recompute into the forward, dropping its collectives)."""
 
     def gather(p_layer):
         with jax.named_scope(scopes.GATHER_PARAMS):
@@ -87,14 +90,76 @@ def blocks(x_BLD: jax.Array, stacked: dict, fsdp_dims: Mapping[str, int | None],
         x_BLD, _ = lax.scan(body, x_BLD, stacked)
         return x_BLD
 
-    layer = remat(lambda x_BLD, p: block(x_BLD, p, cfg, axes))
+    if cfg.remat == "full":
+        return prefetched_full_remat(lambda x_BLD, p: block(x_BLD, p, cfg, axes),
+                                     gather)(x_BLD, stacked)
 
-    def prefetch_body(carry, p_next):
+    layer = remat(lambda x_BLD, p: block(x_BLD, p, cfg, axes))
+    x_BLD, p_last = _prefetched_forward(layer, gather, x_BLD, stacked)[0]
+    return block(x_BLD, p_last, cfg, axes)
+
+
+def _layer(stacked: dict, i) -> dict:
+    return jax.tree.map(lambda w: w[i], stacked)
+
+
+def _prefetched_forward(layer, gather, x_BLD, stacked):
+    """Scan layers 0..N-2 with layer i+1 gathered in the body that computes layer i:
+    ((x after layer N-2, layer N-1 gathered), [N-1, B, L, D] inputs of layers 0..N-2)."""
+
+    def body(carry, p_next):
         x_BLD, p = carry
         p_next = gather(p_next)  # layer i+1's weights, for the next iteration
-        return (layer(x_BLD, p), p_next), None
+        return (layer(x_BLD, p), p_next), x_BLD
 
-    first = jax.tree.map(lambda w: w[0], stacked)
     rest = jax.tree.map(lambda w: w[1:], stacked)
-    (x_BLD, p_last), _ = lax.scan(prefetch_body, (x_BLD, gather(first)), rest)
-    return block(x_BLD, p_last, cfg, axes)
+    return lax.scan(body, (x_BLD, gather(_layer(stacked, 0))), rest)
+
+
+def prefetched_full_remat(layer, gather):
+    """(x [B, L, D], stacked shards {name: [N, ...]}) -> x after N layers, with a
+    hand-written backward so both directions prefetch and only layer inputs are saved.
+
+    Forward: the prefetching scan, saving each layer's input x_i ([N, B, L, D]).
+    Backward, layers N-1 down to 0: the body that differentiates layer i (its forward
+    recomputed from x_i and the carried whole weights) gathers layer i-1's weights for
+    the next iteration, then reduce-scatters layer i's weight grads (the gather's
+    transpose; the forward `jax.vjp` traces for it is dead code, removed by XLA and
+    by the cost ledger's DCE). Each weight is gathered N times in each direction, as
+    remat without prefetch does, but never waited on."""
+
+    def forward(x_BLD, stacked):
+        (x_BLD, p_last), xs_NBLD = _prefetched_forward(layer, gather, x_BLD, stacked)
+        xs_NBLD = jnp.concatenate([xs_NBLD, x_BLD[None]])
+        return layer(x_BLD, p_last), (xs_NBLD, stacked)
+
+    def backward(res, dy_BLD):
+        xs_NBLD, stacked = res
+
+        def layer_grads(x_BLD, p, shard, dy_BLD):
+            _, layer_vjp = jax.vjp(layer, x_BLD, p)
+            dx_BLD, dp = layer_vjp(dy_BLD)
+            _, gather_vjp = jax.vjp(gather, shard)
+            return dx_BLD, gather_vjp(dp)[0]
+
+        def body(carry, inputs):
+            dy_BLD, p = carry
+            x_BLD, shard, shard_prev = inputs
+            p_prev = gather(shard_prev)  # layer i-1's weights, for the next iteration
+            dx_BLD, dshard = layer_grads(x_BLD, p, shard, dy_BLD)
+            return (dx_BLD, p_prev), dshard
+
+        upper = jax.tree.map(lambda w: w[1:], stacked)    # layers 1..N-1
+        lower = jax.tree.map(lambda w: w[:-1], stacked)   # layers 0..N-2
+        n = xs_NBLD.shape[0]
+        (dy_BLD, p0), dshards = lax.scan(
+            body, (dy_BLD, gather(_layer(stacked, n - 1))), (xs_NBLD[1:], upper, lower),
+            reverse=True)
+        dx_BLD, dshard0 = layer_grads(xs_NBLD[0], p0, _layer(stacked, 0), dy_BLD)
+        dstacked = jax.tree.map(lambda d0, d: jnp.concatenate([d0[None], d]), dshard0,
+                                dshards)
+        return dx_BLD, dstacked
+
+    f = jax.custom_vjp(lambda x_BLD, stacked: forward(x_BLD, stacked)[0])
+    f.defvjp(forward, backward)
+    return f
