@@ -209,10 +209,12 @@ def test_each_level_places_the_collectives_it_should():
     assert z3[("all_gather", "fwd", "gather_params")] == [N]
     assert z3[("all_gather", "recompute", "gather_params")] == [N]
     assert z3[("reduce_scatter", "bwd", "gather_params")] == [N]
-    # prefetch: layer 0 before the scan, 1..N-1 inside it: N gathers of each layer in
-    # the forward, none in the backward (the carried weights are saved)
+    # prefetch (remat full): layer 0 before the scan, 1..N-1 inside it: N gathers of
+    # each layer in the forward; the backward scan gathers again one layer ahead (layer
+    # N-1 before it, N-2..0 inside it), with no remat recompute phase of its own
     fwd = pre[("all_gather", "fwd", "gather_params")]
     assert sorted(fwd) == [1, N - 1]
+    assert sorted(pre[("all_gather", "bwd", "gather_params")]) == [1, N - 1]
     assert not any(k[0] == "all_gather" and k[1] == "recompute" for k in pre)
     assert sum(pre[("reduce_scatter", "bwd", "gather_params")]) == N
     # zero 2: no gather before the update; grads reduce-scattered per layer inside the

@@ -19,6 +19,7 @@ import math
 import jax
 import jax.numpy as jnp
 from jax._src import source_info_util
+from jax._src.interpreters import partial_eval as pe
 from jax.extend import core as jcore
 
 from engine.cost.fusion import INLINED, Domain, canon, nbytes
@@ -115,12 +116,16 @@ def _shape_dtype_specs(cfg, tcfg, trainer):
 
 
 def trace_step(cfg, tcfg, layout, parallel=None) -> jcore.ClosedJaxpr:
-    """The jaxpr of `Trainer.train_step` (the CLI's step) on `layout.abstract_mesh()`."""
+    """The jaxpr of `Trainer.train_step` (the CLI's step) on `layout.abstract_mesh()`,
+    with dead code removed as XLA removes it (e.g. the forward a `jax.vjp` traces only
+    to take its transpose)."""
     from engine.config import ParallelConfig
     from engine.step import Trainer
 
     trainer = Trainer(cfg, tcfg, layout, layout.abstract_mesh(), parallel or ParallelConfig())
-    return jax.make_jaxpr(trainer.train_step)(*_shape_dtype_specs(cfg, tcfg, trainer))
+    closed = jax.make_jaxpr(trainer.train_step)(*_shape_dtype_specs(cfg, tcfg, trainer))
+    live, _ = pe.dce_jaxpr(closed.jaxpr, [True] * len(closed.jaxpr.outvars))
+    return jcore.ClosedJaxpr(live, closed.consts)
 
 
 def _nbytes(aval) -> int:
