@@ -95,25 +95,37 @@ def blocks(x_BLD: jax.Array, stacked: dict, fsdp_dims: Mapping[str, int | None],
                                      gather)(x_BLD, stacked)
 
     layer = remat(lambda x_BLD, p: block(x_BLD, p, cfg, axes))
-    x_BLD, p_last = _prefetched_forward(layer, gather, x_BLD, stacked)[0]
+    x_BLD, p_last, _ = _prefetched_forward(layer, gather, x_BLD, stacked)
     return block(x_BLD, p_last, cfg, axes)
 
 
 def _layer(stacked: dict, i) -> dict:
-    return jax.tree.map(lambda w: w[i], stacked)
+    """Layer i's shards of the stacked params (i may be traced)."""
+    return jax.tree.map(lambda w: lax.dynamic_index_in_dim(w, i, keepdims=False), stacked)
 
 
-def _prefetched_forward(layer, gather, x_BLD, stacked):
+def _prefetched_forward(layer, gather, x_BLD, stacked, save: bool = False):
     """Scan layers 0..N-2 with layer i+1 gathered in the body that computes layer i:
-    ((x after layer N-2, layer N-1 gathered), [N-1, B, L, D] inputs of layers 0..N-2)."""
+    (x after layer N-2, layer N-1 gathered, and with `save` the [N, B, L, D] inputs of
+    every layer, the last one written last). The scan walks indices into the stacked
+    params and writes into one carried buffer, so nothing is sliced or concatenated
+    (a copy on XLA:CPU)."""
+    n = jax.tree.leaves(stacked)[0].shape[0]
 
-    def body(carry, p_next):
-        x_BLD, p = carry
-        p_next = gather(p_next)  # layer i+1's weights, for the next iteration
-        return (layer(x_BLD, p), p_next), x_BLD
+    def body(carry, i):
+        x_BLD, p, xs_NBLD = carry
+        if save:
+            xs_NBLD = lax.dynamic_update_index_in_dim(xs_NBLD, x_BLD, i, 0)
+        p_next = gather(_layer(stacked, i + 1))  # for the next iteration
+        return (layer(x_BLD, p), p_next, xs_NBLD), None
 
-    rest = jax.tree.map(lambda w: w[1:], stacked)
-    return lax.scan(body, (x_BLD, gather(_layer(stacked, 0))), rest)
+    # zeros_like keeps x's varying axes (a scan carry's type includes them)
+    xs_NBLD = jnp.broadcast_to(jnp.zeros_like(x_BLD), (n, *x_BLD.shape)) if save else None
+    (x_BLD, p_last, xs_NBLD), _ = lax.scan(
+        body, (x_BLD, gather(_layer(stacked, 0)), xs_NBLD), jnp.arange(n - 1))
+    if save:
+        xs_NBLD = lax.dynamic_update_index_in_dim(xs_NBLD, x_BLD, n - 1, 0)
+    return x_BLD, p_last, xs_NBLD
 
 
 def prefetched_full_remat(layer, gather):
@@ -125,42 +137,40 @@ def prefetched_full_remat(layer, gather):
     recomputed from x_i and the carried whole weights) gathers layer i-1's weights for
     the next iteration, then reduce-scatters layer i's weight grads (the gather's
     transpose; the forward `jax.vjp` traces for it is dead code, removed by XLA and
-    by the cost ledger's DCE). Each weight is gathered N times in each direction, as
-    remat without prefetch does, but never waited on. With N = 2 both scans run once,
-    XLA inlines them and merges each backward gather with the forward's gather of the
-    same layer (one fewer gather per layer than the ledger counts)."""
+    by the cost ledger's DCE) into the carried [N, ...] grads. Each weight is gathered
+    N times in each direction, as remat without prefetch does, but never waited on.
+    With N = 2 both scans run once, XLA inlines them and merges each backward gather
+    with the forward's gather of the same layer (one fewer gather per layer than the
+    ledger counts)."""
 
     def forward(x_BLD, stacked):
-        (x_BLD, p_last), xs_NBLD = _prefetched_forward(layer, gather, x_BLD, stacked)
-        xs_NBLD = jnp.concatenate([xs_NBLD, x_BLD[None]])
+        x_BLD, p_last, xs_NBLD = _prefetched_forward(layer, gather, x_BLD, stacked, True)
         return layer(x_BLD, p_last), (xs_NBLD, stacked)
 
     def backward(res, dy_BLD):
         xs_NBLD, stacked = res
+        n = xs_NBLD.shape[0]
 
-        def layer_grads(x_BLD, p, shard, dy_BLD):
+        def layer_grads(i, p, dy_BLD, dstacked):
+            x_BLD, shard = xs_NBLD[i], _layer(stacked, i)
             _, layer_vjp = jax.vjp(layer, x_BLD, p)
             dx_BLD, dp = layer_vjp(dy_BLD)
             _, gather_vjp = jax.vjp(gather, shard)
-            return dx_BLD, gather_vjp(dp)[0]
+            dstacked = jax.tree.map(lambda d, g: lax.dynamic_update_index_in_dim(d, g, i, 0),
+                                    dstacked, gather_vjp(dp)[0])
+            return dx_BLD, dstacked
 
-        def body(carry, inputs):
-            dy_BLD, p = carry
-            x_BLD, shard, shard_prev = inputs
-            p_prev = gather(shard_prev)  # layer i-1's weights, for the next iteration
-            dx_BLD, dshard = layer_grads(x_BLD, p, shard, dy_BLD)
-            return (dx_BLD, p_prev), dshard
+        def body(carry, i):
+            dy_BLD, p, dstacked = carry
+            p_prev = gather(_layer(stacked, i - 1))  # for the next iteration
+            dx_BLD, dstacked = layer_grads(i, p, dy_BLD, dstacked)
+            return (dx_BLD, p_prev, dstacked), None
 
-        upper = jax.tree.map(lambda w: w[1:], stacked)    # layers 1..N-1
-        lower = jax.tree.map(lambda w: w[:-1], stacked)   # layers 0..N-2
-        n = xs_NBLD.shape[0]
-        (dy_BLD, p0), dshards = lax.scan(
-            body, (dy_BLD, gather(_layer(stacked, n - 1))), (xs_NBLD[1:], upper, lower),
+        dstacked = jax.tree.map(jnp.zeros_like, stacked)
+        (dy_BLD, p0, dstacked), _ = lax.scan(
+            body, (dy_BLD, gather(_layer(stacked, n - 1)), dstacked), jnp.arange(1, n),
             reverse=True)
-        dx_BLD, dshard0 = layer_grads(xs_NBLD[0], p0, _layer(stacked, 0), dy_BLD)
-        dstacked = jax.tree.map(lambda d0, d: jnp.concatenate([d0[None], d]), dshard0,
-                                dshards)
-        return dx_BLD, dstacked
+        return layer_grads(0, p0, dy_BLD, dstacked)
 
     f = jax.custom_vjp(lambda x_BLD, stacked: forward(x_BLD, stacked)[0])
     f.defvjp(forward, backward)

@@ -43,12 +43,13 @@ T·S (L² for reference), Σ_S = sum of S, C = number of chunks.
 
 remat `full` (the scan saves only its carry):
     residuals  N · B·L_x·D·4                 the carry x before each layer, f32
-               prefetch: the carry also holds the next layer's gathered weights and the
-               scan runs over layers 1..N-1 (the last layer follows it, not rematted):
-               (N-1) · (B·L_x·D·4 + W·u)   the scan's stack of gathered weights is
-                                        converted to f32 as a whole right after the
-                                        forward scan on XLA:CPU (the bf16 stack is dead
-                                        by the peak), hence u
+               prefetch: the forward and backward scans are hand-written
+               (layers.block.prefetched_full_remat): the same N inputs are saved, and
+               the layer backward's transient holds this layer's whole weights and the
+               next one's (2 · W·c, in place of the weights item below). Against
+               `measure` of the compiled step (tiny L = 64 with 4 layers, small
+               L = 256; fsdp8, fsdp4xtp2; bf16, chunked / reference): 0.91-0.95x. Known miss: 2 layers (-31%: each scan runs
+               once, XLA inlines both and holds the forward's gathers to the backward).
     transient  the layer recomputed plus its backward, live where the MLP's backward
                starts (its dg, du and h relayout formed; the attention's backward
                operands already prepared). Read off XLA:CPU's buffer assignment at the
@@ -110,7 +111,8 @@ remat `none` (everything saved, nothing recomputed), per layer, N times:
 loss phase: 2·B·L·V_tp·4 (dlogits and a relayout) + D·V_tp·(c + 4) (the gathered
     unembed and its f32 grad) + V_tp·D·4 (the embedding's grad, whole over fsdp before
     its reduce-scatter).
-last layer (prefetch only; read off small and medium, fsdp4xtp2, L = 256, remat full,
+last layer (prefetch under `dots` / `none`, whose scan is differentiated as written;
+    read off small and medium, fsdp4xtp2, L = 256, when `full` ran that way too,
     chunked): the peak falls in the loss's backward, while the last layer's forward
     (not rematted, so saved whole) waits for its backward. Live: the residuals above,
     the non-block grads and the scanned layers' stacked grads ((N-1)/N of the block
@@ -371,14 +373,21 @@ def predict(cfg: ModelConfig, tcfg: TrainConfig, layout: Layout, platform: str =
     weights = {"layer weights but wd (compute dtype)": (W_rank - D * Ftp) * c}
     embed = {"embed grad, whole over fsdp (replaces its shard)": Vtp * D * F32 - grad_embed}
     trans_full = {**attn, **mlp_items, **stream, **weights, **embed}
-    # prefetch: the scan runs over layers 1..N-1 and saves each one's gathered weights
-    # (its carry); the last layer follows it, not rematted
-    n = N - 1 if par.prefetch else N
+    # prefetch under `dots` / `none`: the scan runs over layers 1..N-1 and saves each
+    # one's gathered weights (its carry); the last layer follows it, not rematted.
+    # Under `full` the backward is a scan of its own (layers.block.prefetched_full_remat)
+    # that saves only the N layer inputs and holds one more layer's gathered weights.
+    saves_weights = par.prefetch and cfg.remat != "full"
+    n = N - 1 if saves_weights else N
     prefetched = ({f"prefetched weights saved by the scan ({n} layers, f32 on cpu)":
-                       n * W * u} if par.prefetch else {})
+                       n * W * u} if saves_weights else {})
     if cfg.remat == "full":
-        res = {f"scan carry x ({n} layers)": n * x_stream, **prefetched}
+        res = {f"scan carry x ({n} layers)": n * x_stream}
         trans = trans_full
+        if par.prefetch:  # the carry holds this layer's whole weights and the next's
+            trans = {**{k: v for k, v in trans.items() if not k.startswith("layer weights")},
+                     "this layer's and the next layer's weights, carried (compute dtype)":
+                         2 * W * c}
     elif cfg.remat == "dots":
         per = x_stream + B * L * (Htp + 2 * Gtp) * K * F32 + x_full + 2 * mlp
         res = {f"carry x, q, k, v, out projection, g, u ({n} layers)": n * per, **prefetched}
@@ -400,7 +409,7 @@ def predict(cfg: ModelConfig, tcfg: TrainConfig, layout: Layout, platform: str =
     loss = {"dlogits and a relayout": 2 * B * L * Vtp * F32,
             "unembed gathered and its f32 grad": D * Vtp * (c + F32),
             "embed grad, whole over fsdp": Vtp * D * F32}
-    if par.prefetch:
+    if saves_weights:
         # the loss's backward with the last (not rematted) layer's forward saved
         # (module doc); the scanned layers' stacked grads are already allocated
         last = {"last layer: its input x (the scan's output)": x_stream,
