@@ -31,8 +31,9 @@ def activations(pred: memory.MemoryPrediction) -> int:
 def test_activation_memory_falls_about_one_over_cp(comm):
     """single, cp2, cp4, cp8 at the same batch and a long sequence (predict only): the
     sequence-sharded stream, MLP, logits and attention shrink at least as 1/cp; only
-    allgather's whole-sequence K/V (one layer's) does not, so it stays above 0.8/cp.
-    The ring's diagonal tile is [L/cp, L/cp]: it falls faster."""
+    allgather's whole-sequence K/V (one layer's) does not. Its score tiles are 3/4 of
+    [L/cp, L] (the first local chunk sees half the keys), so it stays above 0.6/cp. The
+    ring's diagonal tile is [L/cp, L/cp]: it falls faster."""
     tcfg = TrainConfig(batch=4, seq=4096)
     parallel = ParallelConfig(cp_comm=comm)
     base = activations(memory.predict(CFG, tcfg, Layout.parse("single"), parallel=parallel))
@@ -41,7 +42,7 @@ def test_activation_memory_falls_about_one_over_cp(comm):
                                            parallel=parallel)) * cp / base
         assert ratio <= 1.1, f"cp{cp} {comm}: activations x cp / single = {ratio:.3f}"
         if comm == "allgather":
-            assert ratio >= 0.8, f"cp{cp} {comm}: activations x cp / single = {ratio:.3f}"
+            assert ratio >= 0.6, f"cp{cp} {comm}: activations x cp / single = {ratio:.3f}"
 
 
 @functools.lru_cache(maxsize=None)

@@ -159,8 +159,9 @@ MLP's f32 intermediates instead of keeping them). Not checked against a compiler
 Context parallelism (cp > 1): L above is this rank's seq / cp tokens (the residual
 stream, the MLP, the logits and the queries are sequence-sharded), so every activation
 term falls as 1/cp. The keys one attention call sees differ by `--cp-comm`:
-    allgather  the reference kernel per local chunk of c = L/2 queries against all S =
-               seq keys: the score tiles are 2·[c, S] (Σ_TS = L·S), q, k, v upcast are
+    allgather  the reference kernel per local chunk of c = L/2 queries: the first against
+               the first S/2 keys, the second against all S = seq (Σ_TS = 3/4·L·S);
+               q, k, v upcast are
                B·(L·H_tp + 2·S·G_tp)·K·u, plus this layer's
                2·B·S·G_tp·K·c                 k, v gathered over cp
                + 2·B·S·G_tp·K·4               dk, dv over the whole sequence (f32,
@@ -303,6 +304,9 @@ def predict(cfg: ModelConfig, tcfg: TrainConfig, layout: Layout, platform: str =
         kernel = "ring"  # the ring's own blocks (layers/kernels/context.py)
     if platform != "cpu" and kernel in ("blocked", "pallas"):
         kernel = "flash"  # the target's flash kernel (engine/cost/price.py)
+    if cp > 1 and kernel == "chunked":
+        raise Unsupported("no memory model for the 'chunked' kernel under cp (only "
+                          "'reference' and the ring were checked against the compiler)")
     if kernel not in ("reference", "chunked", "flash", "ring"):
         raise Unsupported(f"no memory model for the {kernel!r} attention kernel (only "
                           f"'reference' and 'chunked' were checked against the compiler; "
@@ -358,8 +362,8 @@ def predict(cfg: ModelConfig, tcfg: TrainConfig, layout: Layout, platform: str =
         chunks = []
     elif kernel == "ring":  # the diagonal block: the ring's largest tile
         chunks = [(L, L)]
-    elif cp > 1:  # cp's allgather: each of the rank's two chunks against every key
-        chunks = [(L // 2, S), (L // 2, S)]
+    elif cp > 1:  # cp's allgather: the first chunk against the first half of the keys,
+        chunks = [(L // 2, S // 2), (L // 2, S)]  # the second against all of them
     elif kernel == "chunked":
         T = min(inspect.signature(chunked_attention).parameters["blocks"].default.block_q, L)
         chunks = [(min(s + T, L) - s, min(s + T, L)) for s in range(0, L, T)]

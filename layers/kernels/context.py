@@ -30,22 +30,29 @@ from jax import lax
 
 import collectives
 from layers.context import chunk_ids, chunk_positions, natural_order
+from layers.kernels.blocked import blocked_attention
+from layers.kernels.chunked import chunked_attention
 from layers.kernels.reference import reference_attention
 from layers.kernels.shared import MASK_VALUE, causal_mask, flash_vjp, softmax_scale
 
-CP_KERNELS = {"reference": reference_attention}
+CP_KERNELS = {"reference": reference_attention, "chunked": chunked_attention,
+              "blocked": blocked_attention}
 
 
 def allgather_attention(q_BLHK, k_BLGK, v_BLGK, *, axes, kernel: str = "reference"):
     """q [B, L_cp, H, K], k, v [B, L_cp, G, K] (this rank's chunks i and 2cp−1−i) ->
     o [B, L_cp, H, K] in q's dtype: causal attention at global positions over the keys
-    all-gathered from every cp rank."""
+    all-gathered from every cp rank, by the local kernel `kernel` (`CP_KERNELS`). The
+    first chunk (i < cp) sees only the first half of the keys, so it is given only
+    those; within a call the kernel skips what it can (blocked: every key block past
+    the chunk's last position)."""
     attend = CP_KERNELS[kernel]
     k_BSGK, v_BSGK = (natural_order(collectives.gather(x, axes.cp, dim=1), axes.cp_size)
                       for x in (k_BLGK, v_BLGK))
     c = q_BLHK.shape[1] // 2
-    outs = [attend(q_BLHK[:, j * c:(j + 1) * c], k_BSGK, v_BSGK, causal=True, q_offset=m * c,
-                   k_offset=0)
+    S = k_BSGK.shape[1]
+    outs = [attend(q_BLHK[:, j * c:(j + 1) * c], k_BSGK[:, :S // (2 - j)],
+                   v_BSGK[:, :S // (2 - j)], causal=True, q_offset=m * c, k_offset=0)
             for j, m in enumerate(chunk_ids(axes))]
     return jnp.concatenate(outs, axis=1)
 
