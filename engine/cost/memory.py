@@ -173,11 +173,18 @@ term falls as 1/cp. The keys one attention call sees differ by `--cp-comm`:
                + 2·B·L·G_tp·K·c               the arriving k, v
                + L²                           the diagonal mask
                (remat none saves only the log-sum-exp, as the flash kernel)
-Against `memory_analysis()` (tests/test_memory_cp.py: tiny, bf16, remat full, batch 16,
-seq 64 on cp2, cp4, cp8, cp4xfsdp2, cp2xfsdp2xtp2): allgather +3 to +10%, ring -6 to
-+1%. At seq 512 (tiny, batch 4, cp2..cp8, f32 and bf16) -17 to +6%, lowest for cp2
-allgather in bf16; one device there is -32 to -35% (the reference kernel's [L, L] f32
-copies, not re-read at long sequences), so the measured single-to-cp ratio exceeds cp.
+A third candidate (remat full; reference kernel, cp's allgather or the ring), "attention
+backward": at long sequences the peak moves into the softmax's backward, after the
+MLP's: the layer-backward transient without its MLP items, plus
+    reference  2·B·H_tp·T·S·4    dp and ds (f32) of the largest single call's tile
+                                 ([L, L] on one device; [c, S] under cp's allgather,
+                                 whose two calls run one after the other)
+    ring       B·H_tp·L²·4       the diagonal block's scores s (f32) beside p, dp, ds
+The larger candidate is the prediction. Against `memory_analysis()`
+(tests/test_memory_cp.py: tiny, bf16, remat full, batch 16, seq 64 on cp2, cp4, cp8,
+cp4xfsdp2, cp2xfsdp2xtp2): allgather 0 to +6%, ring -6 to +1%. At seq 512 (tiny, batch 4,
+single and cp2..cp8, f32 and bf16, `memory.predict` vs `memory.measure`)
+-2 to +11%, one device within 0.3% (it was -32 to -35% without this candidate).
 
 `measure(compiled)` reads the compiled step's `memory_analysis()` and defines the
 measured peak as
@@ -370,6 +377,7 @@ def predict(cfg: ModelConfig, tcfg: TrainConfig, layout: Layout, platform: str =
     else:
         chunks = [(L, L)]
     tiles = sum(tq * s for tq, s in chunks)                 # sum of T·S
+    largest = max((tq * s for tq, s in chunks), default=0)  # one call's T·S
     keys = sum(s for _, s in chunks)                        # sum of S
     scores = B * Htp * tiles * F32                          # f32 scores of all tiles
 
@@ -473,6 +481,15 @@ def predict(cfg: ModelConfig, tcfg: TrainConfig, layout: Layout, platform: str =
     loss_peak = grads_loss + residuals + sum(last.values())
     phase, transient, live = (("layer backward", trans, grads) if layer_peak >= loss_peak
                               else (phase_loss, last, grads_loss))
+    if kernel in ("reference", "ring") and cfg.remat == "full":
+        # long sequences: the softmax's backward, the MLP's done (module doc)
+        attn_bwd = {**{k: v for k, v in trans.items() if not k.startswith("mlp ")},
+                    "attention dp, ds of the largest tile (f32)" if kernel == "reference"
+                    else "attention s of the diagonal block (f32)":
+                        (2 if kernel == "reference" else 1) * B * Htp * largest * F32}
+        if grads + residuals + sum(attn_bwd.values()) > grads + residuals + sum(
+                transient.values()) and live == grads:
+            phase, transient = "attention backward", attn_bwd
     items = {**{f"residual: {k}": v for k, v in res.items()},
              **{f"transient: {k}": v for k, v in transient.items()}}
     return MemoryPrediction(params, opt_state, tokens, grads, live, residuals,
