@@ -128,7 +128,7 @@ def test_chunks_are_load_balanced_and_gather_back_in_order():
 
 @pytest.mark.parametrize("comm, kernel", [
     *((comm, "reference") for comm in CP_COMMS), ("allgather", "chunked"),
-    ("allgather", "blocked")])
+    ("allgather", "blocked"), ("ring", "blocked")])
 def test_cp_attention_matches_dense_values_and_grads(comm, kernel, monkeypatch):
     """Each cp kernel alone on cp4 (chunks of c=5; the local kernels with tiles of 4, so
     tiles straddle chunk edges): outputs and dq, dk, dv equal the dense causal attention
@@ -137,9 +137,12 @@ def test_cp_attention_matches_dense_values_and_grads(comm, kernel, monkeypatch):
     axes = lay.role_axes()
     B, L, H, G, K = 2, 40, 4, 2, 8
     small = {"chunked": BlockSizes(block_q=4), "blocked": BlockSizes(block_k=4)}
-    if kernel in small:
+    attend = CP_COMMS[comm]
+    if kernel in small and comm == "allgather":
         monkeypatch.setitem(CP_KERNELS, kernel,
                             functools.partial(KERNELS[kernel], blocks=small[kernel]))
+    elif kernel in small:
+        attend = functools.partial(attend, blocks=small[kernel])
     rng = np.random.default_rng(1)
     q, k, v = (rng.normal(size=s).astype(np.float32) for s in
                [(B, L, H, K), (B, L, G, K), (B, L, G, K)])
@@ -147,7 +150,7 @@ def test_cp_attention_matches_dense_values_and_grads(comm, kernel, monkeypatch):
 
     def local(q, k, v, w):  # whole sequences in, this rank's chunks through the kernel
         cut = lambda x: context.shard_sequence(x, axes)
-        o = CP_COMMS[comm](cut(q), cut(k), cut(v), axes=axes, kernel=kernel)
+        o = attend(cut(q), cut(k), cut(v), axes=axes, kernel=kernel)
         return collectives.all_reduce(jnp.sum(o * cut(w)), "cp")
 
     sharded = jax.jit(jax.value_and_grad(
@@ -243,10 +246,14 @@ def test_cp_composes_with_tp_and_zero(layout, parallel, init, single):
 
 
 @pytest.mark.parametrize("kernel", ["chunked", "blocked"])
-def test_cp_step_with_local_kernels_matches_single(kernel, init, single):
-    """cp4xfsdp2 (allgather) with the chunked or blocked kernel per local chunk."""
+@pytest.mark.parametrize("comm", list(CP_COMMS))
+def test_cp_step_with_local_kernels_matches_single(kernel, comm, init, single):
+    """cp4xfsdp2 with the chunked or blocked kernel (allgather: per local chunk; ring:
+    blocked runs each step's tile, chunked is the ring's dense tiles)."""
     cfg = dataclasses.replace(CFG, attention=kernel)
-    assert_matches(loss_and_grads("cp4xfsdp2", init, cfg=cfg), single, f"cp4xfsdp2 {kernel}")
+    assert_matches(loss_and_grads("cp4xfsdp2", init, cfg=cfg,
+                                  parallel=ParallelConfig(cp_comm=comm)),
+                   single, f"cp4xfsdp2 {kernel} {comm}")
 
 
 def test_odd_chunks_match_the_plain_model(init):
