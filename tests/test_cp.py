@@ -7,6 +7,7 @@ layout, and programs are compiled with XLA's backend optimization off (compile t
 nearly all of this file's). Tolerances as in test_step.py.
 """
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +24,8 @@ from engine.params import activation_spec
 from engine.step import Trainer
 from engine import validate
 from layers import context
-from layers.kernels.context import CP_COMMS
+from layers.kernels import KERNELS, BlockSizes
+from layers.kernels.context import CP_COMMS, CP_KERNELS
 from test_step import CFG, RTOL, TCFG, assert_tree_close, host, run
 from test_tp_comm import compiled_loss_and_grads, random_params
 
@@ -91,8 +93,8 @@ def test_cp_layouts_parse_and_fit():
     ("cp2xtp4", TrainConfig(batch=8, seq=12), ParallelConfig(tp_comm="sequence"), CFG,
      "seq/cp=6 tokens over tp: not divisible by tp=4"),
     ("cp4xfsdp2", TCFG, ParallelConfig(cp_comm="nope"), CFG, "cp_comm='nope' not one of"),
-    ("cp4xfsdp2", TCFG, ParallelConfig(), dataclasses.replace(CFG, attention="blocked"),
-     "attention='blocked' takes no global offsets"),
+    ("cp4xfsdp2", TCFG, ParallelConfig(), dataclasses.replace(CFG, attention="pallas"),
+     "attention='pallas' takes no global offsets"),
 ])
 def test_invalid_cp_is_refused_in_one_line(layout, tcfg, parallel, cfg, phrase):
     with pytest.raises(ConfigError) as e:
@@ -124,13 +126,23 @@ def test_chunks_are_load_balanced_and_gather_back_in_order():
         np.testing.assert_array_equal(np.asarray(back)[2 * i:2 * i + 2], x_BL)
 
 
-@pytest.mark.parametrize("comm", list(CP_COMMS))
-def test_cp_attention_matches_dense_values_and_grads(comm):
-    """Each cp kernel alone on cp4 (chunks of c=3): outputs and dq, dk, dv equal the dense
-    causal attention of the whole sequence (GQA: 4 query heads over 2 kv heads)."""
+@pytest.mark.parametrize("comm, kernel", [
+    *((comm, "reference") for comm in CP_COMMS), ("allgather", "chunked"),
+    ("allgather", "blocked"), ("ring", "blocked")])
+def test_cp_attention_matches_dense_values_and_grads(comm, kernel, monkeypatch):
+    """Each cp kernel alone on cp4 (chunks of c=5; the local kernels with tiles of 4, so
+    tiles straddle chunk edges): outputs and dq, dk, dv equal the dense causal attention
+    of the whole sequence (GQA: 4 query heads over 2 kv heads)."""
     lay = Layout.parse("cp4")
     axes = lay.role_axes()
-    B, L, H, G, K = 2, 24, 4, 2, 8
+    B, L, H, G, K = 2, 40, 4, 2, 8
+    small = {"chunked": BlockSizes(block_q=4), "blocked": BlockSizes(block_k=4)}
+    attend = CP_COMMS[comm]
+    if kernel in small and comm == "allgather":
+        monkeypatch.setitem(CP_KERNELS, kernel,
+                            functools.partial(KERNELS[kernel], blocks=small[kernel]))
+    elif kernel in small:
+        attend = functools.partial(attend, blocks=small[kernel])
     rng = np.random.default_rng(1)
     q, k, v = (rng.normal(size=s).astype(np.float32) for s in
                [(B, L, H, K), (B, L, G, K), (B, L, G, K)])
@@ -138,7 +150,7 @@ def test_cp_attention_matches_dense_values_and_grads(comm):
 
     def local(q, k, v, w):  # whole sequences in, this rank's chunks through the kernel
         cut = lambda x: context.shard_sequence(x, axes)
-        o = CP_COMMS[comm](cut(q), cut(k), cut(v), axes=axes)
+        o = attend(cut(q), cut(k), cut(v), axes=axes, kernel=kernel)
         return collectives.all_reduce(jnp.sum(o * cut(w)), "cp")
 
     sharded = jax.jit(jax.value_and_grad(
@@ -148,6 +160,59 @@ def test_cp_attention_matches_dense_values_and_grads(comm):
     got, want = host(sharded(q, k, v, w)), host(dense(q, k, v, w))
     assert abs(got[0] - want[0]) <= RTOL * abs(want[0])
     assert_tree_close(got[1], want[1], what="dq, dk, dv ")
+
+
+@pytest.mark.parametrize("kernel", ["chunked", "blocked"])
+@pytest.mark.parametrize("traced", [False, True])
+@pytest.mark.parametrize("q_offset, k_offset", [(16, 0), (5, 3), (30, 2), (0, 0)])
+def test_local_kernels_take_global_offsets(kernel, traced, q_offset, k_offset):
+    """chunked and blocked with q_offset / k_offset (static ints, or traced int32 as a cp
+    rank's chunk offsets are) equal the dense reference at the same offsets: values and
+    dq, dk, dv (f32, L=24 queries against S=40 keys, tiles of 8)."""
+    if (q_offset, k_offset) == (0, 0) and not traced:
+        pytest.skip("no offsets: test_flash.py")
+    B, L, S, H, G, K = 2, 24, 40, 4, 2, 8
+    rng = np.random.default_rng(2)
+    q, w = (rng.normal(size=(B, L, H, K)).astype(np.float32) for _ in range(2))
+    k, v = (rng.normal(size=(B, S, G, K)).astype(np.float32) for _ in range(2))
+
+    def run(attend, traced):
+        def f(q, k, v, qo, ko):
+            qo, ko = (qo, ko) if traced else (q_offset, k_offset)
+            return jnp.sum(attend(q, k, v, q_offset=qo, k_offset=ko) * w)
+        return host(jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2)))(
+            q, k, v, jnp.int32(q_offset), jnp.int32(k_offset)))
+
+    got = run(functools.partial(KERNELS[kernel], blocks=BlockSizes(8, 8)), traced)
+    want = run(ref.dense_attention, traced=False)  # the oracle's mask is built statically
+    assert abs(got[0] - want[0]) <= RTOL * abs(want[0])
+    assert_tree_close(got[1], want[1], what=f"{kernel} dq, dk, dv ")
+
+
+@pytest.mark.parametrize("q_offset", [8, "traced"])
+def test_blocked_skips_key_blocks_no_query_sees(q_offset):
+    """Queries at positions 8..15 against keys 0..31 in blocks of 8: blocks 2 and 3 are
+    invisible. NaN in their values would reach the output through any product with them
+    (0 x NaN is NaN), so finite values and grads equal to attention over the first two
+    blocks show those blocks were never computed."""
+    B, L, S, H, G, K = 1, 8, 32, 2, 1, 4
+    rng = np.random.default_rng(3)
+    q = rng.normal(size=(B, L, H, K)).astype(np.float32)
+    k, v = (rng.normal(size=(B, S, G, K)).astype(np.float32) for _ in range(2))
+    v[:, 16:] = np.nan
+
+    def f(q, k, v, off):
+        return jnp.sum(KERNELS["blocked"](q, k, v, q_offset=off if q_offset == "traced" else 8,
+                                          blocks=BlockSizes(8, 8)))
+
+    value, grads = host(jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2)))(q, k, v, jnp.int32(8)))
+    want, want_grads = host(jax.value_and_grad(
+        lambda q, k, v: jnp.sum(ref.dense_attention(q, k, v, q_offset=8)), argnums=(0, 1, 2))(
+            q, k[:, :16], v[:, :16]))
+    assert np.isfinite(value) and abs(value - want) <= RTOL * abs(want)
+    assert_tree_close(grads[0], want_grads[0], what="dq ")
+    assert_tree_close(grads[1][:, :16], want_grads[1], what="dk ")
+    assert np.all(grads[1][:, 16:] == 0) and np.all(grads[2][:, 16:] == 0)
 
 
 # -- the whole step ---------------------------------------------------------------------
@@ -178,6 +243,17 @@ def test_cp_ring_matches_single(layout, init, single):
 def test_cp_composes_with_tp_and_zero(layout, parallel, init, single):
     assert_matches(loss_and_grads(layout, init, parallel=parallel), single,
                    f"{layout} {parallel}")
+
+
+@pytest.mark.parametrize("kernel", ["chunked", "blocked"])
+@pytest.mark.parametrize("comm", list(CP_COMMS))
+def test_cp_step_with_local_kernels_matches_single(kernel, comm, init, single):
+    """cp4xfsdp2 with the chunked or blocked kernel (allgather: per local chunk; ring:
+    blocked runs each step's tile, chunked is the ring's dense tiles)."""
+    cfg = dataclasses.replace(CFG, attention=kernel)
+    assert_matches(loss_and_grads("cp4xfsdp2", init, cfg=cfg,
+                                  parallel=ParallelConfig(cp_comm=comm)),
+                   single, f"cp4xfsdp2 {kernel} {comm}")
 
 
 def test_odd_chunks_match_the_plain_model(init):

@@ -158,6 +158,36 @@ block), and its backward holds f32 dq, dk, dv accumulators B·L·(H_tp + 2·G_tp
 every other item is XLA:CPU's (an upper bound on an accelerator, where XLA fuses the
 MLP's f32 intermediates instead of keeping them). Not checked against a compiler.
 
+Context parallelism (cp > 1): L above is this rank's seq / cp tokens (the residual
+stream, the MLP, the logits and the queries are sequence-sharded), so every activation
+term falls as 1/cp. The keys one attention call sees differ by `--cp-comm`:
+    allgather  the reference kernel per local chunk of c = L/2 queries: the first against
+               the first S/2 keys, the second against all S = seq (Σ_TS = 3/4·L·S);
+               q, k, v upcast are
+               B·(L·H_tp + 2·S·G_tp)·K·u, plus this layer's
+               2·B·S·G_tp·K·c                 k, v gathered over cp
+               + 2·B·S·G_tp·K·4               dk, dv over the whole sequence (f32,
+                                              before their reduce-scatter)
+    ring       the diagonal block's backward ([L, L], the largest tile):
+               3·B·H_tp·L²·4                  p, dp, ds (f32)
+               + B·L·(H_tp + 4·G_tp)·K·4      dq, this block's dk, dv and the arriving
+                                              accumulators (f32)
+               + 2·B·L·G_tp·K·c               the arriving k, v
+               + L²                           the diagonal mask
+               (remat none saves only the log-sum-exp, as the flash kernel)
+A third candidate (remat full; reference kernel, cp's allgather or the ring), "attention
+backward": at long sequences the peak moves into the softmax's backward, after the
+MLP's: the layer-backward transient without its MLP items, plus
+    reference  2·B·H_tp·T·S·4    dp and ds (f32) of the largest single call's tile
+                                 ([L, L] on one device; [c, S] under cp's allgather,
+                                 whose two calls run one after the other)
+    ring       B·H_tp·L²·4       the diagonal block's scores s (f32) beside p, dp, ds
+The larger candidate is the prediction. Against `memory_analysis()`
+(tests/test_memory_cp.py: tiny, bf16, remat full, batch 16, seq 64 on cp2, cp4, cp8,
+cp4xfsdp2, cp2xfsdp2xtp2): allgather 0 to +6%, ring -6 to +1%. At seq 512 (tiny, batch 4,
+single and cp2..cp8, f32 and bf16, `memory.predict` vs `memory.measure`)
+-2 to +11%, one device within 0.3% (it was -32 to -35% without this candidate).
+
 `measure(compiled)` reads the compiled step's `memory_analysis()` and defines the
 measured peak as
 
@@ -185,7 +215,7 @@ from jax.sharding import PartitionSpec as P
 
 from engine.config import TrainConfig
 from engine.layout import Layout
-from layers.attention import resolve_attention
+from layers.attention import cp_kernel, resolve_attention
 from layers.config import ModelConfig
 from layers.kernels.chunked import chunked_attention
 
@@ -274,22 +304,29 @@ def predict(cfg: ModelConfig, tcfg: TrainConfig, layout: Layout, platform: str =
     tcfg, layout) to take the specs from; by default one on the layout's abstract mesh."""
     from engine.params import PARAMS_ROLE, activation_spec, param_shapes, param_specs
 
-    kernel = resolve_attention(cfg.attention, tcfg.seq)
+    from engine.config import ParallelConfig
+
+    par = trainer.parallel if trainer is not None else parallel or ParallelConfig()
+    cp = layout.degree("cp")
+    kernel = cp_kernel(cfg.attention) if cp > 1 else resolve_attention(cfg.attention, tcfg.seq)
+    if cp > 1 and par.cp_comm == "ring":
+        kernel = "ring"  # the ring's own blocks (layers/kernels/context.py)
     if platform != "cpu" and kernel in ("blocked", "pallas"):
         kernel = "flash"  # the target's flash kernel (engine/cost/price.py)
-    if kernel not in ("reference", "chunked", "flash"):
+    if cp > 1 and kernel == "chunked":
+        raise Unsupported("no memory model for the 'chunked' kernel under cp (only "
+                          "'reference' and the ring were checked against the compiler)")
+    if kernel not in ("reference", "chunked", "flash", "ring"):
         raise Unsupported(f"no memory model for the {kernel!r} attention kernel (only "
                           f"'reference' and 'chunked' were checked against the compiler; "
                           f"engine.cost.liveness walks any traced step)")
     if cfg.remat not in ("full", "dots", "none"):
         raise Unsupported(f"no memory model for remat={cfg.remat!r}")
     if trainer is None:
-        from engine.config import ParallelConfig
         from engine.step import Trainer
 
-        trainer = Trainer(cfg, tcfg, layout, layout.abstract_mesh(), parallel or ParallelConfig())
+        trainer = Trainer(cfg, tcfg, layout, layout.abstract_mesh(), par)
     t = trainer
-    par = t.parallel
     sizes = dict(layout.mesh_axes())
     shapes = param_shapes(cfg)
     params = _tree_bytes(shapes, t.specs, sizes)
@@ -306,7 +343,10 @@ def predict(cfg: ModelConfig, tcfg: TrainConfig, layout: Layout, platform: str =
     B, Lx, _ = _shard_shape((tcfg.batch, tcfg.seq, cfg.d_model),
                             activation_spec("residual", layout, par.tp_comm), sizes)
 
-    L, D, K, N = tcfg.seq, cfg.d_model, cfg.head_dim, cfg.n_layers
+    # L: this rank's tokens (whole over tp; seq / cp under cp); S: the keys one attention
+    # call sees (the whole sequence under cp's allgather; one rank's block in the ring)
+    L, D, K, N = tcfg.seq // cp, cfg.d_model, cfg.head_dim, cfg.n_layers
+    S = tcfg.seq if kernel == "reference" else L
     # one layer's weights as gathered on a tp rank: the param table's shards with fsdp
     # whole; H_tp, F_tp, V_tp and the kv heads a rank stores read off them
     gathered = {name: _shard_shape(sds.shape, spec, {**sizes, PARAMS_ROLE: 1})
@@ -329,12 +369,17 @@ def predict(cfg: ModelConfig, tcfg: TrainConfig, layout: Layout, platform: str =
     # queries, [T, S] against its causal key prefix S (chunked)
     if kernel == "flash":
         chunks = []
+    elif kernel == "ring":  # the diagonal block: the ring's largest tile
+        chunks = [(L, L)]
+    elif cp > 1:  # cp's allgather: the first chunk against the first half of the keys,
+        chunks = [(L // 2, S // 2), (L // 2, S)]  # the second against all of them
     elif kernel == "chunked":
         T = min(inspect.signature(chunked_attention).parameters["blocks"].default.block_q, L)
         chunks = [(min(s + T, L) - s, min(s + T, L)) for s in range(0, L, T)]
     else:
         chunks = [(L, L)]
     tiles = sum(tq * s for tq, s in chunks)                 # sum of T·S
+    largest = max((tq * s for tq, s in chunks), default=0)  # one call's T·S
     keys = sum(s for _, s in chunks)                        # sum of S
     scores = B * Htp * tiles * F32                          # f32 scores of all tiles
 
@@ -344,12 +389,21 @@ def predict(cfg: ModelConfig, tcfg: TrainConfig, layout: Layout, platform: str =
         attn = {"attention lse, f32 (forward residual)": B * Htp * L * F32,
                 "attention o (forward residual)": q_c,
                 "attention dq, dk, dv accumulators, f32": B * L * (Htp + 2 * Gtp) * K * F32}
+    elif kernel == "ring":
+        attn = {"attention p, dp, ds of the diagonal block, f32": 3 * scores,
+                "attention dq, dk, dv (f32), dk, dv arriving": B * L * (Htp + 4 * Gtp) * K * F32,
+                "attention k, v arriving (compute dtype)": 2 * B * L * Gtp * K * c,
+                "attention causal mask [L, L]": tiles}
     elif kernel == "reference":
         attn = {"attention exp(s - max), f32 (recomputed)": scores,
                 "attention p (compute dtype) upcast for dv's dot": scores // F32 * u,
                 "attention q, k, v upcast for the backward's dots":
-                    B * L * (Htp + 2 * Gtp) * K * u,
-                "attention causal mask [L, L]": L * L}
+                    B * (L * Htp + 2 * S * Gtp) * K * u,
+                "attention causal mask [L, S]": tiles}
+        if cp > 1:
+            attn["attention k, v gathered over cp (compute dtype)"] = 2 * B * S * Gtp * K * c
+            attn["attention dk, dv over the whole sequence, f32 (before the reduce-scatter)"] = (
+                2 * B * S * Gtp * K * F32)
     else:
         attn = {"attention E = exp(s - max) per chunk, compute dtype (forward residual)":
                     scores // F32 * c,
@@ -393,7 +447,7 @@ def predict(cfg: ModelConfig, tcfg: TrainConfig, layout: Layout, platform: str =
         res = {f"carry x, q, k, v, out projection, g, u ({n} layers)": n * per, **prefetched}
         trans = {**trans_full, "mlp g, u, sigmoid(g), f32 (recomputed)": mlp}
     else:  # none
-        saved = (B * Htp * L * F32 if kernel == "flash"
+        saved = (B * Htp * L * F32 if kernel in ("flash", "ring")
                  else scores // F32 * c + B * Htp * L * F32 if kernel == "chunked"
                  else scores + scores // F32 * c)
         per = {"p (f32 and compute dtype; chunked: E and 1/rowsum)": saved,
@@ -436,6 +490,15 @@ def predict(cfg: ModelConfig, tcfg: TrainConfig, layout: Layout, platform: str =
     loss_peak = grads_loss + residuals + sum(last.values())
     phase, transient, live = (("layer backward", trans, grads) if layer_peak >= loss_peak
                               else (phase_loss, last, grads_loss))
+    if kernel in ("reference", "ring") and cfg.remat == "full":
+        # long sequences: the softmax's backward, the MLP's done (module doc)
+        attn_bwd = {**{k: v for k, v in trans.items() if not k.startswith("mlp ")},
+                    "attention dp, ds of the largest tile (f32)" if kernel == "reference"
+                    else "attention s of the diagonal block (f32)":
+                        (2 if kernel == "reference" else 1) * B * Htp * largest * F32}
+        if grads + residuals + sum(attn_bwd.values()) > grads + residuals + sum(
+                transient.values()) and live == grads:
+            phase, transient = "attention backward", attn_bwd
     items = {**{f"residual: {k}": v for k, v in res.items()},
              **{f"transient: {k}": v for k, v in transient.items()}}
     return MemoryPrediction(params, opt_state, tokens, grads, live, residuals,

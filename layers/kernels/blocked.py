@@ -18,11 +18,18 @@ carrying dQ and emitting dK / dV per block.
 Key lengths not divisible by the block are padded with zeros and the padded keys
 masked. This module tiles only the key axis (`BlockSizes.block_q` is for the chunked
 and Pallas kernels).
+
+Global positions (`q_offset`, `k_offset`: a slice of a longer sequence, such as a
+context-parallel rank's query chunk against keys gathered over cp): the causal mask
+compares the positions q_offset + l and k_offset + s, which may be traced, and each key
+block no query of the call can see is skipped (`lax.cond` in both scans: no scores, no
+grads formed for it). Without offsets every block is visible to some query.
 """
 
 import dataclasses
 import functools
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -52,28 +59,47 @@ def _unblock(x_JBTGK):
     return x_JBTGK.transpose(1, 0, 2, 3, 4).reshape(B, J * T, G, K)
 
 
-def _block_scores(q_BLGRK, k_BTGK, j, plan: _Plan):
+def _block_mask(L: int, j, plan: _Plan, pos=None):
+    """Which (query, key) pairs of key block j attend: mask_LT. pos: None (positions
+    0..L-1 and the keys' indices) or (q_pos_L, k_pos_T), global positions of the queries
+    and of this block's keys (indices still decide padding)."""
+    k_idx_T = j * plan.block_k + jnp.arange(plan.block_k)
+    if pos is None:
+        return tile_mask(jnp.arange(L), k_idx_T, causal=plan.causal, kv_len=plan.kv_len)
+    q_pos_L, k_pos_T = pos
+    mask_LT = jnp.broadcast_to(k_idx_T[None, :] < plan.kv_len, (L, plan.block_k))
+    if plan.causal:
+        mask_LT = mask_LT & (q_pos_L[:, None] >= k_pos_T[None, :])
+    return mask_LT
+
+
+def _block_scores(q_BLGRK, k_BTGK, j, plan: _Plan, pos=None):
     """Scaled scores of key block j and its mask: s_BGRLT f32, mask_LT."""
     s_BGRLT = jnp.einsum(
         "BLGRK,BTGK->BGRLT", q_BLGRK, k_BTGK, preferred_element_type=jnp.float32
     )
-    T = plan.block_k
-    q_pos_L = jnp.arange(q_BLGRK.shape[1])
-    k_pos_T = j * T + jnp.arange(T)
-    mask_LT = tile_mask(q_pos_L, k_pos_T, causal=plan.causal, kv_len=plan.kv_len)
-    return s_BGRLT * plan.scale, mask_LT
+    return s_BGRLT * plan.scale, _block_mask(q_BLGRK.shape[1], j, plan, pos)
 
 
-def _forward(q_BLGRK, k_BSGK, v_BSGK, plan: _Plan):
-    """Online-softmax scan: returns o_BLGRK (q's dtype) and (lse_BGRL,) (f32)."""
+def _forward(q_BLGRK, k_BSGK, v_BSGK, plan: _Plan, q_pos_L=None, k_pos_S=None):
+    """Online-softmax scan: returns o_BLGRK (q's dtype) and (lse_BGRL,) (f32).
+    q_pos_L, k_pos_S: global positions (module doc); then invisible blocks are skipped."""
     B, L, G, R, K = q_BLGRK.shape
     T = plan.block_k
     J = k_BSGK.shape[1] // T
 
     def step(carry, xs):
+        if q_pos_L is None:
+            return fold(carry, xs)
+        j, _, _, k_pos_T = xs
+        visible = jnp.any(_block_mask(L, j, plan, (q_pos_L, k_pos_T)))
+        return lax.cond(visible, fold, lambda carry, xs: (carry, None), carry, xs)
+
+    def fold(carry, xs):
         m_BGRL, l_BGRL, acc_BGRLK = carry
-        j, k_BTGK, v_BTGK = xs
-        s_BGRLT, mask_LT = _block_scores(q_BLGRK, k_BTGK, j, plan)
+        j, k_BTGK, v_BTGK = xs[:3]
+        pos = None if q_pos_L is None else (q_pos_L, xs[3])
+        s_BGRLT, mask_LT = _block_scores(q_BLGRK, k_BTGK, j, plan, pos)
         s_BGRLT = jnp.where(mask_LT, s_BGRLT, MASK_VALUE)
         m_new_BGRL = jnp.maximum(m_BGRL, s_BGRLT.max(axis=-1))
         p_BGRLT = jnp.where(mask_LT, jnp.exp(s_BGRLT - m_new_BGRL[..., None]), 0.0)
@@ -92,8 +118,9 @@ def _forward(q_BLGRK, k_BSGK, v_BSGK, plan: _Plan):
         (jnp.full((B, G, R, L), MASK_VALUE, jnp.float32),
          jnp.zeros((B, G, R, L), jnp.float32),
          jnp.zeros((B, G, R, L, K), jnp.float32)),
-        q_BLGRK, k_BSGK, v_BSGK)
-    xs = (jnp.arange(J), _key_blocks(k_BSGK, T), _key_blocks(v_BSGK, T))
+        q_BLGRK, k_BSGK, v_BSGK, *_given(q_pos_L, k_pos_S))
+    xs = (jnp.arange(J), _key_blocks(k_BSGK, T), _key_blocks(v_BSGK, T),
+          *_given(None if k_pos_S is None else k_pos_S.reshape(J, T)))
     (m_BGRL, l_BGRL, acc_BGRLK), _ = lax.scan(step, init, xs)
     # A row with no visible key has l == 0: it outputs zeros, not 0 / 0.
     l_safe_BGRL = jnp.where(l_BGRL == 0.0, 1.0, l_BGRL)
@@ -102,19 +129,41 @@ def _forward(q_BLGRK, k_BSGK, v_BSGK, plan: _Plan):
     return o_BLGRK, (m_BGRL + jnp.log(l_safe_BGRL),)
 
 
-def _backward(plan: _Plan, residuals, do_BLGRK):
-    """Recomputes P per key block from lse; returns dq, dk, dv in input dtypes."""
+def _given(*xs):
+    """The arrays of xs that are not None (positions when given)."""
+    return tuple(x for x in xs if x is not None)
+
+
+def _backward(plan: _Plan, residuals, do_BLGRK, q_pos_L=None, k_pos_S=None):
+    """Recomputes P per key block from lse; returns dq, dk, dv in input dtypes. With
+    positions, blocks no query sees give zero dk, dv and add nothing to dq."""
     q_BLGRK, k_BSGK, v_BSGK, o_BLGRK, lse_BGRL = residuals
+    L = q_BLGRK.shape[1]
     T = plan.block_k
     J = k_BSGK.shape[1] // T
     f32 = jnp.float32
     delta_BGRL = jnp.einsum(
         "BLGRK,BLGRK->BGRL", do_BLGRK.astype(f32), o_BLGRK.astype(f32)
     )
+    refs = (q_BLGRK, k_BSGK, v_BSGK, do_BLGRK, *_given(q_pos_L, k_pos_S))
 
     def step(dq_BLGRK, xs):
-        j, k_BTGK, v_BTGK = xs
-        s_BGRLT, mask_LT = _block_scores(q_BLGRK, k_BTGK, j, plan)
+        if q_pos_L is None:
+            return grads(dq_BLGRK, xs)
+        j, k_BTGK, v_BTGK, k_pos_T = xs
+        visible = jnp.any(_block_mask(L, j, plan, (q_pos_L, k_pos_T)))
+
+        def skip(dq_BLGRK, xs):
+            zeros = varying_like((jnp.zeros(k_BTGK.shape, k_BTGK.dtype),
+                                  jnp.zeros(v_BTGK.shape, v_BTGK.dtype)), *refs)
+            return dq_BLGRK, zeros
+
+        return lax.cond(visible, grads, skip, dq_BLGRK, xs)
+
+    def grads(dq_BLGRK, xs):
+        j, k_BTGK, v_BTGK = xs[:3]
+        pos = None if q_pos_L is None else (q_pos_L, xs[3])
+        s_BGRLT, mask_LT = _block_scores(q_BLGRK, k_BTGK, j, plan, pos)
         p_BGRLT = jnp.where(mask_LT, jnp.exp(s_BGRLT - lse_BGRL[..., None]), 0.0)
         dv_BTGK = jnp.einsum(
             "BGRLT,BLGRK->BTGK",
@@ -140,8 +189,9 @@ def _backward(plan: _Plan, residuals, do_BLGRK):
         )
         return dq_BLGRK, (dk_BTGK.astype(k_BTGK.dtype), dv_BTGK.astype(v_BTGK.dtype))
 
-    xs = (jnp.arange(J), _key_blocks(k_BSGK, T), _key_blocks(v_BSGK, T))
-    init = varying_like(jnp.zeros(q_BLGRK.shape, f32), q_BLGRK, k_BSGK, v_BSGK, do_BLGRK)
+    xs = (jnp.arange(J), _key_blocks(k_BSGK, T), _key_blocks(v_BSGK, T),
+          *_given(None if k_pos_S is None else k_pos_S.reshape(J, T)))
+    init = varying_like(jnp.zeros(q_BLGRK.shape, f32), *refs)
     dq_BLGRK, (dk_JBTGK, dv_JBTGK) = lax.scan(step, init, xs)
     return dq_BLGRK.astype(q_BLGRK.dtype), _unblock(dk_JBTGK), _unblock(dv_JBTGK)
 
@@ -152,23 +202,59 @@ def _flash(plan: _Plan):
     return flash_vjp(_forward, _backward, plan)
 
 
+@functools.cache
+def _flash_at(plan: _Plan):
+    """As `_flash`, with the global positions q_pos_L, k_pos_S (int32) as two more
+    inputs: (q_BLGRK, k, v, q_pos_L, k_pos_S) -> o_BLGRK. Positions get no cotangent."""
+
+    @jax.custom_vjp
+    def attend(q, k, v, q_pos_L, k_pos_S):
+        return _forward(q, k, v, plan, q_pos_L, k_pos_S)[0]
+
+    def attend_fwd(q, k, v, q_pos_L, k_pos_S):
+        o, (lse,) = _forward(q, k, v, plan, q_pos_L, k_pos_S)
+        return o, (q, k, v, o, lse, q_pos_L, k_pos_S)
+
+    def attend_bwd(residuals, do):
+        *saved, q_pos_L, k_pos_S = residuals
+        return (*_backward(plan, tuple(saved), do, q_pos_L, k_pos_S), None, None)
+
+    attend.defvjp(attend_fwd, attend_bwd)
+    return attend
+
+
 def blocked_attention(
     q_BLHK, k_BSGK, v_BSGK, *, causal: bool = True, axes=None,
-    blocks: BlockSizes = BlockSizes()
+    blocks: BlockSizes = BlockSizes(), q_offset=0, k_offset=0
 ):
     """Softmax(q k^T / sqrt(K)) v without materialising the [L, S] scores.
 
     q_BLHK [B, L, H, K]; k_BSGK, v_BSGK [B, S, G, K] with H a multiple of G.
-    Causal needs L == S (query i attends keys <= i). Keys are processed
-    min(blocks.block_k, S) at a time; S is zero-padded to a multiple of that and
-    the padding masked. Returns o_BLHK in q's dtype; accumulation is f32. axes: unused
-    (nothing is communicated).
+    Causal without offsets needs L == S (query i attends keys <= i). q_offset, k_offset
+    (ints or int32 scalars, possibly traced): global positions of the first query and
+    key; the causal mask compares global positions and key blocks no query sees are
+    skipped. Keys are processed min(blocks.block_k, S) at a time; S is zero-padded to a
+    multiple of that and the padding masked. Returns o_BLHK in q's dtype; accumulation
+    is f32. axes: unused (nothing is communicated).
     """
-    dims = attention_dims(q_BLHK, k_BSGK, v_BSGK, causal=causal)
+    at = not (_is_zero(q_offset) and _is_zero(k_offset))
+    dims = attention_dims(q_BLHK, k_BSGK, v_BSGK, causal=causal and not at)
     T = min(blocks.block_k, dims.kv_len)
     plan = _Plan(causal=causal, block_k=T, kv_len=dims.kv_len,
                  scale=softmax_scale(dims.head_dim))
     B, L, H, K = q_BLHK.shape
     q_BLGRK = q_BLHK.reshape(B, L, dims.kv_heads, dims.group, K)
-    o_BLGRK = _flash(plan)(q_BLGRK, pad_axis(k_BSGK, 1, T), pad_axis(v_BSGK, 1, T))
+    k_BSGK, v_BSGK = pad_axis(k_BSGK, 1, T), pad_axis(v_BSGK, 1, T)
+    if at:
+        q_pos_L = jnp.asarray(q_offset, jnp.int32) + jnp.arange(L, dtype=jnp.int32)
+        k_pos_S = jnp.asarray(k_offset, jnp.int32) + jnp.arange(k_BSGK.shape[1],
+                                                                dtype=jnp.int32)
+        o_BLGRK = _flash_at(plan)(q_BLGRK, k_BSGK, v_BSGK, q_pos_L, k_pos_S)
+    else:
+        o_BLGRK = _flash(plan)(q_BLGRK, k_BSGK, v_BSGK)
     return o_BLGRK.reshape(B, L, H, K)
+
+
+def _is_zero(offset) -> bool:
+    """A static offset of 0 (no positions needed)."""
+    return isinstance(offset, int) and offset == 0

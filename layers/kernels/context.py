@@ -30,32 +30,81 @@ from jax import lax
 
 import collectives
 from layers.context import chunk_ids, chunk_positions, natural_order
+from layers.kernels import blocked
+from layers.kernels.blocked import blocked_attention
+from layers.kernels.chunked import chunked_attention
 from layers.kernels.reference import reference_attention
-from layers.kernels.shared import MASK_VALUE, causal_mask, flash_vjp, softmax_scale
+from layers.kernels.shared import (MASK_VALUE, BlockSizes, causal_mask, flash_vjp, pad_axis,
+                                   softmax_scale)
 
-CP_KERNELS = {"reference": reference_attention}
+CP_KERNELS = {"reference": reference_attention, "chunked": chunked_attention,
+              "blocked": blocked_attention}
 
 
 def allgather_attention(q_BLHK, k_BLGK, v_BLGK, *, axes, kernel: str = "reference"):
     """q [B, L_cp, H, K], k, v [B, L_cp, G, K] (this rank's chunks i and 2cp−1−i) ->
     o [B, L_cp, H, K] in q's dtype: causal attention at global positions over the keys
-    all-gathered from every cp rank."""
+    all-gathered from every cp rank, by the local kernel `kernel` (`CP_KERNELS`). The
+    first chunk (i < cp) sees only the first half of the keys, so it is given only
+    those; within a call the kernel skips what it can (blocked: every key block past
+    the chunk's last position)."""
     attend = CP_KERNELS[kernel]
     k_BSGK, v_BSGK = (natural_order(collectives.gather(x, axes.cp, dim=1), axes.cp_size)
                       for x in (k_BLGK, v_BLGK))
     c = q_BLHK.shape[1] // 2
-    outs = [attend(q_BLHK[:, j * c:(j + 1) * c], k_BSGK, v_BSGK, causal=True, q_offset=m * c,
-                   k_offset=0)
+    S = k_BSGK.shape[1]
+    outs = [attend(q_BLHK[:, j * c:(j + 1) * c], k_BSGK[:, :S // (2 - j)],
+                   v_BSGK[:, :S // (2 - j)], causal=True, q_offset=m * c, k_offset=0)
             for j, m in enumerate(chunk_ids(axes))]
     return jnp.concatenate(outs, axis=1)
 
 
 @dataclasses.dataclass(frozen=True)
 class _Ring:
-    """Static description of a ring: the cp axis and its size."""
+    """Static description of a ring: the cp axis and its size; block_k > 0 runs each
+    step's tile with the blocked kernel (key blocks of block_k), 0 as one dense tile."""
 
     axis: str | None
     size: int
+    block_k: int = 0
+
+
+def _blocked_plan(S: int, K: int, ring: _Ring) -> blocked._Plan:
+    T = min(ring.block_k, S)
+    return blocked._Plan(causal=True, block_k=T, kv_len=S, scale=softmax_scale(K))
+
+
+def _tile_stats(q_BLGRK, k_BSGK, v_BSGK, q_pos_L, k_pos_S, ring: _Ring, masked: bool):
+    """One tile's softmax pieces (m, l, acc; f32) at global positions: dense (masked
+    only when `masked`) or, with ring.block_k, the blocked kernel's forward (o, lse)
+    as m = lse, l = 1, acc = o (the same online-softmax state)."""
+    if not ring.block_k:
+        return _block_stats(q_BLGRK, k_BSGK, v_BSGK,
+                            causal_mask(q_pos_L, k_pos_S) if masked else None)
+    S = k_BSGK.shape[1]
+    plan = _blocked_plan(S, q_BLGRK.shape[-1], ring)
+    k, v = (pad_axis(x, 1, plan.block_k) for x in (k_BSGK, v_BSGK))
+    k_pos = pad_axis(k_pos_S, 0, plan.block_k)
+    o_BLGRK, (lse_BGRL,) = blocked._forward(q_BLGRK, k, v, plan, q_pos_L, k_pos)
+    acc_BGRLK = o_BLGRK.astype(jnp.float32).transpose(0, 2, 3, 1, 4)
+    return lse_BGRL, jnp.ones_like(lse_BGRL), acc_BGRLK
+
+
+def _tile_grads(q_BLGRK, k_BSGK, v_BSGK, o_BLGRK, do_BLGRK, lse_BGRL, delta_BGRL, q_pos_L,
+                k_pos_S, ring: _Ring, masked: bool):
+    """One tile's (dq, dk, dv) (f32) from the global o and lse: dense, or the blocked
+    kernel's backward (which skips key blocks no query sees)."""
+    if not ring.block_k:
+        return _block_grads(q_BLGRK, k_BSGK, v_BSGK, do_BLGRK, lse_BGRL, delta_BGRL,
+                            causal_mask(q_pos_L, k_pos_S) if masked else None)
+    S = k_BSGK.shape[1]
+    plan = _blocked_plan(S, q_BLGRK.shape[-1], ring)
+    k, v = (pad_axis(x, 1, plan.block_k) for x in (k_BSGK, v_BSGK))
+    k_pos = pad_axis(k_pos_S, 0, plan.block_k)
+    dq, dk, dv = blocked._backward(plan, (q_BLGRK, k, v, o_BLGRK, lse_BGRL), do_BLGRK,
+                                   q_pos_L, k_pos)
+    f32 = jnp.float32
+    return dq.astype(f32), dk[:, :S].astype(f32), dv[:, :S].astype(f32)
 
 
 def _scores(q_BLGRK, k_BSGK, mask_LS=None):
@@ -94,12 +143,6 @@ def _block_grads(q_BLGRK, k_BSGK, v_BSGK, do_BLGRK, lse_BGRL, delta_BGRL, mask_L
     return dq_BLGRK, dk_BSGK, dv_BSGK
 
 
-def _diagonal_mask(L: int, ring: _Ring):
-    """Step 0 (this rank's own chunks): the causal mask at global positions [L, L]."""
-    pos_L = chunk_positions(collectives.axis_index(ring.axis), L, ring.size)
-    return causal_mask(pos_L, pos_L)
-
-
 def _earlier(step: int, ring: _Ring):
     """At step > 0 the chunks held come from rank src = i - step. If src < i, both local
     query chunks see all of chunk src and none of chunk 2cp-1-src: the visible tile is
@@ -126,21 +169,28 @@ def _ring_forward(q_BLGRK, k_BSGK, v_BSGK, ring: _Ring):
     """o_BLGRK (q's dtype) and the row log-sum-exp lse_BGRL (f32) for the backward."""
     L = q_BLGRK.shape[1]
     c = L // 2
-    m_BGRL, l_BGRL, acc_BGRLK = _block_stats(q_BLGRK, k_BSGK, v_BSGK, _diagonal_mask(L, ring))
+    i = collectives.axis_index(ring.axis)
+    pos_L = chunk_positions(i, L, ring.size)
+    m_BGRL, l_BGRL, acc_BGRLK = _tile_stats(q_BLGRK, k_BSGK, v_BSGK, pos_L, pos_L, ring, True)
     kv = (k_BSGK, v_BSGK)
+    # in the remote tiles below every query sees every key: positions only place them
+    # (the blocked kernel's mask), nothing is masked
+    src_pos = lambda step: chunk_positions((i - step) % ring.size, L, ring.size)
 
-    def keys_first(q_BLGRK, k_BSGK, v_BSGK):
-        return _block_stats(q_BLGRK, k_BSGK[:, :c], v_BSGK[:, :c])
+    def keys_first(q_BLGRK, k_BSGK, v_BSGK, k_pos_L):
+        return _tile_stats(q_BLGRK, k_BSGK[:, :c], v_BSGK[:, :c], pos_L, k_pos_L[:c], ring,
+                           False)
 
-    def queries_second(q_BLGRK, k_BSGK, v_BSGK):
-        m_BGRL, l_BGRL, acc_BGRLK = _block_stats(q_BLGRK[:, c:], k_BSGK, v_BSGK)
+    def queries_second(q_BLGRK, k_BSGK, v_BSGK, k_pos_L):
+        m_BGRL, l_BGRL, acc_BGRLK = _tile_stats(q_BLGRK[:, c:], k_BSGK, v_BSGK, pos_L[c:],
+                                                k_pos_L, ring, False)
         return (_pad_rows(m_BGRL, c, 3, MASK_VALUE), _pad_rows(l_BGRL, c, 3, 0.0),
                 _pad_rows(acc_BGRLK, c, 3, 0.0))
 
     for step in range(1, ring.size):
         kv = tuple(collectives.ring_shift(x, ring.axis) for x in kv)
         mb_BGRL, lb_BGRL, accb_BGRLK = lax.cond(_earlier(step, ring), keys_first,
-                                                queries_second, q_BLGRK, *kv)
+                                                queries_second, q_BLGRK, *kv, src_pos(step))
         m_new_BGRL = jnp.maximum(m_BGRL, mb_BGRL)
         old_BGRL, new_BGRL = jnp.exp(m_BGRL - m_new_BGRL), jnp.exp(mb_BGRL - m_new_BGRL)
         l_BGRL = l_BGRL * old_BGRL + lb_BGRL * new_BGRL
@@ -161,24 +211,29 @@ def _ring_backward(ring: _Ring, residuals, do_BLGRK):
     c = L // 2
     delta_BGRL = jnp.einsum("BLGRK,BLGRK->BGRL", do_BLGRK.astype(jnp.float32),
                             o_BLGRK.astype(jnp.float32))
-    dq_BLGRK, dk_BSGK, dv_BSGK = _block_grads(q_BLGRK, k_BSGK, v_BSGK, do_BLGRK, lse_BGRL,
-                                              delta_BGRL, _diagonal_mask(L, ring))
+    i = collectives.axis_index(ring.axis)
+    pos_L = chunk_positions(i, L, ring.size)
+    dq_BLGRK, dk_BSGK, dv_BSGK = _tile_grads(q_BLGRK, k_BSGK, v_BSGK, o_BLGRK, do_BLGRK,
+                                             lse_BGRL, delta_BGRL, pos_L, pos_L, ring, True)
     kv, dkv = (k_BSGK, v_BSGK), (dk_BSGK, dv_BSGK)
+    src_pos = lambda step: chunk_positions((i - step) % ring.size, L, ring.size)
 
-    def keys_first(q_BLGRK, k_BSGK, v_BSGK):
-        dq, dk, dv = _block_grads(q_BLGRK, k_BSGK[:, :c], v_BSGK[:, :c], do_BLGRK, lse_BGRL,
-                                  delta_BGRL)
+    def keys_first(q_BLGRK, k_BSGK, v_BSGK, k_pos_L):
+        dq, dk, dv = _tile_grads(q_BLGRK, k_BSGK[:, :c], v_BSGK[:, :c], o_BLGRK, do_BLGRK,
+                                 lse_BGRL, delta_BGRL, pos_L, k_pos_L[:c], ring, False)
         return dq, _pad_keys(dk), _pad_keys(dv)
 
-    def queries_second(q_BLGRK, k_BSGK, v_BSGK):
-        dq, dk, dv = _block_grads(q_BLGRK[:, c:], k_BSGK, v_BSGK, do_BLGRK[:, c:],
-                                  lse_BGRL[..., c:], delta_BGRL[..., c:])
+    def queries_second(q_BLGRK, k_BSGK, v_BSGK, k_pos_L):
+        dq, dk, dv = _tile_grads(q_BLGRK[:, c:], k_BSGK, v_BSGK, o_BLGRK[:, c:],
+                                 do_BLGRK[:, c:], lse_BGRL[..., c:], delta_BGRL[..., c:],
+                                 pos_L[c:], k_pos_L, ring, False)
         return _pad_rows(dq, c, 1, 0.0), dk, dv
 
     for step in range(1, ring.size):
         kv = tuple(collectives.ring_shift(x, ring.axis) for x in kv)
         dkv = tuple(collectives.ring_shift(x, ring.axis) for x in dkv)
-        dq, dk, dv = lax.cond(_earlier(step, ring), keys_first, queries_second, q_BLGRK, *kv)
+        dq, dk, dv = lax.cond(_earlier(step, ring), keys_first, queries_second, q_BLGRK, *kv,
+                              src_pos(step))
         dq_BLGRK = dq_BLGRK + dq
         dkv = (dkv[0] + dk, dkv[1] + dv)
     dk_BSGK, dv_BSGK = (collectives.ring_shift(x, ring.axis) for x in dkv)
@@ -191,14 +246,18 @@ def _ring(ring: _Ring):
     return flash_vjp(_ring_forward, _ring_backward, ring)
 
 
-def ring_attention(q_BLHK, k_BLGK, v_BLGK, *, axes, kernel: str = "reference"):
+def ring_attention(q_BLHK, k_BLGK, v_BLGK, *, axes, kernel: str = "reference",
+                   blocks: BlockSizes = BlockSizes()):
     """q [B, L_cp, H, K], k, v [B, L_cp, G, K] (this rank's chunks) -> o [B, L_cp, H, K]
     in q's dtype, the allgather kernel's result with K and V passed around the ring.
-    kernel: unused (the ring folds dense blocks itself)."""
+    kernel: "blocked" runs each step's tile with the blocked kernel (key blocks of
+    `blocks.block_k`; the diagonal's invisible blocks skipped), anything else as one
+    dense tile (the ring's steps are already the causal tiles)."""
     B, L, H, K = q_BLHK.shape
     G = k_BLGK.shape[2]
-    o_BLGRK = _ring(_Ring(axes.cp, axes.cp_size))(q_BLHK.reshape(B, L, G, H // G, K),
-                                                   k_BLGK, v_BLGK)
+    block_k = blocks.block_k if kernel == "blocked" else 0
+    o_BLGRK = _ring(_Ring(axes.cp, axes.cp_size, block_k))(q_BLHK.reshape(B, L, G, H // G, K),
+                                                            k_BLGK, v_BLGK)
     return o_BLGRK.reshape(B, L, H, K)
 
 
