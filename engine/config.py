@@ -54,12 +54,16 @@ class ParallelConfig:
               (layers/kernels/context.py `CP_COMMS`): allgather = all-gather K and V
               over cp, reduce-scatter dK and dV in the backward; ring = K and V
               passed around the cp ring by ppermute into an online-softmax carry.
+    microbatches: the per-device batch is split into this many microbatches whose grads
+              are accumulated before one optimizer update (the same loss and grads as
+              one microbatch; activations of one microbatch alive at a time).
     """
 
     zero: int = 3
     prefetch: bool = False
     tp_comm: str = "allreduce"
     cp_comm: str = "allgather"
+    microbatches: int = 1
 
 
 def model_config(preset: str, **overrides) -> ModelConfig:

@@ -3,7 +3,8 @@
 `parallel.zero` picks what the fsdp axis shards (params / grads / optimizer state): a
 strategy from engine/zero.py (storage and grad specs, what the model sees, the loss's
 reduction, the update). `parallel.tp_comm`, `parallel.cp_comm` and `parallel.prefetch`
-reach the layers through `layers.axes.Axes`. Under cp the tokens are replicated over cp
+reach the layers through `layers.axes.Axes`. `parallel.microbatches` splits the local
+batch into microbatches whose grads are accumulated in a scan (`Trainer._accumulate`). Under cp the tokens are replicated over cp
 and each rank cuts its load-balanced chunks at the start of the loss (layers/context.py).
 The step body below is the same for every setting.
 """
@@ -12,7 +13,9 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import collectives
@@ -79,11 +82,30 @@ class Trainer:
     def _loss_and_grads(self, params, tokens_BL):
         diff, seen = self.zero.differentiate(params, self.specs, self.shard_specs, self.axes,
                                              self.cfg.compute_dtype)
-        loss, grads = jax.value_and_grad(lambda d: self._loss(seen(d), tokens_BL))(diff)
+        loss, grads = self._accumulate(diff, seen, tokens_BL)
         with jax.named_scope(scopes.REDUCE_GRADS):
             grads = optim.all_reduce_grads(grads, self.grad_specs, self.axes)
             grad_norm = optim.global_norm(grads, self.grad_specs)
         return loss, grads, grad_norm
+
+    def _accumulate(self, diff, seen, tokens_BL):
+        """(loss, grads of `diff`) of the local batch [B, L+1], as the mean over
+        `parallel.microbatches` microbatches [B/M, L+1] each differentiated on its own in a
+        `lax.scan` (one microbatch's activations alive at a time); every microbatch's
+        loss is a mean over equally many tokens, so the mean of theirs is the batch's."""
+        value_and_grad = jax.value_and_grad(lambda d, t_BL: self._loss(seen(d), t_BL))
+        m = self.parallel.microbatches
+        if m == 1:
+            return value_and_grad(diff, tokens_BL)
+        tokens_MBL = tokens_BL.reshape(m, tokens_BL.shape[0] // m, *tokens_BL.shape[1:])
+
+        def microbatch(carry, t_BL):
+            loss, grads = value_and_grad(diff, t_BL)
+            return jax.tree.map(jnp.add, carry, (loss, grads)), None
+
+        zero = jax.tree.map(collectives.zeros_like, (jnp.float32(0), diff))
+        (loss, grads), _ = lax.scan(microbatch, zero, tokens_MBL)
+        return jax.tree.map(lambda x: x / m, (loss, grads))
 
     def _train_step(self, params, opt_state, tokens_BL):
         loss, grads, grad_norm = self._loss_and_grads(params, tokens_BL)

@@ -74,7 +74,21 @@ def layout_problems(cfg: ModelConfig, tcfg: TrainConfig, parallel: ParallelConfi
         problems.append(f"--tp-comm {parallel.tp_comm} shards the sequence over tp: "
                         f"seq={tcfg.seq} not divisible by tp={tp}")
     problems.extend(cp_problems(cfg, tcfg, parallel, layout))
+    problems.extend(microbatch_problems(tcfg, parallel, layout))
     return problems
+
+
+def microbatch_problems(tcfg: TrainConfig, parallel: ParallelConfig, layout) -> list[str]:
+    """The per-device batch (the global batch over the batch roles) splits into
+    `microbatches` equal microbatches."""
+    rows = math.prod(layout.degree(r) for r in roles.roles_sharding("batch"))
+    m = parallel.microbatches
+    if m < 1:
+        return [f"microbatches={m} must be >= 1"]
+    if tcfg.batch % rows == 0 and (tcfg.batch // rows) % m:
+        return [f"--microbatches {m} does not divide the per-device batch {tcfg.batch}/"
+                f"{rows}={tcfg.batch // rows}"]
+    return []
 
 
 def cp_problems(cfg: ModelConfig, tcfg: TrainConfig, parallel: ParallelConfig,
