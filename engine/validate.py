@@ -16,6 +16,7 @@ import numpy as np
 from collectives.ring import COMMS, TP_COMMS
 from engine import roles
 from engine.config import ConfigError, ParallelConfig, TrainConfig
+from engine.pipeline import SCHEDULES
 from engine.zero import ZERO
 from layers.block import REMAT
 from layers.config import DTYPES, ModelConfig
@@ -49,6 +50,8 @@ def config_problems(cfg: ModelConfig, tcfg: TrainConfig,
         problems.append(f"tp_comm={parallel.tp_comm!r} not one of {list(COMMS)}")
     if parallel.cp_comm not in CP_COMMS:
         problems.append(f"cp_comm={parallel.cp_comm!r} not one of {list(CP_COMMS)}")
+    if parallel.pp_schedule not in SCHEDULES:
+        problems.append(f"pp_schedule={parallel.pp_schedule!r} not one of {list(SCHEDULES)}")
     if parallel.zero not in ZERO:
         problems.append(f"zero={parallel.zero} not one of {list(ZERO)}")
     if parallel.prefetch and parallel.zero != 3:
@@ -75,7 +78,17 @@ def layout_problems(cfg: ModelConfig, tcfg: TrainConfig, parallel: ParallelConfi
                         f"seq={tcfg.seq} not divisible by tp={tp}")
     problems.extend(cp_problems(cfg, tcfg, parallel, layout))
     problems.extend(microbatch_problems(tcfg, parallel, layout))
+    problems.extend(pp_problems(parallel, layout))
     return problems
+
+
+def pp_problems(parallel: ParallelConfig, layout) -> list[str]:
+    """1F1B runs one forward ahead per stage: fewer microbatches than stages would leave
+    it GPipe with a longer name."""
+    pp, m = layout.degree("pp"), parallel.microbatches
+    if pp > 1 and parallel.pp_schedule == "1f1b" and m < pp:
+        return [f"--pp-schedule 1f1b needs microbatches >= pp: --microbatches {m} < pp={pp}"]
+    return []
 
 
 def microbatch_problems(tcfg: TrainConfig, parallel: ParallelConfig, layout) -> list[str]:
@@ -163,6 +176,9 @@ def decoder_problems(cfg: ModelConfig, layout, batch: int, cache_len: int,
     found = problems(cfg, TrainConfig(batch=batch, seq=cache_len), ParallelConfig(), layout)
     if found:
         return found
+    if layout.degree("pp") > 1:
+        return [f"decoding runs every layer on each device: use a layout without pp (a pp "
+                f"checkpoint loads on any layout), not {layout}"]
     if cache_len >= 2**31:
         return [f"cache_len={cache_len:,} must be < 2**31 (positions are int32)"]
     per_device = cache_bytes_per_device(cfg, layout, batch, cache_len)
