@@ -173,12 +173,12 @@ def decoder_problems(cfg: ModelConfig, layout, batch: int, cache_len: int,
     `devices_per_memory` devices' caches must fit in `memory` bytes (all of this host's
     devices in its RAM on CPU; one device in its own memory on an accelerator; None: not
     checked). Positions are int32, so cache_len < 2**31."""
-    found = problems(cfg, TrainConfig(batch=batch, seq=cache_len), ParallelConfig(), layout)
-    if found:
-        return found
     if layout.degree("pp") > 1:
         return [f"decoding runs every layer on each device: use a layout without pp (a pp "
                 f"checkpoint loads on any layout), not {layout}"]
+    found = problems(cfg, TrainConfig(batch=batch, seq=cache_len), ParallelConfig(), layout)
+    if found:
+        return found
     if cache_len >= 2**31:
         return [f"cache_len={cache_len:,} must be < 2**31 (positions are int32)"]
     per_device = cache_bytes_per_device(cfg, layout, batch, cache_len)
