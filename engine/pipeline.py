@@ -13,7 +13,7 @@ the table says it is used.
 The backward of a microbatch is its own `jax.vjp` of the stage, run at its tick, not
 the transpose of a forward scan: the forward stores the stage's input x (the stage's
 residual; the stage forward is recomputed under the vjp, like remat at stage
-granularity) in a stash of `Plan.stash_slots` microbatches. GPipe (all forwards, then
+granularity, and the last stage runs the head and loss there only) in a stash of `Plan.stash_slots` microbatches. GPipe (all forwards, then
 all backwards) needs M slots; 1F1B (stage s runs at most pp − s microbatches ahead of
 its backwards) needs pp. Parameter grads are accumulated over the microbatches in the
 scan carry and reduced once after it.
@@ -179,13 +179,16 @@ def run(stages: Stages, params, inputs_MBL, targets_MBL, x_shape, x_axes, axes: 
     x_axes = tuple(x_axes) + (pp,)
     kind_TP, mb_TP = jnp.asarray(the_plan.kind_TP), jnp.asarray(the_plan.microbatch_TP)
 
-    def unit(p, x_BLD, inputs_BL, targets_BL):
+    def unit(p, x_BLD, inputs_BL, targets_BL, with_loss=True):
         """One stage on one microbatch: (output x [B, L, D], the loss on the last stage,
-        else 0). Only the first stage embeds, only the last runs the head and loss."""
+        else 0). Only the first stage embeds, only the last runs the head and loss
+        (not at all without `with_loss`)."""
         model_p = seen(p)
         x_BLD = lax.cond(first, lambda: _like(stages.embed(model_p, inputs_BL), x_axes),
                          lambda: x_BLD)
         y_BLD = _like(stages.blocks(model_p, x_BLD), x_axes)
+        if not with_loss:
+            return y_BLD, loss0
         head = lambda: _like(stages.head_loss(model_p, y_BLD, targets_BL), (pp,))
         return y_BLD, lax.cond(last, head, lambda: loss0)
 
@@ -205,8 +208,9 @@ def run(stages: Stages, params, inputs_MBL, targets_MBL, x_shape, x_axes, axes: 
             return zeros_x, zeros_x, c
 
         def forward(c):
+            # training: the loss is taken in the backward, which recomputes the stage
             x_BLD = c["x"][m % the_plan.x_slots]
-            y_BLD, loss = unit(params, x_BLD, inputs_BL, targets_BL)
+            y_BLD, loss = unit(params, x_BLD, inputs_BL, targets_BL, with_loss=not backward)
             c = dict(c, loss=c["loss"] + loss)
             if backward:
                 c["stash"] = c["stash"].at[m % the_plan.stash_slots].set(x_BLD)
@@ -215,9 +219,11 @@ def run(stages: Stages, params, inputs_MBL, targets_MBL, x_shape, x_axes, axes: 
         def backward_(c):
             x_BLD = c["stash"][m % the_plan.stash_slots]
             ct_BLD = jnp.where(last, 0.0, c["ct"][m % the_plan.ct_slots])
-            _, vjp = jax.vjp(lambda p, x: unit(p, x, inputs_BL, targets_BL), params, x_BLD)
+            (_, loss), vjp = jax.vjp(lambda p, x: unit(p, x, inputs_BL, targets_BL),
+                                     params, x_BLD)
             d_params, dx_BLD = vjp((ct_BLD, _like(jnp.float32(1 / M), (pp,))))
-            return zeros_x, dx_BLD, dict(c, grads=jax.tree.map(jnp.add, c["grads"], d_params))
+            return zeros_x, dx_BLD, dict(c, grads=jax.tree.map(jnp.add, c["grads"], d_params),
+                                         loss=c["loss"] + loss)
 
         branches = [idle, forward] + ([backward_] if backward else [])
         y_BLD, dx_BLD, c = lax.switch(kind, branches, c)
