@@ -16,6 +16,7 @@ from collectives.basic import (
     reduce_scatter,
     ring_shift,
     varying_axes,
+    zeros_like,
 )
 from collectives.ring import (
     COMMS,
@@ -48,4 +49,5 @@ __all__ = [
     "row_parallel",
     "tp_comm",
     "varying_axes",
+    "zeros_like",
 ]

@@ -146,6 +146,12 @@ def broadcast(x: jax.Array, axis: AxisNames) -> jax.Array:
     return lax.pcast(x, names, to="varying")
 
 
+def zeros_like(x: jax.Array) -> jax.Array:
+    """Zeros of x's shape and dtype, varying over the same axes as x (an accumulator
+    that x's values can be added into, e.g. a scan carry)."""
+    return broadcast(jnp.zeros(x.shape, x.dtype), tuple(varying_axes(x)))
+
+
 def ring_shift(x: jax.Array, axis: str | None, shift: int = 1) -> jax.Array:
     """Send `x` to the device `shift` steps further along the ring of `axis` (ppermute)."""
     if axis is None:

@@ -54,12 +54,22 @@ class ParallelConfig:
               (layers/kernels/context.py `CP_COMMS`): allgather = all-gather K and V
               over cp, reduce-scatter dK and dV in the backward; ring = K and V
               passed around the cp ring by ppermute into an online-softmax carry.
+    microbatches: the per-device batch is split into this many microbatches whose grads
+              are accumulated before one optimizer update (the same loss and grads as
+              one microbatch; activations of one microbatch alive at a time). Under
+              pp these are the microbatches the pipeline schedule moves.
+    pp_schedule: the pipeline schedule over the pp axis (engine/pipeline.py
+              `SCHEDULES`): gpipe = every forward, then every backward (M microbatches'
+              stage inputs stashed per stage); 1f1b = one forward, one backward in the
+              steady state (at most pp stashed).
     """
 
     zero: int = 3
     prefetch: bool = False
     tp_comm: str = "allreduce"
     cp_comm: str = "allgather"
+    microbatches: int = 1
+    pp_schedule: str = "1f1b"
 
 
 def model_config(preset: str, **overrides) -> ModelConfig:

@@ -27,18 +27,19 @@ from engine import roles
 from engine.layout import Layout
 from layers.config import ModelConfig
 
-# name: (shape letters, storage spec by role, init). Block params are stacked over N.
+# name: (shape letters, storage spec by role, init). Block params are stacked over N and
+# sharded over pp: stage s holds layers [s·N/pp, (s+1)·N/pp), in order.
 PARAM_TABLE: dict[str, tuple[str, tuple, str]] = {
     "embed":            ("VD",   ("tp", "fsdp"),                 "normal"),
-    "blocks/attn_norm": ("ND",   (None, None),                   "ones"),
-    "blocks/wq":        ("NDHK", (None, "fsdp", "tp", None),     "normal"),
-    "blocks/wk":        ("NDGK", (None, "fsdp", "tp_kv", None),  "normal"),
-    "blocks/wv":        ("NDGK", (None, "fsdp", "tp_kv", None),  "normal"),
-    "blocks/wo":        ("NHKD", (None, "tp", None, "fsdp"),     "normal_out"),
-    "blocks/mlp_norm":  ("ND",   (None, None),                   "ones"),
-    "blocks/wg":        ("NDF",  (None, "fsdp", "tp"),           "normal"),
-    "blocks/wu":        ("NDF",  (None, "fsdp", "tp"),           "normal"),
-    "blocks/wd":        ("NFD",  (None, "tp", "fsdp"),           "normal_out"),
+    "blocks/attn_norm": ("ND",   ("pp", None),                   "ones"),
+    "blocks/wq":        ("NDHK", ("pp", "fsdp", "tp", None),     "normal"),
+    "blocks/wk":        ("NDGK", ("pp", "fsdp", "tp_kv", None),  "normal"),
+    "blocks/wv":        ("NDGK", ("pp", "fsdp", "tp_kv", None),  "normal"),
+    "blocks/wo":        ("NHKD", ("pp", "tp", None, "fsdp"),     "normal_out"),
+    "blocks/mlp_norm":  ("ND",   ("pp", None),                   "ones"),
+    "blocks/wg":        ("NDF",  ("pp", "fsdp", "tp"),           "normal"),
+    "blocks/wu":        ("NDF",  ("pp", "fsdp", "tp"),           "normal"),
+    "blocks/wd":        ("NFD",  ("pp", "tp", "fsdp"),           "normal_out"),
     "final_norm":       ("D",    (None,),                        "ones"),
     "unembed":          ("DV",   ("fsdp", "tp"),                 "normal"),
 }

@@ -54,11 +54,14 @@ ROLES: dict[str, Role] = {r.name: r for r in (
     # cp's rule is seq divisible by 2*cp (load-balanced chunks): engine/validate.py
     Role("cp", ("sequence",), data=True, divides=(),
          doc="sequence sharded in load-balanced causal chunks (context parallel)"),
+    # the schedule's rules (microbatches >= pp for 1f1b): engine/validate.py
+    Role("pp", ("layers",), data=False, divides=("layers",),
+         doc="stacked layers sharded in contiguous stages (pipeline parallel)"),
 )}
 
 # Model dims a role may have to divide, as `ModelConfig` field names (and "batch").
 DIM_FIELDS = {"batch": "batch", "d_model": "d_model", "heads": "n_heads",
-              "mlp_dim": "mlp_dim", "vocab": "vocab"}
+              "mlp_dim": "mlp_dim", "vocab": "vocab", "layers": "n_layers"}
 
 
 def roles_sharding(what: str) -> tuple[str, ...]:

@@ -3,7 +3,8 @@
 `parallel.zero` picks what the fsdp axis shards (params / grads / optimizer state): a
 strategy from engine/zero.py (storage and grad specs, what the model sees, the loss's
 reduction, the update). `parallel.tp_comm`, `parallel.cp_comm` and `parallel.prefetch`
-reach the layers through `layers.axes.Axes`. Under cp the tokens are replicated over cp
+reach the layers through `layers.axes.Axes`. `parallel.microbatches` splits the local
+batch into microbatches whose grads are accumulated in a scan (`Trainer._accumulate`). Under cp the tokens are replicated over cp
 and each rank cuts its load-balanced chunks at the start of the loss (layers/context.py).
 The step body below is the same for every setting.
 """
@@ -12,11 +13,13 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import collectives
-from engine import optim, zero
+from engine import optim, pipeline, zero
 from engine.config import ParallelConfig, TrainConfig
 from engine.layout import Layout
 from engine.params import activation_spec, fsdp_dims, init_params, param_shapes, param_specs
@@ -53,6 +56,11 @@ class Trainer:
         self.batch_spec = activation_spec("tokens", layout)
         self._dims = fsdp_dims()
         self._model_axes = self.zero.model_axes(self.axes)  # what the model sees
+        if self.axes.pp is not None:
+            m = parallel.microbatches
+            schedule = pipeline.SCHEDULES[parallel.pp_schedule]
+            self.plan = pipeline.plan(schedule, self.axes.pp_size, m)
+            self.forward_plan = pipeline.plan(schedule, self.axes.pp_size, m, backward=False)
         shard = functools.partial(jax.shard_map, mesh=mesh)  # check_vma stays on
         self.train_step = jax.jit(
             shard(self._train_step, in_specs=(self.specs, self.opt_specs, self.batch_spec),
@@ -66,6 +74,8 @@ class Trainer:
 
     # -- per-shard bodies -------------------------------------------------------------
     def _loss(self, params, tokens_BL):
+        if self.axes.pp is not None:
+            return self._pipeline(params, tokens_BL, self.forward_plan)
         # cp: tokens arrive replicated over cp (int32, L+1 per row: small next to the
         # activations) and each rank cuts its two load-balanced chunks of inputs and
         # targets here, once, with local slices; the batch format, put_batch and every
@@ -79,11 +89,53 @@ class Trainer:
     def _loss_and_grads(self, params, tokens_BL):
         diff, seen = self.zero.differentiate(params, self.specs, self.shard_specs, self.axes,
                                              self.cfg.compute_dtype)
-        loss, grads = jax.value_and_grad(lambda d: self._loss(seen(d), tokens_BL))(diff)
+        loss, grads = self._accumulate(diff, seen, tokens_BL)
         with jax.named_scope(scopes.REDUCE_GRADS):
             grads = optim.all_reduce_grads(grads, self.grad_specs, self.axes)
             grad_norm = optim.global_norm(grads, self.grad_specs)
         return loss, grads, grad_norm
+
+    def _accumulate(self, diff, seen, tokens_BL):
+        """(loss, grads of `diff`) of the local batch [B, L+1], as the mean over
+        `parallel.microbatches` microbatches [B/M, L+1] each differentiated on its own in a
+        `lax.scan` (one microbatch's activations alive at a time); every microbatch's
+        loss is a mean over equally many tokens, so the mean of theirs is the batch's."""
+        if self.axes.pp is not None:
+            loss, grads = self._pipeline(diff, tokens_BL, self.plan, seen)
+            return loss, pipeline.reduce_shared(grads, self.grad_specs, self.axes)
+        value_and_grad = jax.value_and_grad(lambda d, t_BL: self._loss(seen(d), t_BL))
+        m = self.parallel.microbatches
+        if m == 1:
+            return value_and_grad(diff, tokens_BL)
+        tokens_MBL = tokens_BL.reshape(m, tokens_BL.shape[0] // m, *tokens_BL.shape[1:])
+
+        def microbatch(carry, t_BL):
+            loss, grads = value_and_grad(diff, t_BL)
+            return jax.tree.map(jnp.add, carry, (loss, grads)), None
+
+        zero = jax.tree.map(collectives.zeros_like, (jnp.float32(0), diff))
+        (loss, grads), _ = lax.scan(microbatch, zero, tokens_MBL)
+        return jax.tree.map(lambda x: x / m, (loss, grads))
+
+    def _pipeline(self, params, tokens_BL, the_plan, seen=lambda p: p):
+        """The loss (and with a backward plan the grads) over the pp stages
+        (engine/pipeline.py), the local batch cut into `parallel.microbatches`."""
+        m = self.parallel.microbatches
+        inputs_MBL, targets_MBL = (
+            x.reshape(m, x.shape[0] // m, x.shape[1])
+            for x in (context.shard_sequence(t_BL, self.axes)
+                      for t_BL in (tokens_BL[:, :-1], tokens_BL[:, 1:])))
+        ax, dims, cfg = self._model_axes, self._dims, self.cfg
+        stages = pipeline.Stages(
+            embed=lambda p, i_BL: model.embed(p, i_BL, dims, cfg, ax),
+            blocks=lambda p, x_BLD: model.blocks(p, x_BLD, dims, cfg, ax),
+            head_loss=lambda p, x_BLD, t_BL: self.zero.finish_loss(
+                model.head_loss(p, x_BLD, t_BL, dims, cfg, ax), self.axes))
+        length = inputs_MBL.shape[2] // (self.axes.tp_size if self.axes.seq_tp else 1)
+        x_axes = self.axes.data + ((self.axes.tp,) if self.axes.seq_tp else ())
+        return pipeline.run(stages, params, inputs_MBL, targets_MBL,
+                            (inputs_MBL.shape[1], length, cfg.d_model), x_axes, self.axes,
+                            the_plan, seen)
 
     def _train_step(self, params, opt_state, tokens_BL):
         loss, grads, grad_norm = self._loss_and_grads(params, tokens_BL)

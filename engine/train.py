@@ -94,6 +94,12 @@ def build_parser(prog: str = "python -m engine.train", description: str | None =
     x.add_argument("--zero", type=int, default=3, choices=ZERO,
                    help="on the fsdp axis: 1 shards optimizer state, 2 also grads, 3 also "
                         "params (gathered per layer inside the scan)")
+    x.add_argument("--microbatches", type=int, default=1,
+                   help="split each device's batch into M microbatches and accumulate "
+                        "their grads before one optimizer update")
+    x.add_argument("--pp-schedule", default="1f1b", choices=list(validate.SCHEDULES),
+                   help="on the pp axis: " + "; ".join(
+                       f"{s.name}: {s.doc}" for s in validate.SCHEDULES.values()))
     x.add_argument("--prefetch", action="store_true",
                    help="zero 3: gather layer i+1's weights before layer i's compute")
     t = group("training", "training")
@@ -155,7 +161,8 @@ def parse(argv, parser: argparse.ArgumentParser | None = None) -> tuple:
     tcfg = TrainConfig(batch=args.batch, seq=args.seq, steps=args.steps, lr=args.lr,
                        warmup=args.warmup, seed=args.seed)
     parallel = ParallelConfig(zero=args.zero, prefetch=args.prefetch, tp_comm=args.tp_comm,
-                              cp_comm=args.cp_comm)
+                              cp_comm=args.cp_comm, microbatches=args.microbatches,
+                              pp_schedule=args.pp_schedule)
     problems = validate.config_problems(cfg, tcfg, parallel) + _flag_problems(args, cfg, tcfg)
     if problems:
         raise UsageError("; ".join(problems))

@@ -16,6 +16,7 @@ import numpy as np
 from collectives.ring import COMMS, TP_COMMS
 from engine import roles
 from engine.config import ConfigError, ParallelConfig, TrainConfig
+from engine.pipeline import SCHEDULES
 from engine.zero import ZERO
 from layers.block import REMAT
 from layers.config import DTYPES, ModelConfig
@@ -49,6 +50,8 @@ def config_problems(cfg: ModelConfig, tcfg: TrainConfig,
         problems.append(f"tp_comm={parallel.tp_comm!r} not one of {list(COMMS)}")
     if parallel.cp_comm not in CP_COMMS:
         problems.append(f"cp_comm={parallel.cp_comm!r} not one of {list(CP_COMMS)}")
+    if parallel.pp_schedule not in SCHEDULES:
+        problems.append(f"pp_schedule={parallel.pp_schedule!r} not one of {list(SCHEDULES)}")
     if parallel.zero not in ZERO:
         problems.append(f"zero={parallel.zero} not one of {list(ZERO)}")
     if parallel.prefetch and parallel.zero != 3:
@@ -74,7 +77,31 @@ def layout_problems(cfg: ModelConfig, tcfg: TrainConfig, parallel: ParallelConfi
         problems.append(f"--tp-comm {parallel.tp_comm} shards the sequence over tp: "
                         f"seq={tcfg.seq} not divisible by tp={tp}")
     problems.extend(cp_problems(cfg, tcfg, parallel, layout))
+    problems.extend(microbatch_problems(tcfg, parallel, layout))
+    problems.extend(pp_problems(parallel, layout))
     return problems
+
+
+def pp_problems(parallel: ParallelConfig, layout) -> list[str]:
+    """1F1B runs one forward ahead per stage: fewer microbatches than stages would leave
+    it GPipe with a longer name."""
+    pp, m = layout.degree("pp"), parallel.microbatches
+    if pp > 1 and parallel.pp_schedule == "1f1b" and m < pp:
+        return [f"--pp-schedule 1f1b needs microbatches >= pp: --microbatches {m} < pp={pp}"]
+    return []
+
+
+def microbatch_problems(tcfg: TrainConfig, parallel: ParallelConfig, layout) -> list[str]:
+    """The per-device batch (the global batch over the batch roles) splits into
+    `microbatches` equal microbatches."""
+    rows = math.prod(layout.degree(r) for r in roles.roles_sharding("batch"))
+    m = parallel.microbatches
+    if m < 1:
+        return [f"microbatches={m} must be >= 1"]
+    if tcfg.batch % rows == 0 and (tcfg.batch // rows) % m:
+        return [f"--microbatches {m} does not divide the per-device batch {tcfg.batch}/"
+                f"{rows}={tcfg.batch // rows}"]
+    return []
 
 
 def cp_problems(cfg: ModelConfig, tcfg: TrainConfig, parallel: ParallelConfig,
@@ -146,6 +173,9 @@ def decoder_problems(cfg: ModelConfig, layout, batch: int, cache_len: int,
     `devices_per_memory` devices' caches must fit in `memory` bytes (all of this host's
     devices in its RAM on CPU; one device in its own memory on an accelerator; None: not
     checked). Positions are int32, so cache_len < 2**31."""
+    if layout.degree("pp") > 1:
+        return [f"decoding runs every layer on each device: use a layout without pp (a pp "
+                f"checkpoint loads on any layout), not {layout}"]
     found = problems(cfg, TrainConfig(batch=batch, seq=cache_len), ParallelConfig(), layout)
     if found:
         return found

@@ -66,6 +66,13 @@ def loss(params: dict, inputs_BL: jax.Array, targets_BL: jax.Array, fsdp_dims: M
     """
     x_BLD = embed(params, inputs_BL, fsdp_dims, cfg, axes)
     x_BLD = blocks(params, x_BLD, fsdp_dims, cfg, axes)
+    return head_loss(params, x_BLD, targets_BL, fsdp_dims, cfg, axes)
+
+
+def head_loss(params: dict, x_BLD: jax.Array, targets_BL: jax.Array, fsdp_dims: Mapping,
+              cfg: ModelConfig, axes: Axes) -> jax.Array:
+    """`head` and the vocab-parallel cross-entropy of the last block's output x [B, L, D]
+    (or [B, L_tp, D]): the mean next-token loss over the global batch, as `loss` says."""
     with jax.named_scope(scopes.LOSS):
         h_BLD, unembed_DV = head(params, x_BLD, fsdp_dims, cfg, axes)
         loss_BL = vocab.cross_entropy(h_BLD, unembed_DV, targets_BL, axes, cfg.compute_dtype,

@@ -250,3 +250,22 @@ def test_replica_groups_read_alike_in_both_hlo_spellings():
         {frozenset({0, 1, 4, 5}), frozenset({2, 3, 6, 7})})
     assert replica_groups("replica_groups=mesh['a'=4,'b'=2] {'b'}") == frozenset(
         frozenset({2 * i, 2 * i + 1}) for i in range(4))
+
+
+@pytest.mark.parametrize("layout, microbatches, schedule", [("pp2xfsdp4", 2, "1f1b"),
+                                                            ("pp4xtp2", 2, "gpipe")])
+def test_audit_clean_pp(layout, microbatches, schedule):
+    """Pipeline stages: the compiled step holds exactly the ledger's collectives, the
+    stage ppermutes included (one forward and one backward shift per tick)."""
+    from engine.step import Trainer
+
+    cfg, lay = dataclasses.replace(_cfg(), n_layers=4), Layout.parse(layout)
+    par = ParallelConfig(microbatches=microbatches, pp_schedule=schedule)
+    rows = step_ledger(cfg, TCFG, lay, par)
+    text = compiled_text(Trainer(cfg, TCFG, lay, lay.mesh(), par),
+                         compiler_options={"xla_backend_optimization_level": 0})
+    result = audit(rows, text, lay.mesh_axes(), "cpu")
+    assert result.clean, (result.missing, result.extra)
+    permutes = sum(n for k, n in result.matched.items() if k[0] == "collective-permute")
+    ticks = Trainer(cfg, TCFG, lay, lay.abstract_mesh(), par).plan.ticks
+    assert permutes == 2 * ticks

@@ -25,12 +25,12 @@ def test_role_axes_drop_size_one_axes():
 
 
 @pytest.mark.parametrize("text,phrases", [
-    ("pp2xtp4", ["unknown axis 'pp'"]),
+    ("ep2xtp4", ["unknown axis 'ep'"]),
     ("tp2xtp4", ["axis 'tp' repeated"]),
     ("fsdp0", ["fsdp size 0 < 1"]),
     ("fsdp", ["cannot read 'fsdp'"]),
     ("", ["cannot read ''"]),
-    ("pp2xfsdp0xfsdp2", ["unknown axis 'pp'", "fsdp size 0 < 1", "axis 'fsdp' repeated"]),
+    ("ep2xfsdp0xfsdp2", ["unknown axis 'ep'", "fsdp size 0 < 1", "axis 'fsdp' repeated"]),
 ])
 def test_parse_errors_name_every_problem(text, phrases):
     with pytest.raises(LayoutError) as e:
