@@ -54,11 +54,14 @@ ROLES: dict[str, Role] = {r.name: r for r in (
     # cp's rule is seq divisible by 2*cp (load-balanced chunks): engine/validate.py
     Role("cp", ("sequence",), data=True, divides=(),
          doc="sequence sharded in load-balanced causal chunks (context parallel)"),
+    # a data axis for everything but the experts, which are sharded over it
+    Role("ep", ("batch", "experts"), data=True, divides=("batch", "experts"),
+         doc="experts sharded, batch sharded; tokens reach their experts by all-to-all"),
 )}
 
 # Model dims a role may have to divide, as `ModelConfig` field names (and "batch").
 DIM_FIELDS = {"batch": "batch", "d_model": "d_model", "heads": "n_heads",
-              "mlp_dim": "mlp_dim", "vocab": "vocab"}
+              "mlp_dim": "mlp_dim", "vocab": "vocab", "experts": "experts"}
 
 
 def roles_sharding(what: str) -> tuple[str, ...]:

@@ -21,15 +21,16 @@ from engine.config import ParallelConfig, TrainConfig
 from engine.layout import Layout
 from engine.params import activation_spec, fsdp_dims, init_params, param_shapes, param_specs
 from engine.validate import check
-from layers import context, model, scopes
+from layers import context, model, moe, scopes
 from layers.config import ModelConfig
 
 
 class Trainer:
     """The model, layout and optimizer bound to a mesh.
 
-    train_step(params, opt_state, tokens) -> (params, opt_state, {"loss", "grad_norm"})
-    loss(params, tokens) -> loss                                 (evaluation)
+    train_step(params, opt_state, tokens) -> (params, opt_state, {"loss", "grad_norm",
+        and with experts the router metrics of `layers.moe.router_losses` and "ce_loss"})
+    loss(params, tokens) -> cross-entropy                        (evaluation)
     loss_and_grads(params, tokens) -> (loss, grads, grad_norm)   (for tests and tools)
     tokens: [B, L+1] int32, global; params stored as `specs`, the optimizer state as
     `opt_specs`, grads returned as `grad_specs`. `parallel` says how the layout's axes
@@ -65,33 +66,47 @@ class Trainer:
                   out_specs=(P(), self.grad_specs, P())))
 
     # -- per-shard bodies -------------------------------------------------------------
-    def _loss(self, params, tokens_BL):
+    def _objective(self, params, tokens_BL):
+        """(the loss differentiated, metrics): the cross-entropy plus, with experts, the
+        router losses (`layers.moe.router_losses`, over every data axis of the layout)."""
         # cp: tokens arrive replicated over cp (int32, L+1 per row: small next to the
         # activations) and each rank cuts its two load-balanced chunks of inputs and
         # targets here, once, with local slices; the batch format, put_batch and every
         # caller of it stay as they are
         inputs_BL, targets_BL = (context.shard_sequence(x_BL, self.axes)
                                  for x_BL in (tokens_BL[:, :-1], tokens_BL[:, 1:]))
-        loss = model.loss(params, inputs_BL, targets_BL, self._dims, self.cfg,
-                          self._model_axes)
-        return self.zero.finish_loss(loss, self.axes)
+        loss, stats = model.loss_and_stats(params, inputs_BL, targets_BL, self._dims,
+                                           self.cfg, self._model_axes)
+        loss = self.zero.finish_loss(loss, self.axes)
+        if not stats:
+            return loss, {}
+        router, metrics = moe.router_losses(stats, inputs_BL.size * self.axes.data_size,
+                                            self.cfg, self.axes.data)
+        return loss + router, {"ce_loss": loss, **metrics}
 
-    def _loss_and_grads(self, params, tokens_BL):
+    def _loss(self, params, tokens_BL):
+        loss, metrics = self._objective(params, tokens_BL)
+        return metrics.get("ce_loss", loss)  # evaluation: the cross-entropy
+
+    def _loss_and_grads(self, params, tokens_BL, with_metrics=False):
         diff, seen = self.zero.differentiate(params, self.specs, self.shard_specs, self.axes,
                                              self.cfg.compute_dtype)
-        loss, grads = jax.value_and_grad(lambda d: self._loss(seen(d), tokens_BL))(diff)
+        (loss, metrics), grads = jax.value_and_grad(
+            lambda d: self._objective(seen(d), tokens_BL), has_aux=True)(diff)
         with jax.named_scope(scopes.REDUCE_GRADS):
             grads = optim.all_reduce_grads(grads, self.grad_specs, self.axes)
             grad_norm = optim.global_norm(grads, self.grad_specs)
+        if with_metrics:
+            return loss, grads, grad_norm, metrics
         return loss, grads, grad_norm
 
     def _train_step(self, params, opt_state, tokens_BL):
-        loss, grads, grad_norm = self._loss_and_grads(params, tokens_BL)
+        loss, grads, grad_norm, metrics = self._loss_and_grads(params, tokens_BL, True)
         with jax.named_scope(scopes.OPTIMIZER):
             grads = optim.clip_by_norm(grads, grad_norm, self.tcfg.clip_norm)
             params, opt_state = self.zero.update(self.tx, grads, opt_state, params,
                                                  self.shard_specs, self.axes.fsdp)
-        return params, opt_state, {"loss": loss, "grad_norm": grad_norm}
+        return params, opt_state, {"loss": loss, "grad_norm": grad_norm, **metrics}
 
     # -- host side --------------------------------------------------------------------
     def init(self, seed: int):

@@ -71,8 +71,15 @@ def build_parser(prog: str = "python -m engine.train", description: str | None =
     for flag, field, what in [("--d-model", "d_model", "D"), ("--layers", "n_layers", "N"),
                               ("--heads", "n_heads", "H"), ("--kv-heads", "n_kv_heads", "G"),
                               ("--head-dim", "head_dim", "K"), ("--mlp-dim", "mlp_dim", "F"),
-                              ("--vocab", "vocab", "V")]:
+                              ("--vocab", "vocab", "V"),
+                              ("--experts", "experts", "E, routed experts (0: dense MLP)"),
+                              ("--top-k", "top_k", "the experts each token is routed to"),
+                              ("--shared-experts", "shared_experts",
+                               "experts every token passes through")]:
         m.add_argument(flag, dest=field, type=int, default=None, help=f"override {what}")
+    m.add_argument("--capacity-factor", type=float, default=None,
+                   help="each expert takes at most ceil(C*seq*top_k/experts) of a "
+                        "sequence's tokens, the rest pass through (0: dropless, default)")
     m.add_argument("--dtype", default="bf16", choices=sorted(DTYPES),
                    help="compute dtype of matmuls (params and optimizer state are f32)")
     m.add_argument("--remat", default="full", choices=REMAT,
@@ -150,7 +157,8 @@ def parse(argv, parser: argparse.ArgumentParser | None = None) -> tuple:
     UsageError / ConfigError (`engine.validate`'s problems, one line)."""
     args = (parser or build_parser()).parse_args(argv)
     cfg = model_config(args.model, **{k: getattr(args, k) for k in (
-        "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "mlp_dim", "vocab")},
+        "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "mlp_dim", "vocab",
+        "experts", "top_k", "shared_experts", "capacity_factor")},
         dtype=args.dtype, remat=args.remat, attention=args.attention)
     tcfg = TrainConfig(batch=args.batch, seq=args.seq, steps=args.steps, lr=args.lr,
                        warmup=args.warmup, seed=args.seed)

@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Mapping
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 
 import collectives
@@ -12,6 +13,7 @@ from layers.attention import LayerCache, attention
 from layers.axes import Axes
 from layers.config import ModelConfig
 from layers.mlp import mlp
+from layers.moe import moe
 from layers.norm import rms_norm
 
 # What each remat mode keeps for the backward pass; everything else is recomputed.
@@ -41,6 +43,14 @@ def block(x_BLD: jax.Array, p: dict, cfg: ModelConfig, axes: Axes,
     over tp (axes.tp_comm allreduce) or [B, L_tp, D] -> [B, L_tp, D] (sequence, ring).
     cache (decoding): the attention reads and writes this layer's KV cache, and the block
     returns (x, cache)."""
+    x_BLD, cache, _ = block_stats(x_BLD, p, cfg, axes, cache)
+    return x_BLD if cache is None else (x_BLD, cache)
+
+
+def block_stats(x_BLD: jax.Array, p: dict, cfg: ModelConfig, axes: Axes,
+                cache: LayerCache | None = None):
+    """`block` returning (x, cache, the MLP's router sums): `layers.moe.moe`'s local sums
+    with experts, {} for the dense MLP."""
     # sequence, ring: the norms run on x's sequence shard, so their scales' grads are
     # partial sums over tp, all-reduced by the broadcast's bwd
     seq_tp = axes.seq_tp
@@ -54,13 +64,19 @@ def block(x_BLD: jax.Array, p: dict, cfg: ModelConfig, axes: Axes,
             x_BLD = x_BLD + y_BLD
     with jax.named_scope(scopes.MLP):
         scale_D = collectives.broadcast(p["mlp_norm"], seq_tp)
-        x_BLD = x_BLD + mlp(rms_norm(x_BLD, scale_D, cfg.norm_eps), p, cfg, axes)
-    return x_BLD if cache is None else (x_BLD, cache)
+        h_BLD = rms_norm(x_BLD, scale_D, cfg.norm_eps)
+        if cfg.moe:
+            y_BLD, stats = moe(h_BLD, p, cfg, axes)
+        else:
+            y_BLD, stats = mlp(h_BLD, p, cfg, axes), {}
+        x_BLD = x_BLD + y_BLD
+    return x_BLD, cache, stats
 
 
 def blocks(x_BLD: jax.Array, stacked: dict, fsdp_dims: Mapping[str, int | None],
-           cfg: ModelConfig, axes: Axes) -> jax.Array:
+           cfg: ModelConfig, axes: Axes) -> tuple[jax.Array, dict]:
     """`lax.scan` over N stacked blocks. stacked: {name: [N, ...local shard...]}.
+    Returns (x, the blocks' router sums stacked over layers: {name: [N, ...]}, {} dense).
 
     axes.prefetch: layer i+1's gather is issued in the scan body before layer i's compute,
     which does not wait for it, so the two can overlap. Layer 0 is gathered before the
@@ -82,19 +98,24 @@ def blocks(x_BLD: jax.Array, stacked: dict, fsdp_dims: Mapping[str, int | None],
             return f
         return jax.checkpoint(f, policy=REMAT_POLICIES[cfg.remat], prevent_cse=False)
 
-    if not axes.prefetch:
-        body = remat(lambda x_BLD, p_layer: (block(x_BLD, gather(p_layer), cfg, axes), None))
-        x_BLD, _ = lax.scan(body, x_BLD, stacked)
-        return x_BLD
+    def one(x_BLD, p):
+        x_BLD, _, stats = block_stats(x_BLD, p, cfg, axes)
+        return x_BLD, stats
 
-    layer = remat(lambda x_BLD, p: block(x_BLD, p, cfg, axes))
+    if not axes.prefetch:
+        body = remat(lambda x_BLD, p_layer: one(x_BLD, gather(p_layer)))
+        return lax.scan(body, x_BLD, stacked)
+
+    layer = remat(one)
 
     def prefetch_body(carry, p_next):
         x_BLD, p = carry
         p_next = gather(p_next)  # layer i+1's weights, for the next iteration
-        return (layer(x_BLD, p), p_next), None
+        x_BLD, stats = layer(x_BLD, p)
+        return (x_BLD, p_next), stats
 
     first = jax.tree.map(lambda w: w[0], stacked)
     rest = jax.tree.map(lambda w: w[1:], stacked)
-    (x_BLD, p_last), _ = lax.scan(prefetch_body, (x_BLD, gather(first)), rest)
-    return block(x_BLD, p_last, cfg, axes)
+    (x_BLD, p_last), stats = lax.scan(prefetch_body, (x_BLD, gather(first)), rest)
+    x_BLD, last = one(x_BLD, p_last)
+    return x_BLD, jax.tree.map(lambda s, l: jnp.concatenate([s, l[None]]), stats, last)
