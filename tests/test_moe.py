@@ -80,8 +80,17 @@ def reference_loss(params, tokens_BL, cfg, choices=None):
     """The plain model of tests/reference_model.py with the MLP as `moe_reference`, plus
     the router losses averaged over layers. choices: each layer's routing (from a first,
     undifferentiated call, which fills the list given)."""
-    record = choices is not None and not choices
     inputs, targets = tokens_BL[:, :-1], tokens_BL[:, 1:]
+    logits, aux, z = reference_logits(params, inputs, cfg, choices)
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    ce = -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
+    return ce + cfg.aux_loss_coef * aux + cfg.z_loss_coef * z
+
+
+def reference_logits(params, inputs, cfg, choices=None):
+    """(logits [B, L, V], load-balancing loss, z-loss) of the plain model."""
+    record = choices is None or not choices
+    choices = [] if choices is None else choices
     x = params["embed"][inputs]
     b = params["blocks"]
     aux = z = 0.0
@@ -97,9 +106,7 @@ def reference_loss(params, tokens_BL, cfg, choices=None):
         a, zz = router_losses_reference(h, layer["router"], cfg, choices[i])
         aux, z = aux + a / cfg.n_layers, z + zz / cfg.n_layers
     logits = ref.rms_norm(x, params["final_norm"], cfg.norm_eps) @ params["unembed"]
-    logp = jax.nn.log_softmax(logits, axis=-1)
-    ce = -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
-    return ce + cfg.aux_loss_coef * aux + cfg.z_loss_coef * z
+    return logits, aux, z
 
 
 def layer_params(cfg, seed=0):
@@ -216,3 +223,92 @@ def test_invalid_moe_settings_refused_in_one_line(overrides, layout, phrase):
 def test_sequence_tp_comm_refused():
     with pytest.raises(ConfigError, match="experts route whole tokens"):
         check(CFG, TCFG, ParallelConfig(tp_comm="sequence"), Layout.parse("tp2"))
+
+
+@pytest.mark.parametrize("parallel", [ParallelConfig(zero=1), ParallelConfig(zero=2),
+                                      ParallelConfig(prefetch=True)],
+                         ids=["zero1", "zero2", "prefetch"])
+def test_zero_levels_and_prefetch_on_ep(parallel, init, single):
+    loss, grads, gnorm, _ = run("ep4xfsdp2", init, parallel=parallel)
+    want_loss, want_grads, want_gnorm, _ = single
+    assert abs(loss - want_loss) <= RTOL * abs(want_loss)
+    assert abs(gnorm - want_gnorm) <= RTOL * want_gnorm
+    assert_tree_close(grads, want_grads, what="ep4xfsdp2 grads ")
+
+
+@pytest.mark.parametrize("remat", ["none", "dots"])
+def test_remat_policies_compute_the_same(remat, init, single):
+    cfg = CFG.__class__(**{**CFG.__dict__, "remat": remat})
+    loss, grads, _, _ = run("ep8", init, cfg)
+    assert abs(loss - single[0]) <= RTOL * abs(single[0])
+    assert_tree_close(grads, single[1], what=f"remat {remat} grads ")
+
+
+def test_ep_checkpoint_resumes_on_other_layouts(init, tmp_path):
+    """Params and optimizer state saved from ep4xfsdp2 load exactly on fsdp8 and single
+    (experts gathered instead of sharded) and on ep8, and train on from there alike."""
+    import dataclasses
+
+    from engine import checkpoint
+
+    t = trainer("ep4xfsdp2")
+    shapes = jax.tree_util.tree_flatten_with_path(init)[0]
+    opt = jax.eval_shape(t.tx.init, init)
+    rng = np.random.default_rng(5)
+    opt_host = jax.tree.map(lambda s: (np.zeros(s.shape, s.dtype) if s.dtype == np.int32 else
+                                       1e-3 * np.abs(rng.normal(size=s.shape)).astype(s.dtype)),
+                            opt)
+    flat = lambda tree: {jax.tree_util.keystr(p): np.asarray(x)
+                         for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+    meta = dict(model=dataclasses.asdict(CFG), layout="ep4xfsdp2")
+    state = checkpoint.Checkpoint("<host>", 0, meta, {jax.tree_util.keystr(p): x
+                                                      for p, x in shapes}, flat(opt_host))
+    params, opt_state = checkpoint.restore(state, t)
+    params, opt_state, m = t.train_step(params, opt_state, t.put_batch(tokens(0)))
+    path = checkpoint.save(str(tmp_path), 1, params, opt_state, meta, 1)
+    saved = flat(params)
+    losses = {}
+    for layout in ["ep4xfsdp2", "fsdp8", "single", "ep8"]:
+        other = trainer(layout)
+        p2, o2 = checkpoint.restore(checkpoint.read(path), other)
+        got = flat(p2)
+        assert all(np.array_equal(got[k], saved[k]) for k in saved), layout
+        _, _, m2 = other.train_step(p2, o2, other.put_batch(tokens(1)))
+        losses[layout] = float(m2["loss"])
+    want = losses["ep4xfsdp2"]
+    assert all(abs(v - want) <= RTOL * abs(want) for v in losses.values()), losses
+    assert np.isfinite(float(m["tokens_per_expert_max"]))
+    assert float(m["dropped_fraction"]) == 0.0  # dropless
+
+
+@pytest.mark.parametrize("layout", ["single", "ep8", "ep2xfsdp2xtp2"])
+def test_cached_decoding_equals_full_sequence(layout, init):
+    """Prefill + decode steps through the KV cache give the per-token reference model's
+    logits on the whole sequence (rows of different lengths, right-padded)."""
+    from jax.sharding import NamedSharding
+
+    from engine.decode import Decoder, Sampling
+    from engine.params import param_specs
+
+    B, new, lengths = 8, 3, np.array([5, 2, 4, 5, 3, 1, 5, 2], np.int32)
+    lay = Layout.parse(layout)
+    mesh = lay.mesh()
+    decoder = Decoder(CFG, lay, mesh, B, int(lengths.max()) + new, Sampling())
+    params = jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), init,
+                          param_specs(CFG, lay))
+    prompt_BL = np.asarray(tokens())[:B, :int(lengths.max())].astype(np.int32)
+    prompt_BL = np.where(np.arange(prompt_BL.shape[1]) < lengths[:, None], prompt_BL, 0)
+    cache, next_B, logits_BV = decoder.prefill(params, prompt_BL, lengths, 0)
+    out, logits = [np.asarray(next_B)], [np.asarray(logits_BV)]
+    for t in range(1, new):
+        cache, next_B, logits_BV = decoder.step(params, cache, next_B, lengths + t - 1, t, 0)
+        out.append(np.asarray(next_B))
+        logits.append(np.asarray(logits_BV))
+    full_BL = np.zeros((B, int(lengths.max()) + new), np.int32)
+    for b in range(B):
+        full_BL[b, :lengths[b] + new] = list(prompt_BL[b, :lengths[b]]) + [o[b] for o in out]
+    want_BLV = np.asarray(reference_logits(init, jnp.asarray(full_BL), CFG)[0])
+    for t in range(new):
+        want_BV = want_BLV[np.arange(B), lengths - 1 + t]
+        err = float(np.max(np.abs(logits[t] - want_BV)))
+        assert err <= RTOL * float(np.max(np.abs(want_BV))), f"{layout} token {t}: {err:.2e}"
