@@ -33,7 +33,7 @@ class Role:
              params, so a grad of a param stored replicated over it is summed over it
              and the loss is averaged over it.
     divides: model dims the axis size must divide ("batch" is the global batch). Roles
-             naming the same dim divide it jointly (batch by dp*fsdp).
+             naming the same dim divide it jointly (batch by dp*fsdp*ep).
     doc:     one line for `--help` and the docs.
     """
 

@@ -207,6 +207,14 @@ def _flag_problems(args, cfg, tcfg) -> list[str]:
     return problems
 
 
+def moe_summary(cfg) -> str:
+    """` E=8 top-2 S=1 dropless` (or `capacity 1.25`) for a mixture of experts, else empty."""
+    if not cfg.moe:
+        return ""
+    drops = f"capacity {cfg.capacity_factor:g}" if cfg.capacity_factor > 0 else "dropless"
+    return f" E={cfg.experts} top-{cfg.top_k} S={cfg.shared_experts} {drops}"
+
+
 def keep_freed_memory() -> None:
     """On XLA:CPU, keep the step's freed buffers in the process (engine/host.py). Changes
     process-wide malloc settings, so tools call it from `main`, not the library."""
@@ -320,7 +328,7 @@ def setup(cfg, tcfg, parallel, layout, args, data, say):
     say(f"layout {layout} on {len(devices)} {devices[0].platform} device(s){procs}; "
         f"model {args.model} ({param_count(cfg) / 1e6:.2f}M params, D={cfg.d_model} "
         f"N={cfg.n_layers} H={cfg.n_heads} G={cfg.n_kv_heads} K={cfg.head_dim} "
-        f"F={cfg.mlp_dim} V={cfg.vocab}); {cfg.dtype} compute, remat {cfg.remat}, "
+        f"F={cfg.mlp_dim} V={cfg.vocab}{moe_summary(cfg)}); {cfg.dtype} compute, remat {cfg.remat}, "
         f"{kernel}; {tcfg.batch * tcfg.seq} tokens/step; peak {peak / 1e12:.2f} TFLOP/s ({peak_src})")
     say(f"data {data.describe()}")
     if kernel.startswith("pallas") and devices[0].platform == "cpu":

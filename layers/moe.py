@@ -4,14 +4,15 @@ over ep (tokens go to their experts' devices and back by all-to-all), shared exp
 Letter key (layers/config.py): T = B*L local tokens, A = T*K assignments (k-major: a =
 k*T + t, so every token's first choice comes before any second choice), E experts,
 X = E/ep experts on this ep rank, F expert hidden (F_tp on a tp rank), P ep peers,
-C slots per peer in the send buffer, M slots per expert in the expert buffer.
+C slots per peer in the send buffer, R = P*C rows received, M slots per expert in
+the expert buffer.
 
 Dispatch, with fixed-size buffers (`lax.ragged_all_to_all` is unimplemented on XLA:CPU):
 1. Router: logits [T, E] in f32, probs = softmax, the top-K probs are the combine
    weights (Switch / GShard: not renormalized).
-2. Capacity (capacity_factor C > 0): assignment a of row b to expert e is kept if fewer
-   than ceil(C*L*K/E) earlier assignments of row b went to e (k-major priority); the
-   rest are dropped and counted. Dropless (C = 0): every assignment is kept.
+2. Capacity (capacity_factor c > 0): assignment a of row b to expert e is kept if fewer
+   than ceil(c*L*K/E) earlier assignments of row b went to e (k-major priority); the
+   rest are dropped and counted. Dropless (c = 0): every assignment is kept.
 3. Each kept assignment gets a slot in the send buffer [P, C, D] of its expert's ep rank
    (its rank among the kept assignments to that peer); C is the worst case: T*min(K, X)
    dropless, fewer with a capacity. `all_to_all` over ep: row p of the result is what
@@ -55,7 +56,7 @@ STATS = ("count_E", "probs_E", "zsum", "dropped")
 
 def capacity(cfg: ModelConfig, L: int) -> int:
     """Slots per expert per sequence of L tokens: L dropless (an expert can take each
-    token once), else min(L, ceil(C*L*K/E))."""
+    token once), else min(L, ceil(c*L*K/E)) for capacity_factor c."""
     if cfg.capacity_factor <= 0:
         return L
     return min(L, math.ceil(cfg.capacity_factor * L * cfg.top_k / cfg.experts))
