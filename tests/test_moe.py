@@ -312,3 +312,25 @@ def test_cached_decoding_equals_full_sequence(layout, init):
         want_BV = want_BLV[np.arange(B), lengths - 1 + t]
         err = float(np.max(np.abs(logits[t] - want_BV)))
         assert err <= RTOL * float(np.max(np.abs(want_BV))), f"{layout} token {t}: {err:.2e}"
+
+
+def test_cli_logs_router_metrics(tmp_path):
+    import json
+
+    from test_cli import train as cli
+
+    path = tmp_path / "m.jsonl"
+    r = cli("--model", "moe-tiny", "--layout", "ep4xfsdp2", "--steps", "2", "--batch", "8",
+            "--seq", "16", "--log-every", "1", "--capacity-factor", "1.0",
+            "--metrics-file", str(path))
+    assert r.returncode == 0, r.stderr
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    for key in ("aux_loss", "z_loss", "tokens_per_expert_max", "tokens_per_expert_mean",
+                "dropped_fraction", "ce_loss"):
+        assert all(isinstance(row[key], float) for row in rows), key
+    assert all(row["tokens_per_expert_max"] >= row["tokens_per_expert_mean"] for row in rows)
+    assert "E=8 top-2 S=0 capacity 1" in r.stdout
+    assert "aux " in r.stdout and "tokens/expert max/mean" in r.stdout and "dropped" in r.stdout
+    bad = cli("--model", "moe-tiny", "--layout", "ep4", "--experts", "6")
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1
+    assert "experts=6 not divisible by ep=4" in bad.stderr
