@@ -54,7 +54,8 @@ from engine.params import param_shapes
 FORMAT = "shardwise-checkpoint/2"
 FORMAT_1 = "shardwise-checkpoint/1"  # one file, whole arrays: still read
 SHARD_FORMAT = "shardwise-checkpoint-shard/2"
-SHAPE_FIELDS = ("d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "mlp_dim", "vocab")
+SHAPE_FIELDS = ("d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "mlp_dim", "vocab",
+                "experts", "shared_experts")
 _NAME = re.compile(r"step_(\d{8})\.ckpt")
 _SHARD_NAME = re.compile(r"step_(\d{8})\.ckpt\.shard-\d{5}-of-\d{5}")
 _CHUNK = 1 << 30  # msgpack bin objects hold < 4 GiB; arrays are split into 1 GiB chunks
@@ -348,8 +349,9 @@ def check_model(ckpt: Checkpoint, cfg) -> None:
     """Raise unless the checkpoint's model shape equals `cfg`'s (compute dtype, remat and
     attention kernel may differ: they do not change the params)."""
     saved = ckpt.meta.get("model", {})
-    diff = [f"{f}={saved.get(f)} (flags give {getattr(cfg, f)})" for f in SHAPE_FIELDS
-            if saved.get(f) != getattr(cfg, f)]
+    default = {f.name: f.default for f in dataclasses.fields(cfg)}  # fields added later
+    diff = [f"{f}={saved.get(f, default[f])} (flags give {getattr(cfg, f)})"
+            for f in SHAPE_FIELDS if saved.get(f, default[f]) != getattr(cfg, f)]
     if diff:
         raise CheckpointError(f"checkpoint {ckpt.path} holds a different model: "
                               + ", ".join(diff))

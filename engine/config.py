@@ -8,12 +8,21 @@ from layers.config import ModelConfig
 PRESETS: dict[str, dict] = {
     "tiny": dict(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, mlp_dim=192, vocab=256),
     "small": dict(d_model=256, n_layers=4, n_heads=8, n_kv_heads=4, head_dim=32, mlp_dim=768, vocab=256),
+    # Mixtures of experts (layers/moe.py): every block's MLP is E routed SwiGLU experts.
+    "moe-tiny": dict(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, mlp_dim=96,
+                     vocab=256, experts=8, top_k=2),
+    "moe-small": dict(d_model=256, n_layers=4, n_heads=8, n_kv_heads=4, head_dim=32,
+                      mlp_dim=384, vocab=256, experts=8, top_k=2, shared_experts=1),
     "medium": dict(d_model=512, n_layers=8, n_heads=8, n_kv_heads=8, head_dim=64, mlp_dim=1536, vocab=256),
     # Real shapes, for cost predictions (Meta's Llama 3 model card).
     "llama3-8b": dict(d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128,
                       mlp_dim=14336, vocab=128256, rope_theta=500_000.0),
     "llama3-70b": dict(d_model=8192, n_layers=80, n_heads=64, n_kv_heads=8, head_dim=128,
                        mlp_dim=28672, vocab=128256, rope_theta=500_000.0),
+    # Mistral AI's Mixtral 8x7B (params.json of the release): 8 experts, top 2.
+    "mixtral-8x7b": dict(d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128,
+                         mlp_dim=14336, vocab=32000, rope_theta=1_000_000.0, experts=8,
+                         top_k=2),
 }
 
 

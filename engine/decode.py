@@ -83,6 +83,8 @@ class Decoder:
     def __init__(self, cfg: ModelConfig, layout: Layout, mesh, batch: int, cache_len: int,
                  sampling: Sampling):
         check_decoder(cfg, layout, batch, cache_len)
+        # a capacity counts a sequence's tokens in one forward; decoding is dropless
+        cfg = dataclasses.replace(cfg, capacity_factor=0.0)
         self.cfg, self.layout, self.mesh = cfg, layout, mesh
         self.batch, self.cache_len, self.sampling = batch, cache_len, sampling
         self.axes = layout.role_axes()

@@ -30,7 +30,8 @@ class Session:
 def loop(session: Session, hooks, say) -> int:
     """Run the steps; before the first, hooks with a `begin(session)` method get it;
     after each step, every hook sees (record, session) in order. A record
-    starts as {step, loss, grad_norm, step_time_s} (hooks add to it). Returns the exit
+    starts as {step, loss, grad_norm, step_time_s} and the step's other metrics (the
+    router's with experts; hooks add to it). Returns the exit
     code: 1 on a non-finite loss, 130 on Ctrl-C (after the hooks close)."""
     step = session.start
     for hook in hooks:  # a hook that must act before the first step has `begin`
@@ -47,6 +48,8 @@ def loop(session: Session, hooks, say) -> int:
                 say(f"error: loss is {loss} at step {step + 1}; stopping", file=sys.stderr)
                 return 1
             record = dict(step=step + 1, loss=loss, grad_norm=grad_norm, step_time_s=dt)
+            record.update({k: distributed.host_value(v) for k, v in metrics.items()
+                           if k not in record})  # a mixture of experts' router metrics
             for hook in hooks:
                 hook(record, session)
     except KeyboardInterrupt:
@@ -129,10 +132,21 @@ class Log:
             self.say(f"step {done:>5}/{self.steps} | loss {record['loss']:.4f} | grad norm "
                      f"{record['grad_norm']:.3f} | lr {record['lr']:.2e} | "
                      f"{per_second(self.rates.tokens / avg)} tok/s | {avg * 1e3:.0f} ms/step | "
-                     f"MFU {100 * self.rates.flops / avg / self.rates.peak:.1f}%")
+                     f"MFU {100 * self.rates.flops / avg / self.rates.peak:.1f}%"
+                     + router_summary(record))
             self.window_t, self.window_n = 0.0, 0
         if "val_loss" in record:
             self.say(f"eval {done:>5}/{self.steps} | val loss {record['val_loss']:.4f}")
+
+
+def router_summary(record) -> str:
+    """` | aux 1.012 z 4.31 | tokens/expert max/mean 1.42 | dropped 0.0%` for a step of a
+    mixture of experts (layers/moe.py `router_losses`), else empty."""
+    if "aux_loss" not in record:
+        return ""
+    imbalance = record["tokens_per_expert_max"] / max(record["tokens_per_expert_mean"], 1e-9)
+    return (f" | aux {record['aux_loss']:.3f} z {record['z_loss']:.2f} | tokens/expert "
+            f"max/mean {imbalance:.2f} | dropped {100 * record['dropped_fraction']:.1f}%")
 
 
 class Checkpoints:

@@ -15,8 +15,9 @@ def flops_per_token(cfg: ModelConfig, seq: int) -> float:
     """Training FLOPs per token: 6 per non-embedding param (the unembedding is a matmul,
     the embedding a lookup) plus 12·N·H·K·L for attention scores and values (PaLM,
     Chowdhery et al. 2022, appendix B; nanoGPT's `estimate_mfu`). Remat is not counted:
-    MFU is model FLOPs, not hardware FLOPs."""
-    return (6 * param_count(cfg, include_embed=False)
+    MFU is model FLOPs, not hardware FLOPs. A mixture of experts counts the params one
+    token uses (top_k experts, not E; no padding)."""
+    return (6 * param_count(cfg, include_embed=False, active=True)
             + 12 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seq)
 
 

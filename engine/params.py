@@ -42,7 +42,18 @@ PARAM_TABLE: dict[str, tuple[str, tuple, str]] = {
     "blocks/wd":        ("NFD",  ("pp", "tp", "fsdp"),           "normal_out"),
     "final_norm":       ("D",    (None,),                        "ones"),
     "unembed":          ("DV",   ("fsdp", "tp"),                 "normal"),
+    # mixture of experts (layers/moe.py), in place of wg / wu / wd when experts > 0
+    "blocks/router":    ("NDE",  (None, None, None),             "normal"),
+    "blocks/we_g":      ("NEDF", (None, "ep", "fsdp", "tp"),     "normal"),
+    "blocks/we_u":      ("NEDF", (None, "ep", "fsdp", "tp"),     "normal"),
+    "blocks/we_d":      ("NEFD", (None, "ep", "tp", "fsdp"),     "normal_out"),
+    "blocks/ws_g":      ("NDI",  (None, "fsdp", "tp"),           "normal"),  # shared experts
+    "blocks/ws_u":      ("NDI",  (None, "fsdp", "tp"),           "normal"),
+    "blocks/ws_d":      ("NID",  (None, "tp", "fsdp"),           "normal_out"),
 }
+DENSE_MLP = ("blocks/wg", "blocks/wu", "blocks/wd")
+ROUTED = ("blocks/router", "blocks/we_g", "blocks/we_u", "blocks/we_d")
+SHARED = ("blocks/ws_g", "blocks/ws_u", "blocks/ws_d")
 INIT_STD = 0.02  # GPT-2's; outputs into the residual stream scale by 1/sqrt(2N)
 DERIVED_ROLES = {"tp_kv": "tp"}  # spec entry -> the registry role it derives from
 PARAMS_ROLE = roles.roles_sharding("params")[0]  # the axis params are sharded over (fsdp)
@@ -92,7 +103,17 @@ def _nest(flat: dict) -> dict:
 
 def _dims(cfg: ModelConfig) -> dict[str, int]:
     return dict(V=cfg.vocab, D=cfg.d_model, N=cfg.n_layers, H=cfg.n_heads, G=cfg.n_kv_heads,
-                K=cfg.head_dim, F=cfg.mlp_dim)
+                K=cfg.head_dim, F=cfg.mlp_dim, E=cfg.experts,
+                I=cfg.shared_experts * cfg.mlp_dim)
+
+
+def table(cfg: ModelConfig) -> dict[str, tuple[str, tuple, str]]:
+    """The rows of PARAM_TABLE the model has: the dense MLP's, or the router and experts
+    (and the shared experts') with experts > 0. Rows keep their place in the table, which
+    seeds their init."""
+    absent = set(ROUTED + SHARED) if not cfg.moe else set(DENSE_MLP) | (
+        set() if cfg.shared_experts else set(SHARED))
+    return {name: row for name, row in PARAM_TABLE.items() if name not in absent}
 
 
 def _resolve(role, cfg: ModelConfig, layout: Layout):
@@ -108,7 +129,7 @@ def param_shapes(cfg: ModelConfig) -> dict:
     """Global shapes: {name: ShapeDtypeStruct} (f32), nested like the params."""
     dims = _dims(cfg)
     return _nest({name: jax.ShapeDtypeStruct(tuple(dims[c] for c in letters), jnp.float32)
-                  for name, (letters, _, _) in PARAM_TABLE.items()})
+                  for name, (letters, _, _) in table(cfg).items()})
 
 
 def param_specs(cfg: ModelConfig, layout: Layout) -> dict:
@@ -117,7 +138,7 @@ def param_specs(cfg: ModelConfig, layout: Layout) -> dict:
     every ZeRO level shards the optimizer state (and ZeRO-2 its grads); `fsdp_dims`
     names the same dims. `storage_specs` is how params are kept between steps."""
     return _nest({name: P(*(_resolve(r, cfg, layout) for r in spec))
-                  for name, (_, spec, _) in PARAM_TABLE.items()})
+                  for name, (_, spec, _) in table(cfg).items()})
 
 
 def storage_specs(cfg: ModelConfig, layout: Layout, zero: int = 3) -> dict:
@@ -140,9 +161,14 @@ def fsdp_dims() -> dict:
     return _nest(dims)
 
 
-def param_count(cfg: ModelConfig, include_embed: bool = True) -> int:
+def param_count(cfg: ModelConfig, include_embed: bool = True, active: bool = False) -> int:
+    """Params in the model; `active`: those one token's forward uses (top_k of the E
+    experts, the router, the shared experts)."""
     dims = _dims(cfg)
-    return sum(math.prod(dims[c] for c in letters) for name, (letters, _, _) in PARAM_TABLE.items()
+    routed = dict(dims, E=cfg.top_k) if active else dims  # an expert row's share
+    return sum(math.prod((routed if "E" in letters and name != "blocks/router" else dims)[c]
+                         for c in letters)
+               for name, (letters, _, _) in table(cfg).items()
                if include_embed or name != "embed")
 
 
@@ -162,13 +188,13 @@ def init_params(cfg: ModelConfig, layout: Layout, mesh, seed: int, zero: int = 3
     values are bit-identical under every layout."""
     shapes = param_shapes(cfg)
     specs = storage_specs(cfg, layout, zero)
-    names = list(PARAM_TABLE)
+    present = table(cfg)
 
     def init():
         root = jax.random.key(seed)
         flat = {name: _init_leaf(jax.random.fold_in(root, i), _lookup(shapes, name).shape,
                                  PARAM_TABLE[name][2], cfg.n_layers)
-                for i, name in enumerate(names)}
+                for i, name in enumerate(PARAM_TABLE) if name in present}
         return _nest(flat)
 
     shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)

@@ -33,7 +33,7 @@ class Role:
              params, so a grad of a param stored replicated over it is summed over it
              and the loss is averaged over it.
     divides: model dims the axis size must divide ("batch" is the global batch). Roles
-             naming the same dim divide it jointly (batch by dp*fsdp).
+             naming the same dim divide it jointly (batch by dp*fsdp*ep).
     doc:     one line for `--help` and the docs.
     """
 
@@ -57,11 +57,15 @@ ROLES: dict[str, Role] = {r.name: r for r in (
     # the schedule's rules (microbatches >= pp for 1f1b): engine/validate.py
     Role("pp", ("layers",), data=False, divides=("layers",),
          doc="stacked layers sharded in contiguous stages (pipeline parallel)"),
+    # a data axis for everything but the experts, which are sharded over it
+    Role("ep", ("batch", "experts"), data=True, divides=("batch", "experts"),
+         doc="experts sharded, batch sharded; tokens reach their experts by all-to-all"),
 )}
 
 # Model dims a role may have to divide, as `ModelConfig` field names (and "batch").
 DIM_FIELDS = {"batch": "batch", "d_model": "d_model", "heads": "n_heads",
-              "mlp_dim": "mlp_dim", "vocab": "vocab", "layers": "n_layers"}
+              "mlp_dim": "mlp_dim", "vocab": "vocab", "layers": "n_layers",
+              "experts": "experts"}
 
 
 def roles_sharding(what: str) -> tuple[str, ...]:

@@ -24,15 +24,16 @@ from engine.config import ParallelConfig, TrainConfig
 from engine.layout import Layout
 from engine.params import activation_spec, fsdp_dims, init_params, param_shapes, param_specs
 from engine.validate import check
-from layers import context, model, scopes
+from layers import context, model, moe, scopes
 from layers.config import ModelConfig
 
 
 class Trainer:
     """The model, layout and optimizer bound to a mesh.
 
-    train_step(params, opt_state, tokens) -> (params, opt_state, {"loss", "grad_norm"})
-    loss(params, tokens) -> loss                                 (evaluation)
+    train_step(params, opt_state, tokens) -> (params, opt_state, {"loss", "grad_norm",
+        and with experts the router metrics of `layers.moe.router_losses` and "ce_loss"})
+    loss(params, tokens) -> cross-entropy                        (evaluation)
     loss_and_grads(params, tokens) -> (loss, grads, grad_norm)   (for tests and tools)
     tokens: [B, L+1] int32, global; params stored as `specs`, the optimizer state as
     `opt_specs`, grads returned as `grad_specs`. `parallel` says how the layout's axes
@@ -73,49 +74,66 @@ class Trainer:
                   out_specs=(P(), self.grad_specs, P())))
 
     # -- per-shard bodies -------------------------------------------------------------
-    def _loss(self, params, tokens_BL):
-        if self.axes.pp is not None:
-            return self._pipeline(params, tokens_BL, self.forward_plan)
+    def _objective(self, params, tokens_BL):
+        """(the loss differentiated, metrics): the cross-entropy plus, with experts, the
+        router losses (`layers.moe.router_losses`, over every data axis of the layout)."""
         # cp: tokens arrive replicated over cp (int32, L+1 per row: small next to the
         # activations) and each rank cuts its two load-balanced chunks of inputs and
         # targets here, once, with local slices; the batch format, put_batch and every
         # caller of it stay as they are
         inputs_BL, targets_BL = (context.shard_sequence(x_BL, self.axes)
                                  for x_BL in (tokens_BL[:, :-1], tokens_BL[:, 1:]))
-        loss = model.loss(params, inputs_BL, targets_BL, self._dims, self.cfg,
-                          self._model_axes)
-        return self.zero.finish_loss(loss, self.axes)
+        loss, stats = model.loss_and_stats(params, inputs_BL, targets_BL, self._dims,
+                                           self.cfg, self._model_axes)
+        loss = self.zero.finish_loss(loss, self.axes)
+        if not stats:
+            return loss, {}
+        router, metrics = moe.router_losses(stats, inputs_BL.size * self.axes.data_size,
+                                            self.cfg, self.axes.data)
+        return loss + router, {"ce_loss": loss, **metrics}
 
-    def _loss_and_grads(self, params, tokens_BL):
+    def _loss(self, params, tokens_BL):
+        if self.axes.pp is not None:
+            return self._pipeline(params, tokens_BL, self.forward_plan)
+        loss, metrics = self._objective(params, tokens_BL)
+        return metrics.get("ce_loss", loss)  # evaluation: the cross-entropy
+
+    def _loss_and_grads(self, params, tokens_BL, with_metrics=False):
         diff, seen = self.zero.differentiate(params, self.specs, self.shard_specs, self.axes,
                                              self.cfg.compute_dtype)
-        loss, grads = self._accumulate(diff, seen, tokens_BL)
+        loss, metrics, grads = self._accumulate(diff, seen, tokens_BL)
         with jax.named_scope(scopes.REDUCE_GRADS):
             grads = optim.all_reduce_grads(grads, self.grad_specs, self.axes)
             grad_norm = optim.global_norm(grads, self.grad_specs)
+        if with_metrics:
+            return loss, grads, grad_norm, metrics
         return loss, grads, grad_norm
 
     def _accumulate(self, diff, seen, tokens_BL):
-        """(loss, grads of `diff`) of the local batch [B, L+1], as the mean over
+        """(loss, metrics, grads of `diff`) of the local batch [B, L+1], as the mean over
         `parallel.microbatches` microbatches [B/M, L+1] each differentiated on its own in a
         `lax.scan` (one microbatch's activations alive at a time); every microbatch's
-        loss is a mean over equally many tokens, so the mean of theirs is the batch's."""
+        loss is a mean over equally many tokens, so the mean of theirs is the batch's
+        (metrics too are means over the microbatches)."""
         if self.axes.pp is not None:
             loss, grads = self._pipeline(diff, tokens_BL, self.plan, seen)
-            return loss, pipeline.reduce_shared(grads, self.grad_specs, self.axes)
-        value_and_grad = jax.value_and_grad(lambda d, t_BL: self._loss(seen(d), t_BL))
+            return loss, {}, pipeline.reduce_shared(grads, self.grad_specs, self.axes)
+        value_and_grad = jax.value_and_grad(
+            lambda d, t_BL: self._objective(seen(d), t_BL), has_aux=True)
         m = self.parallel.microbatches
         if m == 1:
-            return value_and_grad(diff, tokens_BL)
+            (loss, metrics), grads = value_and_grad(diff, tokens_BL)
+            return loss, metrics, grads
         tokens_MBL = tokens_BL.reshape(m, tokens_BL.shape[0] // m, *tokens_BL.shape[1:])
 
         def microbatch(carry, t_BL):
-            loss, grads = value_and_grad(diff, t_BL)
-            return jax.tree.map(jnp.add, carry, (loss, grads)), None
+            (loss, metrics), grads = value_and_grad(diff, t_BL)
+            return jax.tree.map(jnp.add, carry, (loss, grads)), metrics
 
         zero = jax.tree.map(collectives.zeros_like, (jnp.float32(0), diff))
-        (loss, grads), _ = lax.scan(microbatch, zero, tokens_MBL)
-        return jax.tree.map(lambda x: x / m, (loss, grads))
+        (loss, grads), metrics_M = lax.scan(microbatch, zero, tokens_MBL)
+        loss, grads = jax.tree.map(lambda x: x / m, (loss, grads))
+        return loss, jax.tree.map(lambda x: x.mean(0), metrics_M), grads
 
     def _pipeline(self, params, tokens_BL, the_plan, seen=lambda p: p):
         """The loss (and with a backward plan the grads) over the pp stages
@@ -128,7 +146,7 @@ class Trainer:
         ax, dims, cfg = self._model_axes, self._dims, self.cfg
         stages = pipeline.Stages(
             embed=lambda p, i_BL: model.embed(p, i_BL, dims, cfg, ax),
-            blocks=lambda p, x_BLD: model.blocks(p, x_BLD, dims, cfg, ax),
+            blocks=lambda p, x_BLD: model.blocks(p, x_BLD, dims, cfg, ax)[0],
             head_loss=lambda p, x_BLD, t_BL: self.zero.finish_loss(
                 model.head_loss(p, x_BLD, t_BL, dims, cfg, ax), self.axes))
         length = inputs_MBL.shape[2] // (self.axes.tp_size if self.axes.seq_tp else 1)
@@ -138,12 +156,12 @@ class Trainer:
                             the_plan, seen)
 
     def _train_step(self, params, opt_state, tokens_BL):
-        loss, grads, grad_norm = self._loss_and_grads(params, tokens_BL)
+        loss, grads, grad_norm, metrics = self._loss_and_grads(params, tokens_BL, True)
         with jax.named_scope(scopes.OPTIMIZER):
             grads = optim.clip_by_norm(grads, grad_norm, self.tcfg.clip_norm)
             params, opt_state = self.zero.update(self.tx, grads, opt_state, params,
                                                  self.shard_specs, self.axes.fsdp)
-        return params, opt_state, {"loss": loss, "grad_norm": grad_norm}
+        return params, opt_state, {"loss": loss, "grad_norm": grad_norm, **metrics}
 
     # -- host side --------------------------------------------------------------------
     def init(self, seed: int):

@@ -71,8 +71,15 @@ def build_parser(prog: str = "python -m engine.train", description: str | None =
     for flag, field, what in [("--d-model", "d_model", "D"), ("--layers", "n_layers", "N"),
                               ("--heads", "n_heads", "H"), ("--kv-heads", "n_kv_heads", "G"),
                               ("--head-dim", "head_dim", "K"), ("--mlp-dim", "mlp_dim", "F"),
-                              ("--vocab", "vocab", "V")]:
+                              ("--vocab", "vocab", "V"),
+                              ("--experts", "experts", "E, routed experts (0: dense MLP)"),
+                              ("--top-k", "top_k", "the experts each token is routed to"),
+                              ("--shared-experts", "shared_experts",
+                               "experts every token passes through")]:
         m.add_argument(flag, dest=field, type=int, default=None, help=f"override {what}")
+    m.add_argument("--capacity-factor", type=float, default=None,
+                   help="each expert takes at most ceil(C*seq*top_k/experts) of a "
+                        "sequence's tokens, the rest pass through (0: dropless, default)")
     m.add_argument("--dtype", default="bf16", choices=sorted(DTYPES),
                    help="compute dtype of matmuls (params and optimizer state are f32)")
     m.add_argument("--remat", default="full", choices=REMAT,
@@ -156,7 +163,8 @@ def parse(argv, parser: argparse.ArgumentParser | None = None) -> tuple:
     UsageError / ConfigError (`engine.validate`'s problems, one line)."""
     args = (parser or build_parser()).parse_args(argv)
     cfg = model_config(args.model, **{k: getattr(args, k) for k in (
-        "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "mlp_dim", "vocab")},
+        "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "mlp_dim", "vocab",
+        "experts", "top_k", "shared_experts", "capacity_factor")},
         dtype=args.dtype, remat=args.remat, attention=args.attention)
     tcfg = TrainConfig(batch=args.batch, seq=args.seq, steps=args.steps, lr=args.lr,
                        warmup=args.warmup, seed=args.seed)
@@ -204,6 +212,14 @@ def _flag_problems(args, cfg, tcfg) -> list[str]:
         problems.append("--resume needs --checkpoint-dir")
     problems += profile.flag_problems(args.profile_steps, args.profile_dir, tcfg.steps)
     return problems
+
+
+def moe_summary(cfg) -> str:
+    """` E=8 top-2 S=1 dropless` (or `capacity 1.25`) for a mixture of experts, else empty."""
+    if not cfg.moe:
+        return ""
+    drops = f"capacity {cfg.capacity_factor:g}" if cfg.capacity_factor > 0 else "dropless"
+    return f" E={cfg.experts} top-{cfg.top_k} S={cfg.shared_experts} {drops}"
 
 
 def keep_freed_memory() -> None:
@@ -319,7 +335,7 @@ def setup(cfg, tcfg, parallel, layout, args, data, say):
     say(f"layout {layout} on {len(devices)} {devices[0].platform} device(s){procs}; "
         f"model {args.model} ({param_count(cfg) / 1e6:.2f}M params, D={cfg.d_model} "
         f"N={cfg.n_layers} H={cfg.n_heads} G={cfg.n_kv_heads} K={cfg.head_dim} "
-        f"F={cfg.mlp_dim} V={cfg.vocab}); {cfg.dtype} compute, remat {cfg.remat}, "
+        f"F={cfg.mlp_dim} V={cfg.vocab}{moe_summary(cfg)}); {cfg.dtype} compute, remat {cfg.remat}, "
         f"{kernel}; {tcfg.batch * tcfg.seq} tokens/step; peak {peak / 1e12:.2f} TFLOP/s ({peak_src})")
     say(f"data {data.describe()}")
     if kernel.startswith("pallas") and devices[0].platform == "cpu":

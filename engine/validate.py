@@ -57,6 +57,7 @@ def config_problems(cfg: ModelConfig, tcfg: TrainConfig,
     if parallel.prefetch and parallel.zero != 3:
         problems.append(f"--prefetch needs --zero 3 (zero {parallel.zero} keeps params "
                         f"replicated)")
+    problems.extend(moe_problems(cfg, parallel))
     if not tcfg.lr > 0 or tcfg.lr > 10:
         problems.append(f"lr={tcfg.lr} must be in (0, 10]")
     if tcfg.warmup < 0:
@@ -79,6 +80,30 @@ def layout_problems(cfg: ModelConfig, tcfg: TrainConfig, parallel: ParallelConfi
     problems.extend(cp_problems(cfg, tcfg, parallel, layout))
     problems.extend(microbatch_problems(tcfg, parallel, layout))
     problems.extend(pp_problems(parallel, layout))
+    if layout.degree("ep") > 1 and not cfg.moe:
+        problems.append(f"ep={layout.degree('ep')} shards experts: the model has none "
+                        f"(set --experts)")
+    if cfg.moe and layout.degree("pp") > 1:
+        problems.append(f"pp={layout.degree('pp')} with --experts: the pipeline's stages "
+                        f"do not carry the router's losses (use ep, fsdp or tp)")
+    if cfg.moe and cfg.capacity_factor > 0 and layout.degree("cp") > 1:
+        problems.append("--capacity-factor counts a sequence's tokens per expert: not "
+                        "with cp (each rank holds part of a sequence)")
+    return problems
+
+
+def moe_problems(cfg: ModelConfig, parallel: ParallelConfig) -> list[str]:
+    """The mixture-of-experts settings (layers/moe.py)."""
+    problems = []
+    for name in ("experts", "shared_experts", "capacity_factor", "aux_loss_coef",
+                 "z_loss_coef"):
+        if getattr(cfg, name) < 0:
+            problems.append(f"{name}={getattr(cfg, name)} must be >= 0")
+    if cfg.moe and not 1 <= cfg.top_k <= cfg.experts:
+        problems.append(f"top_k={cfg.top_k} must be in [1, experts={cfg.experts}]")
+    if cfg.moe and parallel.tp_comm != "allreduce":
+        problems.append(f"--tp-comm {parallel.tp_comm} shards the sequence over tp: experts "
+                        f"route whole tokens, use --tp-comm allreduce")
     return problems
 
 

@@ -40,6 +40,8 @@ class Axes:
     tp:   heads, MLP hidden and vocab sharded (Megatron).
     cp:   the sequence sharded in load-balanced causal chunks (layers/context.py).
     pp:   the stacked layers sharded in contiguous stages (engine/pipeline.py).
+    ep:   experts sharded, batch sharded (layers/moe.py: tokens to their experts by
+          all-to-all).
 
     tp_comm:  how activations move over tp (`collectives.ring.TpComm`: allreduce,
               sequence or ring).
@@ -55,11 +57,13 @@ class Axes:
     tp: str | None = None
     cp: str | None = None
     pp: str | None = None
+    ep: str | None = None
     dp_size: int = 1
     fsdp_size: int = 1
     tp_size: int = 1
     cp_size: int = 1
     pp_size: int = 1
+    ep_size: int = 1
     tp_comm: TpComm = ALLREDUCE
     cp_comm: str = "allgather"
     weights: object = GATHER

@@ -13,6 +13,7 @@ from layers.attention import LayerCache, attention
 from layers.axes import Axes
 from layers.config import ModelConfig
 from layers.mlp import mlp
+from layers.moe import moe
 from layers.norm import rms_norm
 
 # What each remat mode keeps for the backward pass; everything else is recomputed.
@@ -42,6 +43,14 @@ def block(x_BLD: jax.Array, p: dict, cfg: ModelConfig, axes: Axes,
     over tp (axes.tp_comm allreduce) or [B, L_tp, D] -> [B, L_tp, D] (sequence, ring).
     cache (decoding): the attention reads and writes this layer's KV cache, and the block
     returns (x, cache)."""
+    x_BLD, cache, _ = block_stats(x_BLD, p, cfg, axes, cache)
+    return x_BLD if cache is None else (x_BLD, cache)
+
+
+def block_stats(x_BLD: jax.Array, p: dict, cfg: ModelConfig, axes: Axes,
+                cache: LayerCache | None = None):
+    """`block` returning (x, cache, the MLP's router sums): `layers.moe.moe`'s local sums
+    with experts, {} for the dense MLP."""
     # sequence, ring: the norms run on x's sequence shard, so their scales' grads are
     # partial sums over tp, all-reduced by the broadcast's bwd
     seq_tp = axes.seq_tp
@@ -55,20 +64,26 @@ def block(x_BLD: jax.Array, p: dict, cfg: ModelConfig, axes: Axes,
             x_BLD = x_BLD + y_BLD
     with jax.named_scope(scopes.MLP):
         scale_D = collectives.broadcast(p["mlp_norm"], seq_tp)
-        x_BLD = x_BLD + mlp(rms_norm(x_BLD, scale_D, cfg.norm_eps), p, cfg, axes)
-    return x_BLD if cache is None else (x_BLD, cache)
+        h_BLD = rms_norm(x_BLD, scale_D, cfg.norm_eps)
+        if cfg.moe:
+            y_BLD, stats = moe(h_BLD, p, cfg, axes)
+        else:
+            y_BLD, stats = mlp(h_BLD, p, cfg, axes), {}
+        x_BLD = x_BLD + y_BLD
+    return x_BLD, cache, stats
 
 
 def blocks(x_BLD: jax.Array, stacked: dict, fsdp_dims: Mapping[str, int | None],
-           cfg: ModelConfig, axes: Axes) -> jax.Array:
+           cfg: ModelConfig, axes: Axes) -> tuple[jax.Array, dict]:
     """`lax.scan` over N stacked blocks. stacked: {name: [N, ...local shard...]}.
+    Returns (x, the blocks' router sums stacked over layers: {name: [N, ...]}, {} dense).
 
     axes.prefetch: layer i+1's gather is issued in the scan body before layer i's compute,
     which does not wait for it, so the two can overlap. Layer 0 is gathered before the
     scan, the carry holds the gathered weights of the layer the body computes, the scan
     runs over layers 1..N-1 (gathering each for the next iteration) and the last layer
     is computed after it: each weight is gathered exactly N times in the forward, as
-    without prefetch. Under remat `full` the backward is a scan of its own that
+    without prefetch. Under remat `full` (dense MLP) the backward is a scan of its own that
     prefetches too (`prefetched_full_remat`): only each layer's input is saved, and
     the weights are gathered again, one layer ahead, as the backward walks down. Under
     `dots` and `none` the scan is differentiated as written: the carried weights are
@@ -85,18 +100,31 @@ def blocks(x_BLD: jax.Array, stacked: dict, fsdp_dims: Mapping[str, int | None],
             return f
         return jax.checkpoint(f, policy=REMAT_POLICIES[cfg.remat], prevent_cse=False)
 
+    def one(x_BLD, p):
+        x_BLD, _, stats = block_stats(x_BLD, p, cfg, axes)
+        return x_BLD, stats
+
     if not axes.prefetch:
-        body = remat(lambda x_BLD, p_layer: (block(x_BLD, gather(p_layer), cfg, axes), None))
-        x_BLD, _ = lax.scan(body, x_BLD, stacked)
-        return x_BLD
+        body = remat(lambda x_BLD, p_layer: one(x_BLD, gather(p_layer)))
+        return lax.scan(body, x_BLD, stacked)
 
-    if cfg.remat == "full":
+    if cfg.remat == "full" and not cfg.moe:  # the hand-written backward has no router sums
         return prefetched_full_remat(lambda x_BLD, p: block(x_BLD, p, cfg, axes),
-                                     gather)(x_BLD, stacked)
+                                     gather)(x_BLD, stacked), {}
 
-    layer = remat(lambda x_BLD, p: block(x_BLD, p, cfg, axes))
-    x_BLD, p_last, _ = _prefetched_forward(layer, gather, x_BLD, stacked)
-    return block(x_BLD, p_last, cfg, axes)
+    layer = remat(one)
+
+    def prefetch_body(carry, p_next):
+        x_BLD, p = carry
+        p_next = gather(p_next)  # layer i+1's weights, for the next iteration
+        x_BLD, stats = layer(x_BLD, p)
+        return (x_BLD, p_next), stats
+
+    first = jax.tree.map(lambda w: w[0], stacked)
+    rest = jax.tree.map(lambda w: w[1:], stacked)
+    (x_BLD, p_last), stats = lax.scan(prefetch_body, (x_BLD, gather(first)), rest)
+    x_BLD, last = one(x_BLD, p_last)
+    return x_BLD, jax.tree.map(lambda s, l: jnp.concatenate([s, l[None]]), stats, last)
 
 
 def _layer(stacked: dict, i) -> dict:
@@ -105,9 +133,9 @@ def _layer(stacked: dict, i) -> dict:
 
 
 def _prefetched_forward(layer, gather, x_BLD, stacked, save: bool = False):
-    """Scan layers 0..N-2 with layer i+1 gathered in the body that computes layer i:
-    (x after layer N-2, layer N-1 gathered, and with `save` the [N, B, L, D] inputs of
-    every layer, the last one written last). The scan walks indices into the stacked
+    """Scan layers 0..N-2 with layer i+1 gathered in the body that computes layer i
+    (`layer`: (x, whole weights) -> x): (x after layer N-2, layer N-1 gathered, and with
+    `save` the [N, B, L, D] inputs of every layer, the last one written last). The scan walks indices into the stacked
     params and writes into one carried buffer, so nothing is sliced or concatenated
     (a copy on XLA:CPU)."""
     n = jax.tree.leaves(stacked)[0].shape[0]

@@ -11,7 +11,15 @@ DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16}
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Decoder-only LLaMA-style transformer. Letter key: D d_model, N layers, H heads,
-    G kv heads, K head dim, F MLP hidden, V vocab."""
+    G kv heads, K head dim, F MLP hidden, V vocab; mixture of experts: E experts, I the
+    shared experts' hidden (shared_experts * F), T tokens, A routed assignments (T * top_k).
+
+    experts = 0 is the dense SwiGLU MLP. experts = E > 0 makes every block's MLP E routed
+    SwiGLU experts of hidden F (softmax router, each token to its top_k) plus
+    `shared_experts` SwiGLU experts every token passes through (layers/moe.py); the loss
+    adds `aux_loss_coef` x the load-balancing loss and `z_loss_coef` x the router z-loss.
+    capacity_factor C > 0: each expert takes at most ceil(C * L * top_k / E) of a
+    sequence's assignments, the rest are dropped; 0: dropless."""
 
     d_model: int = 256
     n_layers: int = 4
@@ -25,10 +33,20 @@ class ModelConfig:
     attention: str = "reference"  # auto | reference | chunked | blocked | pallas (layers/attention.py)
     rope_theta: float = 10_000.0
     norm_eps: float = 1e-5
+    experts: int = 0
+    top_k: int = 2
+    shared_experts: int = 0
+    capacity_factor: float = 0.0
+    aux_loss_coef: float = 0.01  # Switch Transformer's alpha
+    z_loss_coef: float = 0.001  # ST-MoE's router z-loss coefficient
 
     @property
     def compute_dtype(self):
         return DTYPES[self.dtype]
+
+    @property
+    def moe(self) -> bool:
+        return self.experts > 0
 
     @property
     def group(self) -> int:

@@ -30,9 +30,10 @@ def embed(params: dict, inputs_BL: jax.Array, fsdp_dims: Mapping, cfg: ModelConf
 
 
 def blocks(params: dict, x_BLD: jax.Array, fsdp_dims: Mapping, cfg: ModelConfig,
-           axes: Axes) -> jax.Array:
+           axes: Axes) -> tuple[jax.Array, dict]:
     """The N decoder blocks (`layers.block.blocks`: scan, fsdp gathers, remat):
-    x [B, L, D] -> [B, L, D] (or [B, L_tp, D] -> [B, L_tp, D])."""
+    x [B, L, D] -> [B, L, D] (or [B, L_tp, D] -> [B, L_tp, D]), and the router sums of a
+    mixture-of-experts MLP stacked over layers ({} for the dense MLP)."""
     return block.blocks(x_BLD, params["blocks"], fsdp_dims["blocks"], cfg, axes)
 
 
@@ -55,7 +56,17 @@ def head(params: dict, x_BLD: jax.Array, fsdp_dims: Mapping, cfg: ModelConfig,
 
 def loss(params: dict, inputs_BL: jax.Array, targets_BL: jax.Array, fsdp_dims: Mapping,
          cfg: ModelConfig, axes: Axes) -> jax.Array:
-    """Mean next-token cross-entropy over the global batch (a scalar, the same on every
+    """`loss_and_stats`'s cross-entropy alone (for a mixture of experts: without the
+    router losses)."""
+    return loss_and_stats(params, inputs_BL, targets_BL, fsdp_dims, cfg, axes)[0]
+
+
+def loss_and_stats(params: dict, inputs_BL: jax.Array, targets_BL: jax.Array,
+                   fsdp_dims: Mapping, cfg: ModelConfig, axes: Axes) -> tuple[jax.Array, dict]:
+    """(cross-entropy, the router's local sums per layer, {} dense: `layers.moe.
+    router_losses` makes the router losses of them over the data axes).
+
+    Mean next-token cross-entropy over the global batch (a scalar, the same on every
     device): `embed`, `blocks`, `head`, then the vocab-parallel cross-entropy.
 
     inputs, targets: [B_batch, L] with the batch sharded over `axes.batch`; position t of
@@ -65,8 +76,8 @@ def loss(params: dict, inputs_BL: jax.Array, targets_BL: jax.Array, fsdp_dims: M
     axes and cp) and divided by the global token count.
     """
     x_BLD = embed(params, inputs_BL, fsdp_dims, cfg, axes)
-    x_BLD = blocks(params, x_BLD, fsdp_dims, cfg, axes)
-    return head_loss(params, x_BLD, targets_BL, fsdp_dims, cfg, axes)
+    x_BLD, stats = blocks(params, x_BLD, fsdp_dims, cfg, axes)
+    return head_loss(params, x_BLD, targets_BL, fsdp_dims, cfg, axes), stats
 
 
 def head_loss(params: dict, x_BLD: jax.Array, targets_BL: jax.Array, fsdp_dims: Mapping,

@@ -29,11 +29,11 @@ def test_tiny_run_writes_metrics(tmp_path):
 
 
 @pytest.mark.parametrize("args,phrase", [
-    (["--layout", "ep2xtp4"], "unknown axis 'ep'"),
+    (["--layout", "xp2xtp4"], "unknown axis 'xp'"),
     (["--layout", "pp4xtp2", "--model", "tiny"], "layers=2 not divisible by pp=4"),
     (["--layout", "pp2xtp4", "--model", "tiny", "--microbatches", "1"],
      "--pp-schedule 1f1b needs microbatches >= pp"),
-    (["--layout", "fsdp3", "--model", "tiny"], "batch=16 not divisible by dp*fsdp=3"),
+    (["--layout", "fsdp3", "--model", "tiny"], "batch=16 not divisible by dp*fsdp*ep=3"),
     (["--layout", "tp8", "--model", "tiny"], "heads=4 not divisible by tp=8"),
     (["--model", "tiny", "--mlp-dim", "190", "--layout", "tp4"], "mlp_dim=190 not divisible by tp=4"),
     (["--model", "tiny", "--layout", "fsdp4xtp2", "--tp-comm", "sequence", "--seq", "15"],

@@ -187,6 +187,29 @@ def test_ring_formulas_on_h100():
                  ("fsdp",), 4)
     assert collective_seconds(across, hw, mesh) == pytest.approx(
         3 / 4 * 8e6 / (50e9 * 0.8) + 3 * 1e-5)
+    a2a = Row("mlp", "fwd", "collective", "all_to_all", "bfloat16", (1,), 0.0, 8e6, 1,
+              ("tp",), 8)  # pairwise exchange: as an all-gather of the same buffer
+    assert collective_seconds(a2a, hw, mesh) == pytest.approx(expect)
+
+
+@pytest.mark.parametrize("layout", ["ep8", "ep4xfsdp2", "ep2xfsdp2xtp2"])
+def test_audit_clean_moe(layout):
+    """A mixture of experts on the ep layouts: the compiled step holds exactly the
+    ledger's all-to-alls (per layer: tokens and their expert ids there, outputs back,
+    the recompute's and the backward's) beside every other collective."""
+    from engine.step import Trainer
+
+    cfg = model_config("moe-tiny", dtype="f32", shared_experts=1, **CFG)
+    lay = Layout.parse(layout)
+    rows = step_ledger(cfg, TCFG, lay)
+    text = compiled_text(Trainer(cfg, TCFG, lay, lay.mesh()),
+                         compiler_options={"xla_backend_optimization_level": 0})
+    result = audit(rows, text, lay.mesh_axes(), "cpu")
+    assert result.clean, (result.missing, result.extra)
+    ep = lay.degree("ep")
+    all_to_alls = sum(n for k, n in result.matched.items() if k[0] == "all-to-all")
+    # fwd: x, ids, outputs back; remat recompute: the same; bwd: the two float ones
+    assert all_to_alls == cfg.n_layers * (3 + 3 + 2) * ep
 
 
 def test_predict_only_512_devices():

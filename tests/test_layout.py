@@ -25,12 +25,12 @@ def test_role_axes_drop_size_one_axes():
 
 
 @pytest.mark.parametrize("text,phrases", [
-    ("ep2xtp4", ["unknown axis 'ep'"]),
+    ("xp2xtp4", ["unknown axis 'xp'"]),
     ("tp2xtp4", ["axis 'tp' repeated"]),
     ("fsdp0", ["fsdp size 0 < 1"]),
     ("fsdp", ["cannot read 'fsdp'"]),
     ("", ["cannot read ''"]),
-    ("ep2xfsdp0xfsdp2", ["unknown axis 'ep'", "fsdp size 0 < 1", "axis 'fsdp' repeated"]),
+    ("xp2xfsdp0xfsdp2", ["unknown axis 'xp'", "fsdp size 0 < 1", "axis 'fsdp' repeated"]),
 ])
 def test_parse_errors_name_every_problem(text, phrases):
     with pytest.raises(LayoutError) as e:
@@ -46,7 +46,7 @@ def test_check_names_every_factor():
     with pytest.raises(LayoutError) as e:
         Layout.parse("fsdp3xtp4").check(cfg, batch=16)
     msg = str(e.value)
-    for phrase in ["dp=1 fsdp=3 tp=4", "batch=16 not divisible by dp*fsdp=3",
+    for phrase in ["dp=1 fsdp=3 tp=4", "batch=16 not divisible by dp*fsdp*ep=3",
                    "d_model=256 not divisible by fsdp=3", "heads=6 not divisible by tp=4",
                    "mlp_dim=770 not divisible by tp=4", "vocab=250 not divisible by tp=4"]:
         assert phrase in msg
@@ -81,7 +81,7 @@ def test_the_roles_come_from_the_registry():
     assert all({r, f"{r}_size"} <= fields for r in roles.ROLES)  # a role is two Axes fields
     a = Layout.parse("dp2xfsdp2xtp2").role_axes()
     assert (a.batch, a.batch_size) == (("dp", "fsdp"), 4)
-    assert roles.data_roles() == ("dp", "fsdp", "cp")  # cp: a data axis for all but attention
+    assert roles.data_roles() == ("dp", "fsdp", "cp", "ep")  # cp, ep: data axes for all but attention, experts
 
 
 @pytest.mark.parametrize("layout,tp_comm,spec", [
@@ -142,6 +142,6 @@ def test_validate_returns_every_problem():
     found = validate.problems(cfg, TrainConfig(batch=16, seq=15),
                               ParallelConfig(tp_comm="sequence"), Layout.parse("fsdp3xtp4"))
     assert len(found) == 2
-    assert "batch=16 not divisible by dp*fsdp=3" in found[0] and "vocab=250" in found[0]
+    assert "batch=16 not divisible by dp*fsdp*ep=3" in found[0] and "vocab=250" in found[0]
     assert "seq=15 not divisible by tp=4" in found[1]
     assert validate.problems(SMALL, TrainConfig(), ParallelConfig(), Layout.parse("fsdp4xtp2")) == []

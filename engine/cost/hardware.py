@@ -151,12 +151,16 @@ PROFILES = {
 # on 2026-11-23 at load average ~1.4 with
 # `python -c "from engine.mfu import measured_matmul_peak as m; import jax.numpy as j;
 # print(m(j.float32, reps=5), m(j.bfloat16, reps=5))"`: 9.71e10 and 5.39e10.
+# all-to-all: `microbench.collective_times` + `fit` over 8 devices at 64 KiB..4 MiB on
+# 2026-11-23 at load average ~8 (other jobs running); all-gather in the same run fitted
+# (1.1e-4, 5.1e8), about 1/4 of its figure above, so this one is as pessimistic.
 CPU_DEFAULTS = {
     "peak_flops": {"float32": 6.5e10, "bfloat16": 4.5e10},
     "mfu_peak": {"float32": 9.71e10, "bfloat16": 5.39e10},
     "vector_flops": 2.0e9, "hbm": 2.5e9,
     "collective_fit": {"all-gather": (1.0e-4, 1.9e9), "reduce-scatter": (9.2e-5, 1.4e9),
-                       "all-reduce": (4.1e-5, 1.1e9), "collective-permute": (7.1e-5, 8.1e8)},
+                       "all-reduce": (4.1e-5, 1.1e9), "collective-permute": (7.1e-5, 8.1e8),
+                       "all-to-all": (1.9e-5, 1.5e8)},
 }
 
 

@@ -322,6 +322,9 @@ def predict(cfg: ModelConfig, tcfg: TrainConfig, layout: Layout, platform: str =
                           f"engine.cost.liveness walks any traced step)")
     if cfg.remat not in ("full", "dots", "none"):
         raise Unsupported(f"no memory model for remat={cfg.remat!r}")
+    if cfg.moe:
+        raise Unsupported("no memory model for a mixture of experts (its dispatch buffers "
+                          "were not read off the compiler); engine.cost.liveness walks it")
     if trainer is None:
         from engine.step import Trainer
 

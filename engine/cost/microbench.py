@@ -151,6 +151,7 @@ COLLECTIVE_OPS = {
     "reduce-scatter": lambda x: collectives.reduce_scatter(x, "d", dim=0),
     "all-reduce": lambda x: collectives.all_reduce(x, "d"),
     "collective-permute": lambda x: collectives.ring_shift(x, "d"),
+    "all-to-all": lambda x: collectives.all_to_all(x, "d", 0, 0),
 }
 
 

@@ -8,8 +8,13 @@ ring formulas over the slowest link tier their axes use, n = group size:
 
     all-gather, reduce-scatter: (n-1)/n * bytes / bw + (n-1) * latency
     all-reduce:                 2 (n-1)/n * bytes / bw + 2 (n-1) * latency
-    collective-permute:         bytes / bw + (n-1) * latency;  all-to-all: (n-1)/n * bytes / bw
+    collective-permute:         bytes / bw + (n-1) * latency
+    all-to-all:                 (n-1)/n * bytes / bw + (n-1) * latency
 
+all-to-all is MPICH's pairwise exchange for long messages, (n-1) latency + (n-1)/n *
+bytes / bw with `bytes` a device's whole send buffer (Thakur, Rabenseifner & Gropp,
+"Optimization of Collective Communication Operations in MPICH", IJHPCA 2005, sec. 4.4):
+each device sends every peer its 1/n slice over its own link, at link bandwidth.
 On the calibrated CPU the (latency, bandwidth) of each kind is the fitted one.
 
 Overlap model (only when `hw.overlap`: XLA's async collectives and latency-hiding
