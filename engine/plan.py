@@ -183,46 +183,48 @@ class Plan:
     """ranked: fitting candidates, fastest first; refused: [(candidate, reason)] by
     engine.validate; over: [(candidate, predicted peak bytes)] over `capacity` bytes
     per device; programs: distinct
-    programs traced; seconds: wall clock of `plan`."""
+    programs priced, cached: how many of them came from the ledger cache; seconds: wall clock of `plan`."""
 
     ranked: list
     refused: list
     over: list
     capacity: float | None
     programs: int
+    cached: int
     workers: int
     seconds: float
 
 
 def predict_candidate(cand: Candidate, tcfg: TrainConfig, hw):
     """The cost model's Prediction for one candidate, as roofline's --predict-only."""
-    from engine.cost.ledger import step_ledger
+    from engine.cost import cache
     from engine.cost.price import predict
 
-    rows = step_ledger(cand.cfg, tcfg, cand.layout, cand.parallel)
+    rows, _ = cache.step_ledger(cand.cfg, tcfg, cand.layout, cand.parallel)
     return predict(rows, hw, cand.layout.mesh_axes(), prefetch=cand.parallel.prefetch)
 
 
-def _price_program(job) -> list[tuple]:
-    """Trace one program (its first candidate's layout) and price it for every order:
-    [(step, compute, comm, exposed comm)] per candidate of the job."""
-    from engine.cost.ledger import step_ledger
+def _price_program(job) -> tuple[list, bool]:
+    """Trace one program (its first candidate's layout; engine/cost/cache.py may hold
+    it already) and price it for every order: ([(step, compute, comm, exposed comm)]
+    per candidate of the job, whether the ledger came from the cache)."""
+    from engine.cost import cache
     from engine.cost.price import predict
 
     cands, tcfg, hw = job
     first = cands[0]
-    rows = step_ledger(first.cfg, tcfg, first.layout, first.parallel)
+    rows, cached = cache.step_ledger(first.cfg, tcfg, first.layout, first.parallel)
     out = []
     for c in cands:
         p = predict(rows, hw, c.layout.mesh_axes(), prefetch=c.parallel.prefetch)
         out.append((p.step_s, p.compute_s, p.comm_s, p.exposed_comm_s))
-    return out
+    return out, cached
 
 
 def _run(jobs: list, workers: int) -> list:
     """`_price_program` over jobs, in `workers` spawned processes (fresh interpreters:
-    safe whatever jax backend this process started) when there are enough jobs."""
-    if workers <= 1 or len(jobs) < 4 * workers:
+    safe whatever jax backend this process started)."""
+    if workers <= 1:
         return [_price_program(j) for j in jobs]
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
@@ -253,13 +255,15 @@ def plan(cfg: ModelConfig, tcfg: TrainConfig, n: int, hw, hbm_bytes: float | Non
         else:
             fitting.append(cands)
     jobs = [(cands, tcfg, hw) for cands in fitting]
-    ranked = []
-    for cands, priced in zip(fitting, _run(jobs, workers)):
+    workers = min(workers, max(1, len(jobs) // 8))  # a worker costs a jax import
+    ranked, cached = [], 0
+    for cands, (priced, hit) in zip(fitting, _run(jobs, workers)):
+        cached += hit
         for c, (step, compute, comm, exposed) in zip(cands, priced):
             mfu = predicted_mfu(_Step(step), c.cfg, tcfg, hw, n)
             ranked.append(Priced(c, step, compute, comm, exposed, mfu, peaks[c.program]))
     ranked.sort(key=lambda p: (p.step_s, str(p.candidate.layout), p.candidate.describe()))
-    return Plan(ranked, refused, over, capacity, len(fitting), workers,
+    return Plan(ranked, refused, over, capacity, len(fitting), cached, workers,
                 time.perf_counter() - t0)
 
 
@@ -339,6 +343,42 @@ def no_plan_message(result: Plan, n: int) -> str:
             f"refused; first: {reason})")
 
 
+# `--layout auto` on a host without accelerators plans for this many forced host-CPU
+# devices unless XLA_FLAGS already forces a count (the 8 the tests and benches use)
+AUTO_HOST_DEVICES = 8
+# substrings of a jax device_kind -> hardware profile
+DEVICE_KINDS = {"h100": "h100", "a100": "a100", "v5 lite": "v5e", "v5e": "v5e", "v5p": "v5p",
+                "v4": "v4"}
+
+
+def auto(cfg: ModelConfig, tcfg: TrainConfig, say=print):
+    """`--layout auto`: plan for every device jax finds (the cpu profile on the host,
+    else the profile of the accelerator's kind) and return the first choice as (model
+    config with its remat, ParallelConfig, Layout); raises ConfigError (one line) when
+    nothing fits or the accelerator has no profile."""
+    import jax
+
+    devices = jax.devices()
+    kind = devices[0].device_kind.lower()
+    name = "cpu" if devices[0].platform == "cpu" else next(
+        (p for k, p in DEVICE_KINDS.items() if k in kind), None)
+    if name is None:
+        raise ConfigError(f"--layout auto: no hardware profile for {devices[0].device_kind!r} "
+                          f"(known: cpu, {', '.join(sorted(set(DEVICE_KINDS.values())))}); "
+                          f"name a layout")
+    hw = hardware_profile(name, None, say)
+    result = plan(cfg, tcfg, len(devices), hw, workers=os.cpu_count() or 1)
+    if not result.ranked:
+        raise ConfigError(no_plan_message(result, len(devices)))
+    best = result.ranked[0]
+    say(f"layout auto: {best.candidate.describe()}, predicted {best.step_s:.4g} s/step, "
+        f"MFU {100 * best.mfu:.1f}%, peak {gib(best.peak_bytes)} per device on {hw.name}; "
+        f"first of {len(result.ranked)} candidates for {len(devices)} devices "
+        f"({result.seconds:.1f} s; python -m engine.plan ranks them)")
+    c = best.candidate
+    return c.cfg, c.parallel, c.layout
+
+
 def build_parser():
     import argparse
 
@@ -404,8 +444,9 @@ def main(argv=None) -> int:
     total = len(result.ranked) + len(result.over)
     print(f"hardware {hw.name} ({hw.source}); model {mine.model}, seq {tcfg.seq}, batch "
           f"{tcfg.batch}; {mine.devices} devices, {gib(result.capacity)} per device")
-    print(f"priced {total} candidates ({result.programs} distinct programs traced, "
-          f"{result.workers} worker(s)) in {result.seconds:.1f} s; {len(result.refused)} "
+    print(f"priced {total} candidates ({result.programs} distinct programs: "
+          f"{result.programs - result.cached} traced with {result.workers} worker(s), "
+          f"{result.cached} from the ledger cache) in {result.seconds:.1f} s; {len(result.refused)} "
           f"refused by engine.validate, {len(result.over)} over memory")
     print(table(result.ranked, mine.top))
     if len(result.ranked) > 1:
@@ -415,6 +456,7 @@ def main(argv=None) -> int:
             json.dump({"devices": mine.devices, "hardware": mine.hardware,
                        "hardware_source": hw.source, "capacity_bytes": result.capacity,
                        "priced": total, "programs": result.programs,
+                       "programs_cached": result.cached,
                        "refused": len(result.refused), "over_memory": len(result.over),
                        "seconds": result.seconds,
                        "candidates": [p.record() for p in result.ranked]}, f, indent=1)

@@ -5,12 +5,15 @@ import dataclasses
 import itertools
 import json
 import math
+import os
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
 from bench import roofline  # noqa: E402
 from engine import plan, roles, validate  # noqa: E402
@@ -22,6 +25,14 @@ from engine.layout import Layout  # noqa: E402
 
 SMALL_PLAN = ["--devices", "2", "--model", "tiny", "--seq", "32", "--batch", "4",
               "--remat", "full", "--workers", "1"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def own_ledger_cache(tmp_path_factory):
+    """The planner's ledger cache in a directory of this module, not the user's."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SHARDWISE_LEDGER_CACHE", str(tmp_path_factory.mktemp("ledgers")))
+        yield
 
 
 def _brute_force_layouts(n: int) -> set[str]:
@@ -162,3 +173,60 @@ def test_over_memory_candidates_are_dropped():
     assert all(p.peak_bytes <= cut for p in part.ranked)
     assert all(peak > cut for _, peak in part.over)
     assert len(part.ranked) + len(part.over) == len(full.ranked)
+
+
+def test_layout_auto_trains_with_the_first_choice():
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+           "PYTHONPATH": str(ROOT)}
+    args = ["--model", "tiny", "--seq", "32", "--batch", "4"]
+    run = subprocess.run([sys.executable, "-m", "engine.train", "--layout", "auto",
+                          "--steps", "1", *args], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=900)
+    assert run.returncode == 0, run.stderr
+    cfg, tcfg = model_config("tiny"), TrainConfig(batch=4, seq=32)
+    first = plan.plan(cfg, tcfg, 2, plan.hardware_profile("cpu", say=lambda s: None))
+    first = first.ranked[0].candidate
+    lines = run.stdout.splitlines()
+    chosen = next(line for line in lines if line.startswith("layout auto: "))
+    assert chosen.startswith(f"layout auto: {first.describe()}, predicted"), chosen
+    header = next(line for line in lines if line.startswith(f"layout {first.layout} on 2 cpu"))
+    assert f"remat {first.cfg.remat}," in header
+    assert any(line.startswith("step     1/1 | loss") for line in lines), run.stdout
+
+
+def test_layout_auto_with_several_processes_is_one_line():
+    run = subprocess.run([sys.executable, "-m", "engine.train", "--layout", "auto",
+                          "--model", "tiny", "--num-processes", "2", "--process-id", "0",
+                          "--coordinator", "localhost:1234"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and run.stderr.count("\n") == 1, run.stderr
+    assert "--layout auto plans for the devices of one process" in run.stderr
+
+
+def test_plan_check_spearman_matches_the_textbook_formula():
+    from bench import plan_check
+
+    a, b = [0.3, 0.1, 0.2, 0.5, 0.4], [1.0, 3.0, 2.0, 5.0, 4.0]
+    d = plan_check.ranks(a) - plan_check.ranks(b)
+    n = len(a)
+    assert plan_check.spearman(a, b) == pytest.approx(1 - 6 * (d * d).sum() / (n * (n * n - 1)))
+    assert plan_check.spearman(a, a) == pytest.approx(1.0)
+    assert plan_check.spearman(a, [-x for x in a]) == pytest.approx(-1.0)
+    assert list(plan_check.ranks([2.0, 1.0, 2.0])) == [2.5, 1.0, 2.5]
+
+
+def test_ledger_cache_returns_what_a_trace_gives(tmp_path, monkeypatch):
+    from engine.cost import cache
+
+    monkeypatch.setenv("SHARDWISE_LEDGER_CACHE", str(tmp_path))
+    cfg, tcfg = model_config("tiny"), TrainConfig(batch=4, seq=32)
+    par = validate.ParallelConfig(zero=2)
+    a, b = Layout.parse("fsdp2xtp2"), Layout.parse("tp2xfsdp2")
+    rows, hit = cache.step_ledger(cfg, tcfg, a, par)
+    assert not hit and rows == step_ledger(cfg, tcfg, a, par)
+    again, hit = cache.step_ledger(cfg, tcfg, b, par)  # another order: the same program
+    assert hit and again == rows
+    _, hit = cache.step_ledger(cfg, tcfg, a, validate.ParallelConfig(zero=1))
+    assert not hit
+    monkeypatch.setenv("SHARDWISE_LEDGER_CACHE", "off")
+    assert cache.step_ledger(cfg, tcfg, a, par) == (rows, False)
