@@ -182,8 +182,8 @@ class Priced:
 class Plan:
     """ranked: fitting candidates, fastest first; refused: [(candidate, reason)] by
     engine.validate; over: [(candidate, predicted peak bytes)] over `capacity` bytes
-    per device; programs: distinct
-    programs priced, cached: how many of them came from the ledger cache; seconds: wall clock of `plan`."""
+    per device; programs: distinct programs priced; cached: how many of them came from
+    the ledger cache; workers: processes that traced; seconds: wall clock of `plan`."""
 
     ranked: list
     refused: list
@@ -238,7 +238,7 @@ def plan(cfg: ModelConfig, tcfg: TrainConfig, n: int, hw, hbm_bytes: float | Non
     """Enumerate, validate, check memory (once per program), trace and price each
     program once, rank by predicted step."""
     from engine.cost import fit
-    from engine.cost.price import predicted_mfu
+    from engine.cost.price import mfu
 
     t0 = time.perf_counter()
     ok, refused = candidates(cfg, tcfg, n, pinned)
@@ -260,18 +260,11 @@ def plan(cfg: ModelConfig, tcfg: TrainConfig, n: int, hw, hbm_bytes: float | Non
     for cands, (priced, hit) in zip(fitting, _run(jobs, workers)):
         cached += hit
         for c, (step, compute, comm, exposed) in zip(cands, priced):
-            mfu = predicted_mfu(_Step(step), c.cfg, tcfg, hw, n)
-            ranked.append(Priced(c, step, compute, comm, exposed, mfu, peaks[c.program]))
+            ranked.append(Priced(c, step, compute, comm, exposed, mfu(c.cfg, tcfg, hw, n, step),
+                                 peaks[c.program]))
     ranked.sort(key=lambda p: (p.step_s, str(p.candidate.layout), p.candidate.describe()))
     return Plan(ranked, refused, over, capacity, len(fitting), cached, workers,
                 time.perf_counter() - t0)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Step:
-    """The one field `price.predicted_mfu` reads of a Prediction."""
-
-    step_s: float
 
 
 def _categories(pred) -> dict:
@@ -283,7 +276,9 @@ def _categories(pred) -> dict:
     for p in pred.rows:
         r = p.row
         if r.kind == "collective":
-            key, t = f"{COLLECTIVES.get(r.primitive)} over {','.join(r.axes)}", p.exposed
+            if COLLECTIVES.get(r.primitive) is None:
+                continue
+            key, t = f"{COLLECTIVES[r.primitive]} over {','.join(sorted(r.axes))}", p.exposed
         else:
             key, t = f"{r.scope} compute", p.seconds
         out[key] = out.get(key, 0.0) + t
@@ -299,10 +294,10 @@ def why(first: Priced, second: Priced, tcfg: TrainConfig, hw) -> str:
     top = max(diffs, key=lambda k: abs(diffs[k]))
     gap = second.step_s - first.step_s
     return (f"#1 {first.candidate.describe()} beats #2 {second.candidate.describe()} by "
-            f"{gap:.4g} s ({100 * gap / second.step_s:.1f}%): compute "
-            f"{b.compute_s - a.compute_s:+.4g} s and exposed communication "
-            f"{b.exposed_comm_s - a.exposed_comm_s:+.4g} s more on #2; the largest single "
-            f"difference is {top} ({diffs[top]:+.4g} s on #2)")
+            f"{gap:.4g} s ({100 * gap / second.step_s:.1f}%): #2 spends "
+            f"{b.compute_s - a.compute_s:+.4g} s on compute and "
+            f"{b.exposed_comm_s - a.exposed_comm_s:+.4g} s on exposed communication, most "
+            f"in {top} ({diffs[top]:+.4g} s)")
 
 
 def gib(x) -> str:
