@@ -6,7 +6,7 @@
 Plans for the devices on the cpu profile (engine/plan.py; the calibration file if
 bench/calibrate.py wrote one, else the built-in defaults), then compiles and times the
 planner's first `--top` candidates plus `--random` candidates drawn (seeded) from the
-rest of the ranked list: the median of `--steps` steps after a warm-up
+rest of the ranked list: the median of `--timed-steps` steps after a warm-up
 (bench/timing.py). Prints each one's predicted and measured step and rank, the Spearman
 rank correlation of predicted vs measured, and where the planner's first choice lands:
 `auto_vs_best` = measured step of the first choice / the best measured step. On a
@@ -34,10 +34,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top", type=int, default=8, help="the planner's first N candidates")
     g.add_argument("--random", type=int, default=8, help="random candidates from the rest")
     g.add_argument("--sample-seed", type=int, default=0, help="seed of the random draw")
+    g.add_argument("--timed-steps", type=int, default=3,
+                   help="steps timed per candidate, after a warm-up")
     g.add_argument("--json", default=None, help="write figures as JSON")
     p = train_parser(prog="python bench/plan_check.py", description=__doc__.split("\n\n")[0],
                      parents=[own], groups=("model", "training"))
-    p.set_defaults(steps=3, remat=None)  # steps timed per candidate; remat: the plan's
+    p.set_defaults(remat=None)  # remat: the plan's unless --remat pins it
     return p
 
 
@@ -80,8 +82,9 @@ def measure(cand, tcfg, steps: int) -> float:
 
 def main(argv=None) -> int:
     cfg, tcfg, _, _, mine = parse_or_exit(argv, build_parser())
-    problems = [f"{k}={getattr(mine, k)} must be >= {m}" for k, m in
-                (("devices", 1), ("top", 1), ("random", 0)) if getattr(mine, k) < m]
+    minimum = {"devices": 1, "top": 1, "random": 0, "timed_steps": 1}
+    problems = [f"{k}={getattr(mine, k)} must be >= {m}" for k, m in minimum.items()
+                if getattr(mine, k) < m]
     if problems:
         print(f"error: {'; '.join(problems)}", file=sys.stderr)
         return 2
@@ -107,10 +110,10 @@ def main(argv=None) -> int:
     chosen += random.Random(mine.sample_seed).sample(rest, min(mine.random, len(rest)))
     print(f"plan: {len(result.ranked)} candidates in {result.seconds:.1f} s on {hw.name} "
           f"({hw.source}); measuring {len(chosen)} on {mine.devices} host devices, "
-          f"{tcfg.steps} steps each")
+          f"{mine.timed_steps} steps each")
     measured = []
     for i, p in enumerate(chosen):
-        measured.append(measure(p.candidate, tcfg, tcfg.steps))
+        measured.append(measure(p.candidate, tcfg, mine.timed_steps))
         print(f"  {i + 1}/{len(chosen)} {p.candidate.describe()}: predicted "
               f"{p.step_s:.4g} s, measured {measured[-1]:.4g} s", flush=True)
     predicted = [p.step_s for p in chosen]

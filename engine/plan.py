@@ -1,8 +1,8 @@
 """The planner: every layout of N devices with every switch, ranked by the cost model.
 
     python -m engine.plan --devices 8 --hardware cpu --model small --seq 256 --batch 16
-    python -m engine.plan --devices 64 --hardware h100 --model llama3-8b --seq 8192 \\
-        --batch 64 --top 5 --json plan.json
+    python -m engine.plan --devices 8 --hardware h100 --model llama3-8b --seq 8192 \\
+        --batch 16 --remat full --top 5 --json plan.json
 
 Candidates are every factorisation of N into the axes of the role registry
 (engine/roles.py; axes of size 1 left out) in every order, times every value of each
