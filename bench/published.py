@@ -207,8 +207,8 @@ def tokens_per_chip(r: Run) -> float:
 
 def evaluate(r: Run) -> dict:
     """Predicted and published MFU (this engine's convention), peak HBM and fit."""
-    from bench.roofline import memory_fit
     from engine.cost import hardware
+    from engine.cost.fit import memory_fit
     from engine.cost.ledger import step_ledger
     from engine.cost.price import predict, predicted_mfu
     from engine.mfu import flops_per_token

@@ -51,20 +51,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def memory_fit(cfg, tcfg, parallel, layout, hw):
-    """(predicted peak bytes per device, fits in hw.hbm_capacity) for an accelerator
-    (engine/cost/memory.py, flash attention); (None, None) when not modelled."""
-    from engine.cost import memory
-
-    if hw.shared_host:
-        return None, None
-    try:
-        peak = memory.predict(cfg, tcfg, layout, platform="accelerator", parallel=parallel).peak
-    except memory.Unsupported:
-        return None, None
-    return peak, (peak <= hw.hbm_capacity) if hw.hbm_capacity else None
-
-
 def measure(cfg, tcfg, layout, trainer, steps: int, trace_steps: int):
     """(median step seconds, attributed {category: s}, hlo text)."""
     import jax
@@ -192,6 +178,8 @@ def main(argv=None) -> int:
     print(f"MFU: {mflops / 1e9:.3g} model GFLOP per step over a peak of "
           f"{mfu_peak(cfg, hw, layout.size) / 1e12:.3g} TFLOP/s "
           f"({'the host' if hw.shared_host else f'{layout.size} chips'}, {cfg.dtype})")
+    from engine.cost.fit import memory_fit
+
     peak_bytes, fits = memory_fit(cfg, tcfg, parallel, layout, hw)
     live = None
     if peak_bytes is not None:

@@ -64,7 +64,10 @@ def build_parser(prog: str = "python -m engine.train", description: str | None =
     p.add_argument("--layout", default="single",
                    help="mesh axes outermost first with sizes: single, dp8, fsdp8, tp8, "
                         "fsdp4xtp2, dp2xfsdp2xtp2, ... (axes: "
-                        + "; ".join(f"{r.name}: {r.doc}" for r in roles.ROLES.values()) + ")")
+                        + "; ".join(f"{r.name}: {r.doc}" for r in roles.ROLES.values())
+                        + "); training only: auto = the planner's choice for the devices "
+                          "at hand, with its --zero, --prefetch, --tp-comm, --cp-comm and "
+                          "--remat (engine/plan.py)")
     m = group("model", "model (a preset, then any dimension overridden)")
     m.add_argument("--model", default="small", choices=sorted(PRESETS),
                    help="preset dimensions (engine/config.py)")
@@ -158,9 +161,10 @@ def build_parser(prog: str = "python -m engine.train", description: str | None =
     return p
 
 
-def parse(argv, parser: argparse.ArgumentParser | None = None) -> tuple:
+def parse(argv, parser: argparse.ArgumentParser | None = None, auto: bool = False) -> tuple:
     """argv -> (ModelConfig, TrainConfig, ParallelConfig, Layout, args); raises
-    UsageError / ConfigError (`engine.validate`'s problems, one line)."""
+    UsageError / ConfigError (`engine.validate`'s problems, one line). With `auto`,
+    `--layout auto` returns Layout None: the planner chooses it (`engine.plan.auto`)."""
     args = (parser or build_parser()).parse_args(argv)
     cfg = model_config(args.model, **{k: getattr(args, k) for k in (
         "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "mlp_dim", "vocab",
@@ -174,6 +178,11 @@ def parse(argv, parser: argparse.ArgumentParser | None = None) -> tuple:
     problems = validate.config_problems(cfg, tcfg, parallel) + _flag_problems(args, cfg, tcfg)
     if problems:
         raise UsageError("; ".join(problems))
+    if auto and args.layout == "auto":
+        if distributed.process_count(args) > 1 or args.coordinator is not None:
+            raise UsageError("--layout auto plans for the devices of one process; "
+                             "name a layout to train with several processes")
+        return cfg, tcfg, parallel, None, args
     layout = Layout.parse(args.layout)
     if problems := distributed.flag_problems(args, layout.size):
         raise UsageError("; ".join(problems))
@@ -416,7 +425,13 @@ def _train(cfg, tcfg, parallel, layout, args, data) -> int:
 
 def main(argv=None) -> int:
     try:
-        cfg, tcfg, parallel, layout, args = parse(sys.argv[1:] if argv is None else argv)
+        cfg, tcfg, parallel, layout, args = parse(sys.argv[1:] if argv is None else argv,
+                                                  auto=True)
+        if layout is None:
+            from engine import plan
+
+            force_host_devices(plan.AUTO_HOST_DEVICES)
+            cfg, parallel, layout = plan.auto(cfg, tcfg)
         force_host_devices(layout.size // distributed.process_count(args))
         return run(cfg, tcfg, parallel, layout, args)
     except (UsageError, ConfigError, DataError) as e:

@@ -1,0 +1,142 @@
+"""Check the planner by measurement: its top candidates and random ones, timed on the
+8 forced host-CPU devices, predicted vs measured rank.
+
+    python bench/plan_check.py --model small [--top 8] [--random 8] [--json out.json]
+
+Plans for the devices on the cpu profile (engine/plan.py; the calibration file if
+bench/calibrate.py wrote one, else the built-in defaults), then compiles and times the
+planner's first `--top` candidates plus `--random` candidates drawn (seeded) from the
+rest of the ranked list: the median of `--timed-steps` steps after a warm-up
+(bench/timing.py). Prints each one's predicted and measured step and rank, the Spearman
+rank correlation of predicted vs measured, and where the planner's first choice lands:
+`auto_vs_best` = measured step of the first choice / the best measured step. On a
+shared machine the measured steps are noisy; compare runs, not single figures.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine.train import force_host_devices, keep_freed_memory, parse_or_exit  # noqa: E402
+from engine.train import build_parser as train_parser  # noqa: E402
+
+
+def build_parser() -> argparse.ArgumentParser:
+    own = argparse.ArgumentParser(add_help=False)
+    g = own.add_argument_group("plan check")
+    g.add_argument("--devices", type=int, default=8, help="forced host-CPU devices")
+    g.add_argument("--top", type=int, default=8, help="the planner's first N candidates")
+    g.add_argument("--random", type=int, default=8, help="random candidates from the rest")
+    g.add_argument("--sample-seed", type=int, default=0, help="seed of the random draw")
+    g.add_argument("--timed-steps", type=int, default=3,
+                   help="steps timed per candidate, after a warm-up")
+    g.add_argument("--json", default=None, help="write figures as JSON")
+    p = train_parser(prog="python bench/plan_check.py", description=__doc__.split("\n\n")[0],
+                     parents=[own], groups=("model", "training"))
+    p.set_defaults(remat=None)  # remat: the plan's unless --remat pins it
+    return p
+
+
+def ranks(values) -> "np.ndarray":
+    """Ranks from 1, ties sharing their mean rank."""
+    import numpy as np
+
+    values = np.asarray(values, dtype=float)
+    order = np.argsort(values, kind="stable")
+    out = np.empty(len(values))
+    out[order] = np.arange(1, len(values) + 1)
+    for v in np.unique(values):
+        tied = values == v
+        out[tied] = out[tied].mean()
+    return out
+
+
+def spearman(a, b) -> float:
+    """Spearman's rank correlation: Pearson's correlation of the (tie-averaged) ranks."""
+    import numpy as np
+
+    ra, rb = ranks(a), ranks(b)
+    ra, rb = ra - ra.mean(), rb - rb.mean()
+    denom = np.sqrt((ra * ra).sum() * (rb * rb).sum())
+    return float((ra * rb).sum() / denom) if denom else float("nan")
+
+
+def measure(cand, tcfg, steps: int) -> float:
+    """Median measured step seconds of one candidate on the host devices."""
+    from bench.timing import compiled_step, time_steps
+    from engine.step import Trainer
+
+    trainer = Trainer(cand.cfg, tcfg, cand.layout, cand.layout.mesh(), cand.parallel)
+    step, params, opt_state, tokens, _ = compiled_step(trainer)
+    step_s, *_ = time_steps(step, params, opt_state, tokens, steps)
+    del step, params, opt_state, tokens, trainer
+    gc.collect()
+    return step_s
+
+
+def main(argv=None) -> int:
+    cfg, tcfg, _, _, mine = parse_or_exit(argv, build_parser())
+    minimum = {"devices": 1, "top": 1, "random": 0, "timed_steps": 1}
+    problems = [f"{k}={getattr(mine, k)} must be >= {m}" for k, m in minimum.items()
+                if getattr(mine, k) < m]
+    if problems:
+        print(f"error: {'; '.join(problems)}", file=sys.stderr)
+        return 2
+    force_host_devices(mine.devices)
+    keep_freed_memory()
+    import jax
+    from tabulate import tabulate
+
+    from engine import plan
+
+    if len(jax.devices()) < mine.devices:
+        print(f"error: {mine.devices} devices wanted, {len(jax.devices())} available "
+              f"(XLA_FLAGS sets another count)", file=sys.stderr)
+        return 2
+    hw = plan.hardware_profile("cpu")
+    pinned = {"remat": mine.remat} if mine.remat else {}
+    result = plan.plan(cfg, tcfg, mine.devices, hw, pinned=pinned, workers=2)
+    if not result.ranked:
+        print(f"error: {plan.no_plan_message(result, mine.devices)}", file=sys.stderr)
+        return 2
+    chosen = result.ranked[:mine.top]
+    rest = result.ranked[mine.top:]
+    chosen += random.Random(mine.sample_seed).sample(rest, min(mine.random, len(rest)))
+    print(f"plan: {len(result.ranked)} candidates in {result.seconds:.1f} s on {hw.name} "
+          f"({hw.source}); measuring {len(chosen)} on {mine.devices} host devices, "
+          f"{mine.timed_steps} steps each")
+    measured = []
+    for i, p in enumerate(chosen):
+        measured.append(measure(p.candidate, tcfg, mine.timed_steps))
+        print(f"  {i + 1}/{len(chosen)} {p.candidate.describe()}: predicted "
+              f"{p.step_s:.4g} s, measured {measured[-1]:.4g} s", flush=True)
+    predicted = [p.step_s for p in chosen]
+    pr, mr = ranks(predicted), ranks(measured)
+    rows = [[i + 1 if i < mine.top else "random", p.candidate.describe(),
+             f"{p.step_s:.4g}", f"{m:.4g}", f"{100 * (p.step_s - m) / m:+.1f}%",
+             f"{a:g}", f"{b:g}"]
+            for i, (p, m, a, b) in enumerate(zip(chosen, measured, pr, mr))]
+    print(tabulate(rows, ["plan #", "candidate", "predicted s", "measured s", "error",
+                          "predicted rank", "measured rank"], disable_numparse=True))
+    rho = spearman(predicted, measured)
+    auto_vs_best = measured[0] / min(measured)
+    print(f"Spearman {rho:.3f} over {len(chosen)} candidates; the first choice measured "
+          f"{measured[0]:.4g} s, rank {mr[0]:g} of {len(chosen)}: auto_vs_best "
+          f"{auto_vs_best:.3f} (noisy: the machine's cores are shared)")
+    if mine.json:
+        Path(mine.json).write_text(json.dumps({
+            "spearman": rho, "auto_vs_best": auto_vs_best, "hardware_source": hw.source,
+            "candidates": [dict(p.record(), measured_step_s=m, predicted_rank=float(a),
+                                measured_rank=float(b))
+                           for p, m, a, b in zip(chosen, measured, pr, mr)]}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

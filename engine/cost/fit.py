@@ -1,0 +1,47 @@
+"""Will a step fit: the predicted peak bytes per device against the memory it must fit in.
+
+The peak is the hand memory model's (engine/cost/memory.py): on an accelerator profile
+with the target's flash attention (`platform="accelerator"`), on the CPU as XLA:CPU
+runs the step (`platform="cpu"`). The capacity is the chip's HBM
+(`Hardware.hbm_capacity`); a shared host's devices all live in its RAM, so there each
+device gets the host's available memory divided by the device count.
+"""
+from __future__ import annotations
+
+
+def peak_bytes(cfg, tcfg, parallel, layout, hw, trainer=None) -> int | None:
+    """Predicted peak bytes per device of the step on `hw`; None when the memory model
+    does not cover the configuration (`memory.Unsupported`)."""
+    from engine.cost import memory
+
+    platform = "cpu" if hw.shared_host else "accelerator"
+    try:
+        return memory.predict(cfg, tcfg, layout, platform=platform, trainer=trainer,
+                              parallel=parallel).peak
+    except memory.Unsupported:
+        return None
+
+
+def capacity(hw, n_devices: int, hbm_bytes: float | None = None) -> float | None:
+    """Bytes one device may use: `hbm_bytes` when given, else the chip's HBM, else on a
+    shared host its available RAM over `n_devices`; None when unknown."""
+    if hbm_bytes:
+        return float(hbm_bytes)
+    if hw.hbm_capacity:
+        return float(hw.hbm_capacity)
+    if hw.shared_host:
+        from engine.validate import available_host_memory
+
+        return available_host_memory() / max(1, n_devices)
+    return None
+
+
+def memory_fit(cfg, tcfg, parallel, layout, hw):
+    """(predicted peak bytes per device, fits in hw.hbm_capacity) for an accelerator
+    (flash attention); (None, None) when not modelled or on a shared host."""
+    if hw.shared_host:
+        return None, None
+    peak = peak_bytes(cfg, tcfg, parallel, layout, hw)
+    if peak is None:
+        return None, None
+    return peak, (peak <= hw.hbm_capacity) if hw.hbm_capacity else None

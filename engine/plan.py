@@ -1,0 +1,462 @@
+"""The planner: every layout of N devices with every switch, ranked by the cost model.
+
+    python -m engine.plan --devices 8 --hardware cpu --model small --seq 256 --batch 16
+    python -m engine.plan --devices 8 --hardware h100 --model llama3-8b --seq 8192 \\
+        --batch 16 --remat full --top 5 --json plan.json
+
+Candidates are every factorisation of N into the axes of the role registry
+(engine/roles.py; axes of size 1 left out) in every order, times every value of each
+switch in `SWITCHES` (each read from its own registry, offered only where it changes the
+program: `--zero` and `--prefetch` with an fsdp axis, `--tp-comm` with tp, `--cp-comm`
+with cp). `engine.validate` drops what cannot run, the memory model
+(engine/cost/fit.py) what does not fit the device; the rest are ranked by the predicted
+step of `bench/roofline.py --predict-only` (the ledger of the traced step priced by
+engine/cost/price.py).
+
+Speed: a step's ledger depends on the axis sizes and the switches, not on the order of
+the axes (the order only picks, in pricing, the link tier a collective runs over), so
+each distinct program (`Candidate.program`) is traced once on an AbstractMesh, in worker
+processes, and priced there for every order.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import math
+import os
+import sys
+import time
+from typing import Callable
+
+from collectives.ring import COMMS
+from engine import roles, validate
+from engine.config import ConfigError, ParallelConfig, TrainConfig
+from engine.layout import AXIS_ROLES, Layout
+from engine.zero import ZERO
+from layers.block import REMAT
+from layers.config import ModelConfig
+from layers.kernels.context import CP_COMMS
+
+
+def degree(layout: Layout, what: str) -> int:
+    """Product of the layout's sizes of the roles sharding `what` (roles.SHARDABLE)."""
+    return math.prod(layout.degree(r) for r in roles.roles_sharding(what))
+
+
+@dataclasses.dataclass(frozen=True)
+class Switch:
+    """One setting the plan chooses. name: the `ParallelConfig` (or, with model=True,
+    `ModelConfig`) field, whose flag is `--name` with `-` for `_`; values: from its
+    registry; applies(layout, parallel): whether it changes the step's program there
+    (elsewhere the field keeps its default). Switches are applied in order, so
+    `applies` may read the ones before it."""
+
+    name: str
+    values: tuple
+    applies: Callable[[Layout, ParallelConfig], bool]
+    model: bool = False
+
+
+SWITCHES: tuple[Switch, ...] = (
+    Switch("zero", ZERO, lambda lay, par: degree(lay, "params") > 1),
+    Switch("prefetch", (False, True), lambda lay, par: par.zero == 3 and degree(lay, "params") > 1),
+    Switch("tp_comm", COMMS, lambda lay, par: degree(lay, "heads") > 1),
+    Switch("cp_comm", tuple(CP_COMMS), lambda lay, par: degree(lay, "sequence") > 1),
+    Switch("remat", REMAT, lambda lay, par: True, model=True),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """A layout with its switches; `cfg` is the model with the candidate's remat."""
+
+    layout: Layout
+    parallel: ParallelConfig
+    cfg: ModelConfig
+
+    @property
+    def flags(self) -> dict:
+        """{switch name: value} for every switch (defaults where it does not apply)."""
+        return {s.name: getattr(self.cfg if s.model else self.parallel, s.name)
+                for s in SWITCHES}
+
+    @property
+    def program(self) -> tuple:
+        """What the traced step depends on: axis sizes by role, the parallel config and
+        the model (not the order of the axes)."""
+        return (tuple(self.layout.degree(r) for r in AXIS_ROLES), self.parallel, self.cfg)
+
+    def argv(self) -> list[str]:
+        """The training CLI's flags for this candidate."""
+        out = ["--layout", str(self.layout)]
+        for name, value in self.flags.items():
+            flag = "--" + name.replace("_", "-")
+            if isinstance(value, bool):
+                out += [flag] if value else []
+            else:
+                out += [flag, str(value)]
+        return out
+
+    def describe(self) -> str:
+        """`fsdp4xtp2 zero 3 tp_comm ring remat full`: the layout and every switch that
+        applies to it."""
+        shown = [f"{s.name} {v}" if not isinstance(v, bool) else s.name
+                 for s, v in zip(SWITCHES, self.flags.values())
+                 if s.applies(self.layout, self.parallel) and v is not False]
+        return " ".join([str(self.layout), *shown])
+
+
+def factorisations(n: int, names: tuple[str, ...] = AXIS_ROLES) -> list[dict]:
+    """Every {role: size > 1} over `names` whose sizes multiply to n ({} for n = 1)."""
+    if not names:
+        return [{}] if n == 1 else []
+    out = []
+    for d in (d for d in range(1, n + 1) if n % d == 0):
+        for rest in factorisations(n // d, names[1:]):
+            out.append({names[0]: d, **rest} if d > 1 else rest)
+    return out
+
+
+def layouts(n: int) -> list[Layout]:
+    """Every factorisation of n devices in every order of its axes."""
+    return [Layout(tuple((r, f[r]) for r in order))
+            for f in factorisations(n) for order in itertools.permutations(f)]
+
+
+def switch_settings(cfg: ModelConfig, layout: Layout, pinned: dict) -> list[tuple]:
+    """Every (ParallelConfig, ModelConfig) of the switches for `layout`; a switch named
+    in `pinned` keeps that value."""
+    settings = [(ParallelConfig(), cfg)]
+    for s in SWITCHES:
+        grown = []
+        for par, c in settings:
+            values = ((pinned[s.name],) if s.name in pinned
+                      else s.values if s.applies(layout, par) else (None,))
+            for v in values:
+                if v is None:
+                    grown.append((par, c))
+                elif s.model:
+                    grown.append((par, dataclasses.replace(c, **{s.name: v})))
+                else:
+                    grown.append((dataclasses.replace(par, **{s.name: v}), c))
+        settings = grown
+    return settings
+
+
+def candidates(cfg: ModelConfig, tcfg: TrainConfig, n: int, pinned: dict | None = None):
+    """(runnable candidates, [(refused candidate, reason)]) of n devices."""
+    ok, refused = [], []
+    for layout in layouts(n):
+        for par, c in switch_settings(cfg, layout, pinned or {}):
+            cand = Candidate(layout, par, c)
+            if problems := validate.problems(c, tcfg, par, layout):
+                refused.append((cand, "; ".join(problems)))
+            else:
+                ok.append(cand)
+    return ok, refused
+
+
+@dataclasses.dataclass(frozen=True)
+class Priced:
+    """A candidate with its predicted step (seconds), MFU (a fraction) and peak bytes
+    per device (None: the memory model does not cover it)."""
+
+    candidate: Candidate
+    step_s: float
+    compute_s: float
+    comm_s: float
+    exposed_comm_s: float
+    mfu: float
+    peak_bytes: int | None
+
+    def record(self) -> dict:
+        return dict(layout=str(self.candidate.layout), flags=self.candidate.flags,
+                    predicted_step_s=self.step_s, predicted_mfu=self.mfu,
+                    predicted_peak_bytes=self.peak_bytes,
+                    predicted_compute_s=self.compute_s, predicted_comm_s=self.comm_s,
+                    predicted_exposed_comm_s=self.exposed_comm_s)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """ranked: fitting candidates, fastest first; refused: [(candidate, reason)] by
+    engine.validate; over: [(candidate, predicted peak bytes)] over `capacity` bytes
+    per device; programs: distinct programs priced; cached: how many of them came from
+    the ledger cache; workers: processes that traced; seconds: wall clock of `plan`."""
+
+    ranked: list
+    refused: list
+    over: list
+    capacity: float | None
+    programs: int
+    cached: int
+    workers: int
+    seconds: float
+
+
+def predict_candidate(cand: Candidate, tcfg: TrainConfig, hw):
+    """The cost model's Prediction for one candidate, as roofline's --predict-only."""
+    from engine.cost import cache
+    from engine.cost.price import predict
+
+    rows, _ = cache.step_ledger(cand.cfg, tcfg, cand.layout, cand.parallel)
+    return predict(rows, hw, cand.layout.mesh_axes(), prefetch=cand.parallel.prefetch)
+
+
+def _price_program(job) -> tuple[list, bool]:
+    """Trace one program (its first candidate's layout; engine/cost/cache.py may hold
+    it already) and price it for every order: ([(step, compute, comm, exposed comm)]
+    per candidate of the job, whether the ledger came from the cache)."""
+    from engine.cost import cache
+    from engine.cost.price import predict
+
+    cands, tcfg, hw = job
+    first = cands[0]
+    rows, cached = cache.step_ledger(first.cfg, tcfg, first.layout, first.parallel)
+    out = []
+    for c in cands:
+        p = predict(rows, hw, c.layout.mesh_axes(), prefetch=c.parallel.prefetch)
+        out.append((p.step_s, p.compute_s, p.comm_s, p.exposed_comm_s))
+    return out, cached
+
+
+def _run(jobs: list, workers: int) -> list:
+    """`_price_program` over jobs, in `workers` spawned processes (fresh interpreters:
+    safe whatever jax backend this process started)."""
+    if workers <= 1:
+        return [_price_program(j) for j in jobs]
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as ex:
+        return list(ex.map(_price_program, jobs, chunksize=max(1, len(jobs) // (8 * workers))))
+
+
+def plan(cfg: ModelConfig, tcfg: TrainConfig, n: int, hw, hbm_bytes: float | None = None,
+         pinned: dict | None = None, workers: int = 1) -> Plan:
+    """Enumerate, validate, check memory (once per program), trace and price each
+    program once, rank by predicted step."""
+    from engine.cost import fit
+    from engine.cost.price import mfu
+
+    t0 = time.perf_counter()
+    ok, refused = candidates(cfg, tcfg, n, pinned)
+    capacity = fit.capacity(hw, n, hbm_bytes)
+    groups: dict[tuple, list] = {}
+    for c in ok:
+        groups.setdefault(c.program, []).append(c)
+    fitting, over, peaks = [], [], {}
+    for key, cands in groups.items():
+        first = cands[0]
+        peaks[key] = fit.peak_bytes(first.cfg, tcfg, first.parallel, first.layout, hw)
+        if capacity is not None and peaks[key] is not None and peaks[key] > capacity:
+            over.extend((c, peaks[key]) for c in cands)
+        else:
+            fitting.append(cands)
+    jobs = [(cands, tcfg, hw) for cands in fitting]
+    workers = min(workers, max(1, len(jobs) // 8))  # a worker costs a jax import
+    ranked, cached = [], 0
+    for cands, (priced, hit) in zip(fitting, _run(jobs, workers)):
+        cached += hit
+        for c, (step, compute, comm, exposed) in zip(cands, priced):
+            ranked.append(Priced(c, step, compute, comm, exposed, mfu(c.cfg, tcfg, hw, n, step),
+                                 peaks[c.program]))
+    ranked.sort(key=lambda p: (p.step_s, str(p.candidate.layout), p.candidate.describe()))
+    return Plan(ranked, refused, over, capacity, len(fitting), cached, workers,
+                time.perf_counter() - t0)
+
+
+def _categories(pred) -> dict:
+    """Seconds on the critical path per category: compute by scope, exposed
+    collectives by kind and axes."""
+    from engine.cost.ledger import COLLECTIVES
+
+    out: dict[str, float] = {}
+    for p in pred.rows:
+        r = p.row
+        if r.kind == "collective":
+            if COLLECTIVES.get(r.primitive) is None:
+                continue
+            key, t = f"{COLLECTIVES[r.primitive]} over {','.join(sorted(r.axes))}", p.exposed
+        else:
+            key, t = f"{r.scope} compute", p.seconds
+        out[key] = out.get(key, 0.0) + t
+    return out
+
+
+def why(first: Priced, second: Priced, tcfg: TrainConfig, hw) -> str:
+    """One line: by how much the first beats the second, split into compute and exposed
+    communication, and the category where most of the difference is."""
+    a, b = (predict_candidate(p.candidate, tcfg, hw) for p in (first, second))
+    ca, cb = _categories(a), _categories(b)
+    diffs = {k: cb.get(k, 0.0) - ca.get(k, 0.0) for k in {*ca, *cb}}
+    top = max(diffs, key=lambda k: abs(diffs[k]))
+    gap = second.step_s - first.step_s
+    return (f"#1 {first.candidate.describe()} beats #2 {second.candidate.describe()} by "
+            f"{gap:.4g} s ({100 * gap / second.step_s:.1f}%): #2 spends "
+            f"{b.compute_s - a.compute_s:+.4g} s on compute and "
+            f"{b.exposed_comm_s - a.exposed_comm_s:+.4g} s on exposed communication, most "
+            f"in {top} ({diffs[top]:+.4g} s)")
+
+
+def gib(x) -> str:
+    return "-" if x is None else f"{x / 2**30:.3g} GiB" if x >= 2**30 else f"{x / 2**20:.3g} MiB"
+
+
+def table(ranked: list, top: int) -> str:
+    from tabulate import tabulate
+
+    rows = [[i + 1, str(p.candidate.layout),
+             " ".join(f"{k}={v}" for k, v in p.candidate.flags.items()),
+             f"{p.step_s:.4g}", f"{100 * p.mfu:.1f}%", gib(p.peak_bytes),
+             f"{p.exposed_comm_s:.4g}"] for i, p in enumerate(ranked[:top])]
+    return tabulate(rows, ["#", "layout", "switches", "step s", "MFU", "peak/device",
+                           "exposed comm s"], disable_numparse=True)
+
+
+def hardware_profile(name: str, calibration=None, say=print):
+    """The profile to plan with; for the cpu without a calibration file, one line saying
+    that the built-in defaults are used (engine/cost/hardware.py CPU_DEFAULTS)."""
+    from engine.cost import hardware
+
+    if name == "cpu" and calibration is None and not hardware.CALIBRATION_PATH.exists():
+        say(f"no cpu calibration at {hardware.CALIBRATION_PATH} (bench/calibrate.py writes "
+            f"it): planning with the built-in defaults (engine/cost/hardware.py CPU_DEFAULTS)")
+    return hardware.get(name, calibration)
+
+
+def no_plan_message(result: Plan, n: int) -> str:
+    """Why no candidate is left, in one line."""
+    if result.over:
+        least = min(peak for _, peak in result.over)
+        return (f"no layout of {n} devices fits {gib(result.capacity)} per device: "
+                f"{len(result.over)} candidates predicted over it (the smallest peak is "
+                f"{gib(least)}); {len(result.refused)} refused by engine.validate")
+    reason = result.refused[0][1] if result.refused else "no candidates"
+    return (f"no layout of {n} devices can run this model ({len(result.refused)} "
+            f"refused; first: {reason})")
+
+
+# `--layout auto` on a host without accelerators plans for this many forced host-CPU
+# devices unless XLA_FLAGS already forces a count (the 8 the tests and benches use)
+AUTO_HOST_DEVICES = 8
+# substrings of a jax device_kind -> hardware profile
+DEVICE_KINDS = {"h100": "h100", "a100": "a100", "v5 lite": "v5e", "v5e": "v5e", "v5p": "v5p",
+                "v4": "v4"}
+
+
+def auto(cfg: ModelConfig, tcfg: TrainConfig, say=print):
+    """`--layout auto`: plan for every device jax finds (the cpu profile on the host,
+    else the profile of the accelerator's kind) and return the first choice as (model
+    config with its remat, ParallelConfig, Layout); raises ConfigError (one line) when
+    nothing fits or the accelerator has no profile."""
+    import jax
+
+    devices = jax.devices()
+    kind = devices[0].device_kind.lower()
+    name = "cpu" if devices[0].platform == "cpu" else next(
+        (p for k, p in DEVICE_KINDS.items() if k in kind), None)
+    if name is None:
+        raise ConfigError(f"--layout auto: no hardware profile for {devices[0].device_kind!r} "
+                          f"(known: cpu, {', '.join(sorted(set(DEVICE_KINDS.values())))}); "
+                          f"name a layout")
+    hw = hardware_profile(name, None, say)
+    result = plan(cfg, tcfg, len(devices), hw, workers=os.cpu_count() or 1)
+    if not result.ranked:
+        raise ConfigError(no_plan_message(result, len(devices)))
+    best = result.ranked[0]
+    say(f"layout auto: {best.candidate.describe()}, predicted {best.step_s:.4g} s/step, "
+        f"MFU {100 * best.mfu:.1f}%, peak {gib(best.peak_bytes)} per device on {hw.name}; "
+        f"first of {len(result.ranked)} candidates for {len(devices)} devices "
+        f"({result.seconds:.1f} s; python -m engine.plan ranks them)")
+    c = best.candidate
+    return c.cfg, c.parallel, c.layout
+
+
+def build_parser():
+    import argparse
+
+    from engine.cost.hardware import PROFILES
+    from engine.train import build_parser as train_parser
+
+    own = argparse.ArgumentParser(add_help=False)
+    g = own.add_argument_group("plan")
+    g.add_argument("--devices", type=int, required=True, help="devices to lay out")
+    g.add_argument("--hardware", default="cpu", choices=("cpu", *PROFILES),
+                   help="profile to price with; cpu = the calibrated profile")
+    g.add_argument("--calibration", default=None, help="cpu profile JSON (bench/calibrate.py)")
+    g.add_argument("--hbm-gib", type=float, default=None,
+                   help="memory per device, GiB (default: the profile's HBM; on the cpu "
+                        "the host's available RAM over the devices)")
+    g.add_argument("--top", type=int, default=10, help="candidates to print")
+    g.add_argument("--json", default=None, help="write the ranked candidates as JSON")
+    g.add_argument("--workers", type=int, default=os.cpu_count() or 1,
+                   help="processes tracing programs")
+    p = train_parser(prog="python -m engine.plan", description=__doc__.split("\n\n")[0],
+                     parents=[own], groups=("model", "training"))
+    # --remat pins remat; without it the plan chooses it
+    p.set_defaults(remat=None)
+    return p
+
+
+def flag_problems(mine) -> list[str]:
+    problems = [f"{name}={getattr(mine, name)} must be >= 1"
+                for name in ("devices", "top", "workers") if getattr(mine, name) < 1]
+    if mine.devices > 2**16:
+        problems.append(f"devices={mine.devices} is absurd (limit 65,536)")
+    if mine.hbm_gib is not None and not mine.hbm_gib > 0:
+        problems.append(f"hbm_gib={mine.hbm_gib} must be > 0")
+    if mine.calibration is not None and mine.hardware != "cpu":
+        problems.append(f"--calibration is the cpu profile; --hardware {mine.hardware} "
+                        f"does not use it")
+    return problems
+
+
+def main(argv=None) -> int:
+    from engine.train import UsageError, check_output_file, parse_or_exit
+
+    cfg, tcfg, _, _, mine = parse_or_exit(argv, build_parser())
+    try:
+        if problems := flag_problems(mine):
+            raise UsageError("; ".join(problems))
+        if mine.json:
+            check_output_file(mine.json, "--json")
+        from engine.cost.hardware import ProfileError
+
+        try:
+            hw = hardware_profile(mine.hardware, mine.calibration)
+        except ProfileError as e:
+            raise UsageError(str(e)) from None
+        pinned = {"remat": mine.remat} if mine.remat else {}
+        result = plan(cfg, tcfg, mine.devices, hw, mine.hbm_gib and mine.hbm_gib * 2**30,
+                      pinned, mine.workers)
+        if not result.ranked:
+            raise ConfigError(no_plan_message(result, mine.devices))
+    except (UsageError, ConfigError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    total = len(result.ranked) + len(result.over)
+    print(f"hardware {hw.name} ({hw.source}); model {mine.model}, seq {tcfg.seq}, batch "
+          f"{tcfg.batch}; {mine.devices} devices, {gib(result.capacity)} per device")
+    print(f"priced {total} candidates ({result.programs} distinct programs: "
+          f"{result.programs - result.cached} traced with {result.workers} worker(s), "
+          f"{result.cached} from the ledger cache) in {result.seconds:.1f} s; {len(result.refused)} "
+          f"refused by engine.validate, {len(result.over)} over memory")
+    print(table(result.ranked, mine.top))
+    if len(result.ranked) > 1:
+        print(why(result.ranked[0], result.ranked[1], tcfg, hw))
+    if mine.json:
+        with open(mine.json, "w") as f:
+            json.dump({"devices": mine.devices, "hardware": mine.hardware,
+                       "hardware_source": hw.source, "capacity_bytes": result.capacity,
+                       "priced": total, "programs": result.programs,
+                       "programs_cached": result.cached,
+                       "refused": len(result.refused), "over_memory": len(result.over),
+                       "seconds": result.seconds,
+                       "candidates": [p.record() for p in result.ranked]}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

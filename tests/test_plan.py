@@ -1,0 +1,232 @@
+"""The planner (engine/plan.py): it enumerates every layout, never ranks what
+engine.validate refuses or what does not fit, ranks by the same prediction as
+`bench/roofline.py --predict-only`, and `--layout auto` trains with its choice."""
+import dataclasses
+import itertools
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench import roofline  # noqa: E402
+from engine import plan, roles, validate  # noqa: E402
+from engine.config import TrainConfig, model_config  # noqa: E402
+from engine.cost import hardware  # noqa: E402
+from engine.cost.ledger import step_ledger  # noqa: E402
+from engine.cost.price import predict  # noqa: E402
+from engine.layout import Layout  # noqa: E402
+
+SMALL_PLAN = ["--devices", "2", "--model", "tiny", "--seq", "32", "--batch", "4",
+              "--remat", "full", "--workers", "1"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def own_ledger_cache(tmp_path_factory):
+    """The planner's ledger cache in a directory of this module, not the user's."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SHARDWISE_LEDGER_CACHE", str(tmp_path_factory.mktemp("ledgers")))
+        yield
+
+
+def _brute_force_layouts(n: int) -> set[str]:
+    """Every assignment of sizes 1..n to the registry's roles with product n, each in
+    every order of its axes of size > 1, as layout strings."""
+    names = list(roles.ROLES)
+    out = set()
+    for sizes in itertools.product(range(1, n + 1), repeat=len(names)):
+        if math.prod(sizes) != n:
+            continue
+        axes = [(r, s) for r, s in zip(names, sizes) if s > 1]
+        for order in itertools.permutations(axes):
+            out.add(str(Layout(tuple(order))))
+    return out
+
+
+def test_enumeration_covers_every_factorisation_in_every_order():
+    got = [str(lay) for lay in plan.layouts(8)]
+    assert len(got) == len(set(got))
+    assert set(got) == _brute_force_layouts(8)
+    assert {str(lay) for lay in plan.layouts(1)} == {"single"}
+    assert {str(lay) for lay in plan.layouts(6)} == _brute_force_layouts(6)
+
+
+def test_switches_multiply_only_where_they_change_the_program():
+    cfg = model_config("small")
+    flags = lambda text: [plan.Candidate(Layout.parse(text), p, c).flags
+                          for p, c in plan.switch_settings(cfg, Layout.parse(text), {})]
+    # dp alone: remat only; fsdp: zero 1/2/3 and prefetch under zero 3
+    assert len(flags("dp8")) == 3
+    assert len(flags("fsdp8")) == 3 * 4
+    assert len(flags("fsdp4xtp2")) == 3 * 4 * 3
+    assert len(flags("tp2xcp4")) == 3 * 3 * 2
+    assert all(f["zero"] == 3 and not f["prefetch"] for f in flags("tp8"))
+    pinned = plan.switch_settings(cfg, Layout.parse("fsdp8"), {"remat": "dots"})
+    assert {c.remat for _, c in pinned} == {"dots"}
+
+
+def test_refused_candidates_never_appear():
+    # heads=6, kv 2: tp4 does not divide the heads and cp4 does not cut seq=36 into 8
+    cfg = model_config("tiny", n_heads=6, n_kv_heads=2)
+    tcfg = TrainConfig(batch=4, seq=36)
+    ok, refused = plan.candidates(cfg, tcfg, 4, {"remat": "full"})
+    assert refused and ok
+    for c in ok:
+        assert validate.problems(c.cfg, tcfg, c.parallel, c.layout) == []
+    for c, reason in refused:
+        assert validate.problems(c.cfg, tcfg, c.parallel, c.layout)
+    assert {str(c.layout) for c, _ in refused} >= {"tp4", "cp4"}
+    assert not {str(c.layout) for c in ok} & {"tp4", "cp4"}
+
+
+def test_orders_share_one_traced_program():
+    """The cache key leaves out the order of the axes: both orders trace the same rows
+    (up to the order a row names its axes in) and each is priced the same from the
+    other's rows."""
+    cfg, tcfg = model_config("tiny"), TrainConfig(batch=4, seq=32)
+    a, b = Layout.parse("fsdp2xtp2"), Layout.parse("tp2xfsdp2")
+    ca, cb = (plan.Candidate(lay, validate.ParallelConfig(), cfg) for lay in (a, b))
+    assert ca.program == cb.program
+    rows_a, rows_b = step_ledger(cfg, tcfg, a), step_ledger(cfg, tcfg, b)
+    same_axes = lambda rows: [dataclasses.replace(r, axes=tuple(sorted(r.axes))) for r in rows]
+    assert same_axes(rows_a) == same_axes(rows_b)
+    assert rows_a != rows_b  # the comparison above can fail
+    for hw in (hardware.cpu_defaults(), hardware.get("h100")):
+        for lay in (a, b):
+            assert (predict(rows_a, hw, lay.mesh_axes()).step_s
+                    == predict(rows_b, hw, lay.mesh_axes()).step_s)
+
+
+@pytest.fixture(scope="module")
+def planned(tmp_path_factory):
+    path = tmp_path_factory.mktemp("plan") / "plan.json"
+    assert plan.main(SMALL_PLAN + ["--json", str(path)]) == 0
+    return json.loads(path.read_text())
+
+
+def test_json_holds_the_ranked_candidates(planned):
+    cands = planned["candidates"]
+    # 2 devices: dp2 (1), fsdp2 (zero 1, 2, 3, 3 + prefetch), tp2 (3 tp-comms),
+    # cp2 (2 cp-comms), remat pinned
+    assert len(cands) == 1 + 4 + 3 + 2
+    for c in cands:
+        assert {"layout", "flags", "predicted_step_s", "predicted_mfu",
+                "predicted_peak_bytes"} <= set(c)
+        assert set(c["flags"]) == {s.name for s in plan.SWITCHES}
+    steps = [c["predicted_step_s"] for c in cands]
+    assert steps == sorted(steps) and all(s > 0 for s in steps)
+
+
+def test_first_choice_is_the_roofline_prediction(planned, tmp_path, capsys):
+    first = planned["candidates"][0]
+    argv = ["--predict-only", "--model", "tiny", "--seq", "32", "--batch", "4",
+            "--layout", first["layout"]]
+    for name, value in first["flags"].items():
+        flag = "--" + name.replace("_", "-")
+        argv += ([flag] if value else []) if isinstance(value, bool) else [flag, str(value)]
+    out = tmp_path / "roofline.json"
+    assert roofline.main(argv + ["--json", str(out)]) == 0
+    capsys.readouterr()
+    assert json.loads(out.read_text())["predicted_step_s"] == first["predicted_step_s"]
+
+
+def _one_line_error(capsys, argv, *words):
+    try:
+        code = plan.main(argv)
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    assert code == 2, (out, err)
+    assert err.startswith("error: ") and err.count("\n") == 1, err
+    assert "Traceback" not in err and "layout" not in out
+    for w in words:
+        assert w in err, err
+
+
+def test_what_cannot_fit_is_one_line(capsys):
+    _one_line_error(capsys, SMALL_PLAN + ["--hbm-gib", "0.0001"], "fits", "peak")
+
+
+def test_bad_flags_are_one_line(capsys):
+    _one_line_error(capsys, ["--devices", "0", "--model", "tiny"], "devices=0")
+    _one_line_error(capsys, SMALL_PLAN + ["--hbm-gib", "-1"], "hbm_gib")
+    _one_line_error(capsys, SMALL_PLAN + ["--top", "0"], "top=0")
+    _one_line_error(capsys, ["--model", "tiny"], "devices")
+    _one_line_error(capsys, ["--devices", "3", "--model", "tiny", "--seq", "32",
+                             "--batch", "4", "--workers", "1"], "can run")
+
+
+def test_over_memory_candidates_are_dropped():
+    cfg, tcfg = model_config("tiny"), TrainConfig(batch=4, seq=32)
+    hw = hardware.cpu_defaults()
+    full = plan.plan(cfg, tcfg, 2, hw, None, {"remat": "full"})
+    peaks = sorted({p.peak_bytes for p in full.ranked})
+    cut = (peaks[0] + peaks[-1]) / 2
+    part = plan.plan(cfg, tcfg, 2, hw, cut, {"remat": "full"})
+    assert part.ranked and part.over
+    assert all(p.peak_bytes <= cut for p in part.ranked)
+    assert all(peak > cut for _, peak in part.over)
+    assert len(part.ranked) + len(part.over) == len(full.ranked)
+
+
+def test_layout_auto_trains_with_the_first_choice():
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+           "PYTHONPATH": str(ROOT)}
+    args = ["--model", "tiny", "--seq", "32", "--batch", "4"]
+    run = subprocess.run([sys.executable, "-m", "engine.train", "--layout", "auto",
+                          "--steps", "1", *args], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=900)
+    assert run.returncode == 0, run.stderr
+    cfg, tcfg = model_config("tiny"), TrainConfig(batch=4, seq=32)
+    first = plan.plan(cfg, tcfg, 2, plan.hardware_profile("cpu", say=lambda s: None))
+    first = first.ranked[0].candidate
+    lines = run.stdout.splitlines()
+    chosen = next(line for line in lines if line.startswith("layout auto: "))
+    assert chosen.startswith(f"layout auto: {first.describe()}, predicted"), chosen
+    header = next(line for line in lines if line.startswith(f"layout {first.layout} on 2 cpu"))
+    assert f"remat {first.cfg.remat}," in header
+    assert any(line.startswith("step     1/1 | loss") for line in lines), run.stdout
+
+
+def test_layout_auto_with_several_processes_is_one_line():
+    run = subprocess.run([sys.executable, "-m", "engine.train", "--layout", "auto",
+                          "--model", "tiny", "--num-processes", "2", "--process-id", "0",
+                          "--coordinator", "localhost:1234"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and run.stderr.count("\n") == 1, run.stderr
+    assert "--layout auto plans for the devices of one process" in run.stderr
+
+
+def test_plan_check_spearman_matches_the_textbook_formula():
+    from bench import plan_check
+
+    a, b = [0.3, 0.1, 0.2, 0.5, 0.4], [1.0, 3.0, 2.0, 5.0, 4.0]
+    d = plan_check.ranks(a) - plan_check.ranks(b)
+    n = len(a)
+    assert plan_check.spearman(a, b) == pytest.approx(1 - 6 * (d * d).sum() / (n * (n * n - 1)))
+    assert plan_check.spearman(a, a) == pytest.approx(1.0)
+    assert plan_check.spearman(a, [-x for x in a]) == pytest.approx(-1.0)
+    assert list(plan_check.ranks([2.0, 1.0, 2.0])) == [2.5, 1.0, 2.5]
+
+
+def test_ledger_cache_returns_what_a_trace_gives(tmp_path, monkeypatch):
+    from engine.cost import cache
+
+    monkeypatch.setenv("SHARDWISE_LEDGER_CACHE", str(tmp_path))
+    cfg, tcfg = model_config("tiny"), TrainConfig(batch=4, seq=32)
+    par = validate.ParallelConfig(zero=2)
+    a, b = Layout.parse("fsdp2xtp2"), Layout.parse("tp2xfsdp2")
+    rows, hit = cache.step_ledger(cfg, tcfg, a, par)
+    assert not hit and rows == step_ledger(cfg, tcfg, a, par)
+    again, hit = cache.step_ledger(cfg, tcfg, b, par)  # another order: the same program
+    assert hit and again == rows
+    _, hit = cache.step_ledger(cfg, tcfg, a, validate.ParallelConfig(zero=1))
+    assert not hit
+    monkeypatch.setenv("SHARDWISE_LEDGER_CACHE", "off")
+    assert cache.step_ledger(cfg, tcfg, a, par) == (rows, False)
