@@ -29,7 +29,7 @@ def test_tiny_run_writes_metrics(tmp_path):
 
 
 @pytest.mark.parametrize("args,phrase", [
-    (["--layout", "xp2xtp4"], "unknown axis 'xp'"),
+    (["--layout", "qq2xtp4"], "unknown axis 'qq'"),
     (["--layout", "pp4xtp2", "--model", "tiny"], "layers=2 not divisible by pp=4"),
     (["--layout", "pp2xtp4", "--model", "tiny", "--microbatches", "1"],
      "--pp-schedule 1f1b needs microbatches >= pp"),

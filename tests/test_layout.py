@@ -25,12 +25,12 @@ def test_role_axes_drop_size_one_axes():
 
 
 @pytest.mark.parametrize("text,phrases", [
-    ("xp2xtp4", ["unknown axis 'xp'"]),
+    ("qq2xtp4", ["unknown axis 'qq'"]),
     ("tp2xtp4", ["axis 'tp' repeated"]),
     ("fsdp0", ["fsdp size 0 < 1"]),
     ("fsdp", ["cannot read 'fsdp'"]),
     ("", ["cannot read ''"]),
-    ("xp2xfsdp0xfsdp2", ["unknown axis 'xp'", "fsdp size 0 < 1", "axis 'fsdp' repeated"]),
+    ("qq2xfsdp0xfsdp2", ["unknown axis 'qq'", "fsdp size 0 < 1", "axis 'fsdp' repeated"]),
 ])
 def test_parse_errors_name_every_problem(text, phrases):
     with pytest.raises(LayoutError) as e:
