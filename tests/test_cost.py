@@ -107,6 +107,16 @@ def test_audit_clean(layout):
     assert set(result.rules) <= {"all_reduce_combiner"}
 
 
+def _audit_step(cfg, layout: str, par: ParallelConfig):
+    """The audit of the step's compiled HLO on `layout` (8 host devices) against its ledger."""
+    from engine.step import Trainer
+
+    lay = Layout.parse(layout)
+    text = compiled_text(Trainer(cfg, TCFG, lay, lay.mesh(), par),
+                         compiler_options={"xla_backend_optimization_level": 0})
+    return audit(step_ledger(cfg, TCFG, lay, par), text, lay.mesh_axes(), "cpu")
+
+
 SWITCHES = [dict(tp_comm="sequence"), dict(tp_comm="ring"), dict(zero=2), dict(prefetch=True),
             pytest.param(dict(zero=1), marks=pytest.mark.slow),
             pytest.param(dict(tp_comm="ring", zero=2), marks=pytest.mark.slow)]
@@ -118,15 +128,10 @@ def test_audit_clean_under_each_switch(switches):
     holds exactly the collectives the ledger placed (the ring's collective-permutes, the
     sequence-parallel gathers and reduce-scatters, ZeRO-1/2's param gathers after the
     update, prefetch's N gathers per weight)."""
-    from engine.step import Trainer
-
-    cfg, lay, par = _cfg(), Layout.parse("fsdp4xtp2"), ParallelConfig(**switches)
+    cfg, par = _cfg(), ParallelConfig(**switches)
     if par.prefetch:  # with 2 layers XLA merges the backward's gathers (layers.block)
         cfg = dataclasses.replace(cfg, n_layers=3)
-    rows = step_ledger(cfg, TCFG, lay, par)
-    text = compiled_text(Trainer(cfg, TCFG, lay, lay.mesh(), par),
-                         compiler_options={"xla_backend_optimization_level": 0})
-    result = audit(rows, text, lay.mesh_axes(), "cpu")
+    result = _audit_step(cfg, "fsdp4xtp2", par)
     assert result.clean, (result.missing, result.extra)
     kinds = {k[0] for k in result.matched}
     assert ("collective-permute" in kinds) == (par.tp_comm == "ring")
@@ -138,16 +143,11 @@ def test_audit_clean_cp_ring():
     dK/dV shifts backward). Remat none: under remat, XLA merges the recomputed
     forward's K/V shifts with the backward's identical ones, which the ledger counts
     twice."""
-    from engine.step import Trainer
-
-    cfg, lay, par = _cfg(remat="none"), Layout.parse("cp4xfsdp2"), ParallelConfig(cp_comm="ring")
-    rows = step_ledger(cfg, TCFG, lay, par)
-    text = compiled_text(Trainer(cfg, TCFG, lay, lay.mesh(), par),
-                         compiler_options={"xla_backend_optimization_level": 0})
-    result = audit(rows, text, lay.mesh_axes(), "cpu")
+    cfg, par = _cfg(remat="none"), ParallelConfig(cp_comm="ring")
+    result = _audit_step(cfg, "cp4xfsdp2", par)
     assert result.clean, (result.missing, result.extra)
     permutes = sum(n for k, n in result.matched.items() if k[0] == "collective-permute")
-    cp = lay.degree("cp")
+    cp = Layout.parse("cp4xfsdp2").degree("cp")
     assert permutes == cfg.n_layers * (2 * (cp - 1) + 2 * (cp - 1) + 2 * cp)
 
 
@@ -197,16 +197,10 @@ def test_audit_clean_moe(layout):
     """A mixture of experts on the ep layouts: the compiled step holds exactly the
     ledger's all-to-alls (per layer: tokens and their expert ids there, outputs back,
     the recompute's and the backward's) beside every other collective."""
-    from engine.step import Trainer
-
     cfg = model_config("moe-tiny", dtype="f32", shared_experts=1, **CFG)
-    lay = Layout.parse(layout)
-    rows = step_ledger(cfg, TCFG, lay)
-    text = compiled_text(Trainer(cfg, TCFG, lay, lay.mesh()),
-                         compiler_options={"xla_backend_optimization_level": 0})
-    result = audit(rows, text, lay.mesh_axes(), "cpu")
+    result = _audit_step(cfg, layout, ParallelConfig())
     assert result.clean, (result.missing, result.extra)
-    ep = lay.degree("ep")
+    ep = Layout.parse(layout).degree("ep")
     all_to_alls = sum(n for k, n in result.matched.items() if k[0] == "all-to-all")
     # fwd: x, ids, outputs back; remat recompute: the same; bwd: the two float ones
     assert all_to_alls == cfg.n_layers * (3 + 3 + 2) * ep
@@ -284,10 +278,7 @@ def test_audit_clean_pp(layout, microbatches, schedule):
 
     cfg, lay = dataclasses.replace(_cfg(), n_layers=4), Layout.parse(layout)
     par = ParallelConfig(microbatches=microbatches, pp_schedule=schedule)
-    rows = step_ledger(cfg, TCFG, lay, par)
-    text = compiled_text(Trainer(cfg, TCFG, lay, lay.mesh(), par),
-                         compiler_options={"xla_backend_optimization_level": 0})
-    result = audit(rows, text, lay.mesh_axes(), "cpu")
+    result = _audit_step(cfg, layout, par)
     assert result.clean, (result.missing, result.extra)
     permutes = sum(n for k, n in result.matched.items() if k[0] == "collective-permute")
     ticks = Trainer(cfg, TCFG, lay, lay.abstract_mesh(), par).plan.ticks
