@@ -192,7 +192,8 @@ def test_ring_formulas_on_h100():
     assert collective_seconds(a2a, hw, mesh) == pytest.approx(expect)
 
 
-@pytest.mark.parametrize("layout", ["ep8", "ep4xfsdp2", "ep2xfsdp2xtp2"])
+@pytest.mark.parametrize("layout", [pytest.param("ep8", marks=pytest.mark.slow), "ep4xfsdp2",
+                                    pytest.param("ep2xfsdp2xtp2", marks=pytest.mark.slow)])
 def test_audit_clean_moe(layout):
     """A mixture of experts on the ep layouts: the compiled step holds exactly the
     ledger's all-to-alls (per layer: tokens and their expert ids there, outputs back,

@@ -58,7 +58,8 @@ def case(layout: str, comm: str, seq: int = TCFG.seq):
 
 
 @pytest.mark.parametrize("comm", COMMS)
-@pytest.mark.parametrize("layout", ["cp2", "cp4", "cp8", "cp4xfsdp2", "cp2xfsdp2xtp2"])
+@pytest.mark.parametrize("layout", [pytest.param(n, marks=pytest.mark.slow) for n in ("cp2", "cp4")]
+                         + ["cp8", "cp4xfsdp2", "cp2xfsdp2xtp2"])
 def test_cp_peak_within_tolerance(layout, comm):
     pred, measured = case(layout, comm)
     assert pred.arguments == measured["argument"]

@@ -25,7 +25,7 @@ def loss_and_grads(layout, init, microbatches, **parallel):
 @pytest.mark.parametrize("layout, microbatches, parallel", [
     ("single", 4, {}),
     ("fsdp4xtp2", 2, {}),
-    ("fsdp4xtp2", 2, {"zero": 1}),
+    pytest.param("fsdp4xtp2", 2, {"zero": 1}, marks=pytest.mark.slow),
     ("dp2xfsdp2xtp2", 2, {"zero": 2}),
 ])
 def test_microbatches_match_one_microbatch(layout, microbatches, parallel, init):

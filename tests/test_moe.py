@@ -117,7 +117,7 @@ def layer_params(cfg, seed=0):
     return {k: jnp.asarray(0.3 * rng.normal(size=s), jnp.float32) for k, s in shapes.items()}
 
 
-@pytest.mark.parametrize("capacity_factor", [0.0, 1.0, 0.5])
+@pytest.mark.parametrize("capacity_factor", [0.0, 1.0, pytest.param(0.5, marks=pytest.mark.slow)])
 def test_layer_matches_per_token_reference(capacity_factor):
     cfg = model_config("moe-tiny", dtype="f32", shared_experts=1,
                        capacity_factor=capacity_factor)
@@ -225,7 +225,8 @@ def test_sequence_tp_comm_refused():
         check(CFG, TCFG, ParallelConfig(tp_comm="sequence"), Layout.parse("tp2"))
 
 
-@pytest.mark.parametrize("parallel", [ParallelConfig(zero=1), ParallelConfig(zero=2),
+@pytest.mark.parametrize("parallel", [pytest.param(ParallelConfig(zero=1), marks=pytest.mark.slow),
+                                      pytest.param(ParallelConfig(zero=2), marks=pytest.mark.slow),
                                       ParallelConfig(prefetch=True)],
                          ids=["zero1", "zero2", "prefetch"])
 def test_zero_levels_and_prefetch_on_ep(parallel, init, single):
@@ -236,7 +237,7 @@ def test_zero_levels_and_prefetch_on_ep(parallel, init, single):
     assert_tree_close(grads, want_grads, what="ep4xfsdp2 grads ")
 
 
-@pytest.mark.parametrize("remat", ["none", "dots"])
+@pytest.mark.parametrize("remat", ["none", pytest.param("dots", marks=pytest.mark.slow)])
 def test_remat_policies_compute_the_same(remat, init, single):
     cfg = CFG.__class__(**{**CFG.__dict__, "remat": remat})
     loss, grads, _, _ = run("ep8", init, cfg)
@@ -244,6 +245,7 @@ def test_remat_policies_compute_the_same(remat, init, single):
     assert_tree_close(grads, single[1], what=f"remat {remat} grads ")
 
 
+@pytest.mark.slow
 def test_ep_checkpoint_resumes_on_other_layouts(init, tmp_path):
     """Params and optimizer state saved from ep4xfsdp2 load exactly on fsdp8 and single
     (experts gathered instead of sharded) and on ep8, and train on from there alike."""
@@ -281,7 +283,8 @@ def test_ep_checkpoint_resumes_on_other_layouts(init, tmp_path):
     assert float(m["dropped_fraction"]) == 0.0  # dropless
 
 
-@pytest.mark.parametrize("layout", ["single", "ep8", "ep2xfsdp2xtp2"])
+@pytest.mark.parametrize("layout", ["single", pytest.param("ep8", marks=pytest.mark.slow),
+                                    "ep2xfsdp2xtp2"])
 def test_cached_decoding_equals_full_sequence(layout, init):
     """Prefill + decode steps through the KV cache give the per-token reference model's
     logits on the whole sequence (rows of different lengths, right-padded)."""
@@ -314,6 +317,7 @@ def test_cached_decoding_equals_full_sequence(layout, init):
         assert err <= RTOL * float(np.max(np.abs(want_BV))), f"{layout} token {t}: {err:.2e}"
 
 
+@pytest.mark.slow
 def test_cli_logs_router_metrics(tmp_path):
     import json
 

@@ -175,6 +175,7 @@ def test_over_memory_candidates_are_dropped():
     assert len(part.ranked) + len(part.over) == len(full.ranked)
 
 
+@pytest.mark.slow
 def test_layout_auto_trains_with_the_first_choice():
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
            "PYTHONPATH": str(ROOT)}
