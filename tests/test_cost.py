@@ -270,8 +270,8 @@ def test_replica_groups_read_alike_in_both_hlo_spellings():
         frozenset({2 * i, 2 * i + 1}) for i in range(4))
 
 
-@pytest.mark.parametrize("layout, microbatches, schedule", [("pp2xfsdp4", 2, "1f1b"),
-                                                            ("pp4xtp2", 2, "gpipe")])
+@pytest.mark.parametrize("layout, microbatches, schedule", [
+    ("pp2xfsdp4", 2, "1f1b"), pytest.param("pp4xtp2", 2, "gpipe", marks=pytest.mark.slow)])
 def test_audit_clean_pp(layout, microbatches, schedule):
     """Pipeline stages: the compiled step holds exactly the ledger's collectives, the
     stage ppermutes included (one forward and one backward shift per tick)."""

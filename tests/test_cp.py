@@ -127,7 +127,8 @@ def test_chunks_are_load_balanced_and_gather_back_in_order():
 
 
 @pytest.mark.parametrize("comm, kernel", [
-    *((comm, "reference") for comm in CP_COMMS), ("allgather", "chunked"),
+    *(pytest.param(comm, "reference", marks=pytest.mark.slow) for comm in CP_COMMS),
+    pytest.param("allgather", "chunked", marks=pytest.mark.slow),
     ("allgather", "blocked"), ("ring", "blocked")])
 def test_cp_attention_matches_dense_values_and_grads(comm, kernel, monkeypatch):
     """Each cp kernel alone on cp4 (chunks of c=5; the local kernels with tiles of 4, so
@@ -164,7 +165,8 @@ def test_cp_attention_matches_dense_values_and_grads(comm, kernel, monkeypatch):
 
 @pytest.mark.parametrize("kernel", ["chunked", "blocked"])
 @pytest.mark.parametrize("traced", [False, True])
-@pytest.mark.parametrize("q_offset, k_offset", [(16, 0), (5, 3), (30, 2), (0, 0)])
+@pytest.mark.parametrize("q_offset, k_offset", [
+    (5, 3), *(pytest.param(q, k, marks=pytest.mark.slow) for q, k in [(16, 0), (30, 2), (0, 0)])])
 def test_local_kernels_take_global_offsets(kernel, traced, q_offset, k_offset):
     """chunked and blocked with q_offset / k_offset (static ints, or traced int32 as a cp
     rank's chunk offsets are) equal the dense reference at the same offsets: values and
@@ -245,8 +247,10 @@ def test_cp_composes_with_tp_and_zero(layout, parallel, init, single):
                    f"{layout} {parallel}")
 
 
-@pytest.mark.parametrize("kernel", ["chunked", "blocked"])
-@pytest.mark.parametrize("comm", list(CP_COMMS))
+@pytest.mark.parametrize("kernel, comm", [
+    ("blocked", "ring"), *(pytest.param(k, c, marks=pytest.mark.slow)
+                           for k, c in [("chunked", "allgather"), ("chunked", "ring"),
+                                        ("blocked", "allgather")])])
 def test_cp_step_with_local_kernels_matches_single(kernel, comm, init, single):
     """cp4xfsdp2 with the chunked or blocked kernel (allgather: per local chunk; ring:
     blocked runs each step's tile, chunked is the ring's dense tiles)."""

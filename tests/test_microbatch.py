@@ -26,7 +26,7 @@ def loss_and_grads(layout, init, microbatches, **parallel):
     ("single", 4, {}),
     ("fsdp4xtp2", 2, {}),
     pytest.param("fsdp4xtp2", 2, {"zero": 1}, marks=pytest.mark.slow),
-    ("dp2xfsdp2xtp2", 2, {"zero": 2}),
+    pytest.param("dp2xfsdp2xtp2", 2, {"zero": 2}, marks=pytest.mark.slow),
 ])
 def test_microbatches_match_one_microbatch(layout, microbatches, parallel, init):
     loss, grads, gnorm, _ = loss_and_grads(layout, init, microbatches, **parallel)
@@ -36,6 +36,7 @@ def test_microbatches_match_one_microbatch(layout, microbatches, parallel, init)
     assert_tree_close(grads, want_grads, what=f"{layout} M={microbatches} grads ")
 
 
+@pytest.mark.slow
 def test_fsdp8_with_microbatches_of_a_larger_batch(init):
     """fsdp8 with 2 rows per device, split in 2, against single unsplit."""
     tcfg = TrainConfig(batch=16, seq=TCFG.seq)

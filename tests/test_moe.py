@@ -117,7 +117,8 @@ def layer_params(cfg, seed=0):
     return {k: jnp.asarray(0.3 * rng.normal(size=s), jnp.float32) for k, s in shapes.items()}
 
 
-@pytest.mark.parametrize("capacity_factor", [0.0, 1.0, pytest.param(0.5, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("capacity_factor", [0.0, *(pytest.param(c, marks=pytest.mark.slow)
+                                                  for c in (1.0, 0.5))])
 def test_layer_matches_per_token_reference(capacity_factor):
     cfg = model_config("moe-tiny", dtype="f32", shared_experts=1,
                        capacity_factor=capacity_factor)
@@ -171,6 +172,7 @@ def single(init):
     return run("single", init)
 
 
+@pytest.mark.slow
 def test_single_matches_per_token_reference_model():
     tcfg = TrainConfig(batch=2, seq=8)
     cfg = model_config("moe-tiny", n_heads=8, n_kv_heads=2, head_dim=8, dtype="f32",
@@ -187,7 +189,8 @@ def test_single_matches_per_token_reference_model():
     assert_tree_close(grads, host(want_grads), what="single vs per-token reference ")
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", [pytest.param(n, marks=pytest.mark.slow) if n != "ep4xfsdp2"
+                                    else n for n in LAYOUTS])
 def test_ep_layout_matches_single(layout, init, single):
     loss, grads, gnorm, ops = run(layout, init)
     want_loss, want_grads, want_gnorm, _ = single
@@ -197,6 +200,7 @@ def test_ep_layout_matches_single(layout, init, single):
     assert "all-to-all" in ops, ops
 
 
+@pytest.mark.slow
 def test_capacity_is_layout_invariant(init):
     """Capacity counts per sequence, so ep drops exactly what single drops."""
     cfg = CFG.__class__(**{**CFG.__dict__, "capacity_factor": 0.5})
@@ -227,7 +231,8 @@ def test_sequence_tp_comm_refused():
 
 @pytest.mark.parametrize("parallel", [pytest.param(ParallelConfig(zero=1), marks=pytest.mark.slow),
                                       pytest.param(ParallelConfig(zero=2), marks=pytest.mark.slow),
-                                      ParallelConfig(prefetch=True)],
+                                      pytest.param(ParallelConfig(prefetch=True),
+                                                   marks=pytest.mark.slow)],
                          ids=["zero1", "zero2", "prefetch"])
 def test_zero_levels_and_prefetch_on_ep(parallel, init, single):
     loss, grads, gnorm, _ = run("ep4xfsdp2", init, parallel=parallel)
@@ -283,8 +288,8 @@ def test_ep_checkpoint_resumes_on_other_layouts(init, tmp_path):
     assert float(m["dropped_fraction"]) == 0.0  # dropless
 
 
-@pytest.mark.parametrize("layout", ["single", pytest.param("ep8", marks=pytest.mark.slow),
-                                    "ep2xfsdp2xtp2"])
+@pytest.mark.parametrize("layout", ["ep2xfsdp2xtp2", *(pytest.param(n, marks=pytest.mark.slow)
+                                                      for n in ("single", "ep8"))])
 def test_cached_decoding_equals_full_sequence(layout, init):
     """Prefill + decode steps through the KV cache give the per-token reference model's
     logits on the whole sequence (rows of different lengths, right-padded)."""

@@ -162,6 +162,7 @@ def test_bad_flags_are_one_line(capsys):
                              "--batch", "4", "--workers", "1"], "can run")
 
 
+@pytest.mark.slow
 def test_over_memory_candidates_are_dropped():
     cfg, tcfg = model_config("tiny"), TrainConfig(batch=4, seq=32)
     hw = hardware.cpu_defaults()

@@ -150,6 +150,7 @@ def test_decoding_under_pp_refused_in_one_line():
 
 
 # -- checkpoints ------------------------------------------------------------------------
+@pytest.mark.slow
 def test_pp_checkpoint_resumes_on_another_layout(init, tmp_path):
     """One train step under pp2xfsdp4, saved; loaded under fsdp4xtp2 the values are the
     same and the next step's loss equals the pp run's."""
