@@ -201,6 +201,9 @@ def decoder_problems(cfg: ModelConfig, layout, batch: int, cache_len: int,
     if layout.degree("pp") > 1:
         return [f"decoding runs every layer on each device: use a layout without pp (a pp "
                 f"checkpoint loads on any layout), not {layout}"]
+    if layout.degree("cp") > 1:
+        return [f"decoding keeps each row's whole sequence on one device: use a layout "
+                f"without cp (a cp checkpoint loads on any layout), not {layout}"]
     found = problems(cfg, TrainConfig(batch=batch, seq=cache_len), ParallelConfig(), layout)
     if found:
         return found

@@ -319,3 +319,8 @@ def test_cp_checkpoint_resumes_on_other_layouts_and_back(tmp_path):
     back = checkpoint.restore(checkpoint.read(back_path), cp8)
     assert_same(flat_host(back[0]), checkpoint.read(path).params)
     assert abs(float(cp8.loss(back[0], batch(cp8, 1))) - want) <= RTOL * abs(want)
+
+
+def test_decoding_under_cp_refused_in_one_line():
+    found = validate.decoder_problems(CFG, Layout.parse("cp2xtp4"), 2, 32, None)
+    assert len(found) == 1 and "without cp" in found[0]
