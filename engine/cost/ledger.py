@@ -165,16 +165,31 @@ def _collective_rows(eqn, phase, scope, count, mesh_shape) -> list[Row]:
     return rows
 
 
+def _io_bytes(eqn) -> tuple[list[int], list[int]]:
+    """Bytes of each operand read and each result written. A slice of a large buffer
+    touches only the slice: `dynamic_slice` reads its result's worth of its operand, and
+    `dynamic_update_slice` writes the update into its operand in place (XLA aliases the
+    buffer with the result: the scan's stacked residuals and grads are never copied), so
+    the buffer is neither read nor written whole."""
+    ins = [_nbytes(v.aval) if hasattr(v.aval, "shape") else 0 for v in eqn.invars]
+    outs = [_nbytes(v.aval) for v in eqn.outvars]
+    name = eqn.primitive.name
+    if name == "dynamic_slice":
+        ins[0] = outs[0]
+    elif name == "dynamic_update_slice":
+        ins[0], outs[0] = 0, ins[1]
+    return ins, outs
+
+
 def _fusion_bytes(eqn, fused_vars: set, spilled_vars: set) -> float:
     """Bytes an equation moves under loop fusion: inputs produced inside a fused chain
     are not re-read; outputs only consumed by fusible ops or reductions are not written.
-    Matmuls and everything else read and write all operands."""
+    Matmuls and everything else read and write all operands (`_io_bytes`)."""
     name = eqn.primitive.name
     if name in FREE:
         return 0.0
     if name not in FUSIBLE and name not in REDUCTIONS:
-        return float(sum(_nbytes(v.aval) for v in (*eqn.invars, *eqn.outvars)
-                         if hasattr(v.aval, "shape")))
+        return float(sum(sum(b) for b in _io_bytes(eqn)))
     reads = sum(_nbytes(v.aval) for v in eqn.invars
                 if hasattr(v.aval, "shape") and not isinstance(v, jcore.Literal)
                 and v not in fused_vars)
@@ -299,7 +314,8 @@ def _walk(jaxpr, stack, count, mesh_shape, rows, domain=None, alias=None, site=0
         else:
             rows.append(_compute_row(eqn, phase, scope, count,
                                      _fusion_bytes(eqn, fused, spilled)))
-            ins = [(canon(v, alias, site), nbytes(v.aval)) for v in eqn.invars]
+            in_b, out_b = _io_bytes(eqn)
+            ins = [(canon(v, alias, site), b) for v, b in zip(eqn.invars, in_b)]
             twin = domain.twin(name, eqn.params, [k for k, _ in ins]) if name in FUSIBLE \
                 else None
             if twin is not None:  # XLA's CSE: the same op on the same operands, done once
@@ -307,7 +323,7 @@ def _walk(jaxpr, stack, count, mesh_shape, rows, domain=None, alias=None, site=0
                     alias[v] = key
                 rows[-1] = dataclasses.replace(rows[-1], fused_bytes=0.0, lib_bytes=0.0)
                 continue
-            outs = [(canon(v, alias, site), nbytes(v.aval)) for v in eqn.outvars]
+            outs = [(canon(v, alias, site), b) for v, b in zip(eqn.outvars, out_b)]
             domain.remember(name, eqn.params, [k for k, _ in ins], [k for k, _ in outs])
             domain.add(len(rows) - 1, name, [x for x in ins if x[0] is not None],
                        [x for x in outs if x[0] is not None])
