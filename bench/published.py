@@ -25,8 +25,14 @@ Model differences are matched on FLOPs, never by changing the model: MPT and GPT
 (Megatron) use a two-matrix GELU MLP with hidden 4D, whose matmul FLOPs equal a SwiGLU
 with hidden 8D/3 (2·D·4D = 3·D·F), rounded to a multiple of tp; MPT's ALiBi and GPT's
 learned positions cost no matmul FLOPs (RoPE here costs a few elementwise ones).
-Attention is priced as the kernel the source ran: a flash kernel (cuDNN / FlashAttention
-on GPU, Pallas splash on TPU) for every row but Megatron's. Megatron-LM in 2021 predates
+Attention is priced as the kernel the source ran: a flash kernel for every row but
+Megatron's. llm-foundry's benchmark runs (`submit_benchmarks.py`: `--attn_impl flash`,
+installed with its `gpu-flash2` extra) and torchtitan (PyTorch's
+`scaled_dot_product_attention`, whose flash backend is FlashAttention-2) call
+FlashAttention-2, priced at its own H100 / A100 rate (engine/cost/hardware.py
+`FLASH_ATTENTION_2`); MaxText calls the Pallas splash kernel (the TPU profiles' rate).
+torchtitan's H100s are its Grand Teton hosts (96 GB of HBM2e at 2.4 TB/s, 500 W): the
+`h100-gt` profile. Megatron-LM in 2021 predates
 FlashAttention (Dao et al. 2022): it formed the [s, s] scores in memory (QK^T GEMM, its
 fused scale-mask-softmax kernel, then the PV GEMM), which is what this engine's
 `reference` kernel does, so those rows run `--attention reference`.
@@ -53,7 +59,8 @@ TITAN_ASYNC = ("https://github.com/pytorch/torchtitan/blob/main/benchmarks/"
                "asyncTP_llama3_h100_2025-06_torchtitan.md")
 MAXTEXT = "https://github.com/AI-Hypercomputer/maxtext/blob/main/src/maxtext/configs/tpu/{}/README.md"
 MEGATRON = "https://arxiv.org/abs/2104.04473 (Table 1)"
-PEAK = {"h100": 989e12, "a100": 312e12, "v4": 275e12, "v5e": 197e12, "v5p": 459e12}
+PEAK = {"h100": 989e12, "h100-gt": 989e12, "a100": 312e12, "v4": 275e12, "v5e": 197e12,
+        "v5p": 459e12}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +91,9 @@ class Run:
     note: str = ""
     tp_comm: str = "allreduce"
     attention: str = "auto"
+    # the flash kernel the source called, where it is not the profile's own:
+    # "flash2" = FlashAttention-2 (engine/cost/hardware.py FLASH_ATTENTION_2)
+    kernel: str = ""
 
     def argv(self) -> list[str]:
         # every source's FSDP issues the next layer's weight gather before the current
@@ -107,7 +117,7 @@ def gelu_match(d: int, tp: int = 1) -> int:
 def _mpt(name, hw, chips, d, heads, layers, micro, remat, tps, mfu, zero=3, note=""):
     return Run(f"llm-foundry MPT-{name} {chips}x{hw}", hw, chips, layers, d, heads, heads,
                d // heads, gelu_match(d), 50368, 2048, micro * chips, f"fsdp{chips}", remat,
-               zero, tps, "tps", mfu, FOUNDRY, note)
+               zero, tps, "tps", mfu, FOUNDRY, note, kernel="flash2")
 
 
 def _maxtext(name, hw, chips, scale_dims, micro, layout, remat, tflops, mfu, seq=2048,
@@ -133,9 +143,10 @@ def _megatron(name, layers, h, heads, tp, gpus, batch, tflops, mfu):
 def _titan(name, chips, layers, d, heads, kv, mlp, batch, layout, remat, tps, source, note):
     """torchtitan's TP plan is Megatron sequence parallelism (norms and the residual
     stream sharded along the sequence, all-gather / reduce-scatter): --tp-comm sequence."""
-    return Run(f"torchtitan {name} {chips}xh100", "h100", chips, layers, d, heads, kv,
+    return Run(f"torchtitan {name} {chips}xh100", "h100-gt", chips, layers, d, heads, kv,
                d // heads, mlp, 128256, 8192, batch, layout, remat, 3, tps, "tps", None,
-               source, note, tp_comm="sequence" if "tp" in layout else "allreduce")
+               source, note, tp_comm="sequence" if "tp" in layout else "allreduce",
+               kernel="flash2")
 
 
 TITAN_NOTE = ("Grand Teton H100 at 500 W with 96 GB HBM2e (2.4 TB/s), below the SXM5 profile; "
@@ -205,6 +216,16 @@ def tokens_per_chip(r: Run) -> float:
     return r.throughput * 1e12 / per_token
 
 
+def profile(r: Run):
+    """The hardware profile `r` ran on, with the attention kernel its source called."""
+    from engine.cost import hardware
+
+    hw = hardware.get(r.hardware)
+    if r.kernel == "flash2":
+        hw = dataclasses.replace(hw, attention_eff=hardware.FLASH_ATTENTION_2[r.hardware])
+    return hw
+
+
 def evaluate(r: Run) -> dict:
     """Predicted and published MFU (this engine's convention), peak HBM and fit."""
     from engine.cost import hardware
@@ -215,7 +236,7 @@ def evaluate(r: Run) -> dict:
     from engine.train import build_parser, parse_or_exit
 
     cfg, tcfg, parallel, layout, _ = parse_or_exit(r.argv(), build_parser())
-    hw = hardware.get(r.hardware)
+    hw = profile(r)
     pred = predict(step_ledger(cfg, tcfg, layout, parallel), hw, layout.mesh_axes(),
                    prefetch=parallel.prefetch)
     mfu = predicted_mfu(pred, cfg, tcfg, hw, layout.size)

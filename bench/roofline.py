@@ -23,6 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.train import force_host_devices, keep_freed_memory, parse_or_exit  # noqa: E402
+from engine.cost.hardware import PROFILES  # noqa: E402
 from engine.train import build_parser as train_parser  # noqa: E402
 
 
@@ -30,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The training CLI's flags plus this report's own."""
     own = argparse.ArgumentParser(add_help=False)
     g = own.add_argument_group("roofline report")
-    g.add_argument("--hardware", default="cpu", choices=("cpu", "v4", "v5e", "v5p", "a100", "h100"),
+    g.add_argument("--hardware", default="cpu", choices=("cpu", *PROFILES),
                    help="profile to price with; cpu = the calibrated profile")
     g.add_argument("--predict-only", action="store_true",
                    help="trace on an AbstractMesh only: no devices, no run")

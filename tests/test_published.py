@@ -34,6 +34,34 @@ def test_fusion_group_chain_across_a_jit_reads_inputs_once_writes_output_once():
     assert sum(r.bytes for r in compute) > 3 * 128 * 64 * 4
 
 
+def test_a_scan_stacking_residuals_moves_one_slice_per_step_not_the_stack():
+    """The forward scan writes each layer's residual into a stacked [N, ...] buffer and
+    the backward reads one back per layer: in place, a slice each (XLA aliases the
+    buffer), on every profile's byte model."""
+    n, shape = 16, (64, 32)
+    slice_bytes = 64 * 32 * 4
+
+    def f(x):
+        def body(c, _):
+            c = jnp.tanh(c)
+            return c, c
+        _, stack = jax.lax.scan(body, x, None, length=n)  # [n, 64, 32]
+        return jax.lax.dynamic_slice_in_dim(stack, 3, 1)
+
+    def g(stack, upd):
+        return jax.lax.dynamic_update_slice_in_dim(stack, upd, 5, axis=0)
+
+    read = next(r for r in _rows(f, shape) if r.primitive == "dynamic_slice")
+    write = next(r for r in _rows(g, (n, *shape), (1, *shape))
+                 if r.primitive == "dynamic_update_slice")
+    for r in (read, write):
+        # read the slice (or the update) and write it, plus the int32 start indices;
+        # the whole stack would be n = 16 slices
+        assert r.bytes == pytest.approx(2 * slice_bytes, abs=4 * 3)
+        assert r.fused_bytes == pytest.approx(2 * slice_bytes, abs=4 * 3)
+        assert r.lib_bytes == r.fused_bytes
+
+
 def test_matmul_epilogue_fuses_but_a_second_matmul_does_not_join():
     def f(x, w, v):
         h = jnp.tanh(x @ w)          # dot + tanh epilogue: the f32 product is not written
@@ -129,3 +157,19 @@ def test_published_table_rows_all_price():
     for r in RUNS[:3]:
         out = evaluate(r)
         assert 0 < out["predicted_mfu"] < 1 and 0 < out["published_mfu"] < 1
+
+
+def test_rows_price_the_attention_kernel_and_chip_their_source_ran():
+    from bench.published import RUNS, profile
+
+    foundry = next(r for r in RUNS if r.name.startswith("llm-foundry") and r.hardware == "h100")
+    titan = next(r for r in RUNS if r.name.startswith("torchtitan"))
+    maxtext = next(r for r in RUNS if r.name.startswith("MaxText"))
+    for r in (foundry, titan):  # FlashAttention-2, not the profile's cuDNN kernel
+        assert profile(r).attention_eff == hardware.FLASH_ATTENTION_2[r.hardware]
+        assert profile(r).attention_eff < hardware.get("h100").attention_eff
+    assert profile(maxtext) == hardware.get(maxtext.hardware)
+    # torchtitan's hosts: 96 GB of HBM2e at 2.4 TB/s, the SXM5 tensor-core peak
+    gt, sxm = hardware.get(titan.hardware), hardware.get("h100")
+    assert (gt.hbm, gt.hbm_capacity) == (2.4e12, 96e9)
+    assert gt.peak_flops == sxm.peak_flops

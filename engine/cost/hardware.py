@@ -126,6 +126,11 @@ def _tpu(name, bf16, hbm, ici_one_way, fast_domain, capacity):
 # - A100: FlashAttention-2 (Dao 2023, arXiv:2307.08691): forward + backward at 50-73% of
 #   the A100's peak across its benchmarks, head dim 128 causal near the low end: 0.55.
 # Both count causal FLOPs as the tiles computed (price.causal_tile_fraction).
+# A run whose framework called an older kernel is priced at that kernel's rate
+# (`FLASH_ATTENTION_2`): FlashAttention-2 on H100 (no WGMMA / TMA, written for Ampere),
+# FlashAttention-3 paper, same figures, head dim 128: forward 362 / 368 / 370 TFLOP/s and
+# backward 291 / 310 / 318 at seq 2k / 4k / 8k -> fwd + bwd 308 / 325 / 331 ~ 0.32 of
+# 989. On A100 FlashAttention-2 is the kernel the profile already prices (0.55).
 # HBM per chip: 80 GB (A100-SXM4-80GB and H100-SXM5 datasheets).
 def _gpu(name, bf16, tf32, fp32, hbm, nvlink_dir, nic, matmul_eff, attention_eff):
     return Hardware(name, {"bfloat16": bf16, "float32": tf32}, fp32, hbm,
@@ -142,6 +147,17 @@ PROFILES = {
     "a100": _gpu("A100-SXM 80GB", 312e12, 156e12, 19.5e12, 2.039e12, 300e9, 25e9, 0.8, 0.55),
     "h100": _gpu("H100-SXM", 989e12, 494.7e12, 67e12, 3.35e12, 450e9, 50e9, 0.75, 0.52),
 }
+
+# Attention efficiency of FlashAttention-2 (the kernel PyTorch's SDPA flash backend and
+# flash-attn 2 run) per GPU profile, from the figures above.
+FLASH_ATTENTION_2 = {"h100": 0.32, "h100-gt": 0.32, "a100": 0.55}
+
+# H100 as torchtitan's benchmark pages describe their Grand Teton hosts: "96GB HBM2e with
+# 2.4 TB/sec peak memory bandwidth", run at a 500 W power limit (the SXM5 datasheet's is
+# 700 W). The tensor-core peak is the SXM5 figure: no published GEMM rate at 500 W, so
+# the lower clock the cap may force is not priced.
+PROFILES["h100-gt"] = dataclasses.replace(
+    PROFILES["h100"], name="H100 96GB HBM2e (Grand Teton)", hbm=2.4e12, hbm_capacity=96e9)
 
 # `python bench/calibrate.py` on this machine (2 Zen-5 cores, 8 forced devices, load
 # average ~5 from concurrent jobs) on 2026-11-22; used only when no calibration file
@@ -234,7 +250,7 @@ def _cpu(data: dict, source: str) -> Hardware:
 
 
 def get(name: str, calibration: Path | str | None = None) -> Hardware:
-    """Profile by command-line name: cpu | v4 | v5e | v5p | a100 | h100."""
+    """Profile by command-line name: cpu | v4 | v5e | v5p | a100 | h100 | h100-gt."""
     if name == "cpu":
         return cpu_profile(calibration)
     if name not in PROFILES:
