@@ -89,8 +89,10 @@ def single():
                 params=host(params))
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("zero,prefetch", CASES)
+# every level on fsdp4xtp2 (fsdp and tp both present) by default; the other layouts with -m slow
+@pytest.mark.parametrize("zero,prefetch,layout", [
+    pytest.param(z, p, lay, marks=() if lay == LAYOUTS[0] else pytest.mark.slow)
+    for lay in LAYOUTS for z, p in CASES])
 def test_matches_single_and_stores_as_the_level_says(zero, prefetch, layout, single):
     t = zero_trainer(layout, zero, prefetch)
     params, opt_state = place(t, single["init"])
