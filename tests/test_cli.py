@@ -5,12 +5,13 @@ import subprocess
 import sys
 
 import pytest
+from subprocess_env import cli_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def train(*args, timeout=600):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the CLI must force devices
+    env = cli_env()  # the CLI must force devices
     return subprocess.run([sys.executable, "-m", "engine.train", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)
 

@@ -16,6 +16,7 @@ import pytest
 from engine.config import TrainConfig
 from engine.optim import make_optimizer, schedule
 from engine.train import main
+from subprocess_env import cli_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CLI = ["--model", "tiny", "--layout", "single", "--steps", "2", "--batch", "2", "--seq", "8"]
@@ -103,7 +104,7 @@ def test_checked_metrics_file_is_not_left_behind(tmp_path):
 def interrupt_after(module, args, line_start, timeout=300):
     """Run `python -m module args`, send SIGINT once a stdout line starts with
     `line_start`; (exit code, stdout, stderr)."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = cli_env()
     proc = subprocess.Popen([sys.executable, "-m", module, *args], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     lines = []

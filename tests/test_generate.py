@@ -25,6 +25,7 @@ from engine.generate import generate
 from engine.layout import Layout
 from engine.params import param_specs
 from engine.step import Trainer
+from subprocess_env import cli_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CFG = model_config("tiny", n_heads=8, n_kv_heads=2, head_dim=8, dtype="f32", remat="none")
@@ -133,7 +134,7 @@ def test_sampling_is_reproducible_and_layout_invariant(trained):
 
 
 def run_cli(*args, timeout=300):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the CLI must force devices
+    env = cli_env()  # the CLI must force devices
     return subprocess.run([sys.executable, "-m", "engine.generate", *args], cwd=ROOT, env=env,
                           capture_output=True, timeout=timeout)
 

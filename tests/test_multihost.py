@@ -16,6 +16,7 @@ import pytest
 
 from engine import distributed
 from engine.train import UsageError, parse
+from subprocess_env import cli_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ARGS = ["--model", "tiny", "--layout", "fsdp4xtp2", "--batch", "8", "--seq", "32",
@@ -28,7 +29,7 @@ TIMEOUT = 600
 
 
 def environment() -> dict:
-    return {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the CLI forces devices
+    return cli_env()  # the CLI forces devices
 
 
 def train(tmp_path, name, *args, processes=1):

@@ -9,7 +9,7 @@ import pytest
 from engine.config import ParallelConfig, TrainConfig, model_config
 from engine.cost import hardware, memory
 from engine.cost.ledger import ledger, step_ledger
-from engine.cost.price import (attention_flops, causal_tile_fraction, predict, priced_rows,
+from engine.cost.price import (attention_flops, causal_tile_fraction, priced_rows,
                                ring_factor)
 from engine.layout import Layout
 

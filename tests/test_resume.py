@@ -13,6 +13,7 @@ import time
 import pytest
 
 from engine import checkpoint
+from subprocess_env import cli_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ARGS = ["--model", "tiny", "--layout", "fsdp4xtp2", "--batch", "8", "--seq", "32",
@@ -25,8 +26,7 @@ def command(tmp_path, *extra) -> list[str]:
 
 
 def environment(**extra) -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the CLI forces devices
-    return dict(env, **extra)
+    return cli_env(**extra)  # the CLI forces devices
 
 
 def metrics(tmp_path) -> list[dict]:
