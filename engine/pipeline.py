@@ -38,6 +38,7 @@ from jax import lax
 
 import collectives
 from engine import optim
+from layers import scopes
 from layers.axes import Axes
 
 IDLE, FORWARD, BACKWARD = 0, 1, 2
@@ -184,12 +185,19 @@ def run(stages: Stages, params, inputs_MBL, targets_MBL, x_shape, x_axes, axes: 
         else 0). Only the first stage embeds, only the last runs the head and loss
         (not at all without `with_loss`)."""
         model_p = seen(p)
-        x_BLD = lax.cond(first, lambda: _like(stages.embed(model_p, inputs_BL), x_axes),
-                         lambda: x_BLD)
+
+        def embed():
+            with jax.named_scope(scopes.PP_FIRST):
+                return _like(stages.embed(model_p, inputs_BL), x_axes)
+
+        def head():
+            with jax.named_scope(scopes.PP_LAST):
+                return _like(stages.head_loss(model_p, y_BLD, targets_BL), (pp,))
+
+        x_BLD = lax.cond(first, embed, lambda: x_BLD)
         y_BLD = _like(stages.blocks(model_p, x_BLD), x_axes)
         if not with_loss:
             return y_BLD, loss0
-        head = lambda: _like(stages.head_loss(model_p, y_BLD, targets_BL), (pp,))
         return y_BLD, lax.cond(last, head, lambda: loss0)
 
     zeros_x = _like(jnp.zeros(x_shape, jnp.float32), x_axes)
@@ -200,6 +208,7 @@ def run(stages: Stages, params, inputs_MBL, targets_MBL, x_shape, x_axes, axes: 
         carry.update(ct=buffer(the_plan.ct_slots), stash=buffer(the_plan.stash_slots),
                      grads=jax.tree.map(collectives.zeros_like, params))
 
+    @jax.named_scope(scopes.PP_TICK)
     def tick(c, t):
         kind, m = kind_TP[t, stage], mb_TP[t, stage]
         inputs_BL, targets_BL = inputs_MBL[m], targets_MBL[m]
@@ -207,6 +216,7 @@ def run(stages: Stages, params, inputs_MBL, targets_MBL, x_shape, x_axes, axes: 
         def idle(c):
             return zeros_x, zeros_x, c
 
+        @jax.named_scope(scopes.PP_FORWARD)
         def forward(c):
             # training: the loss is taken in the backward, which recomputes the stage
             x_BLD = c["x"][m % the_plan.x_slots]
@@ -216,6 +226,7 @@ def run(stages: Stages, params, inputs_MBL, targets_MBL, x_shape, x_axes, axes: 
                 c["stash"] = c["stash"].at[m % the_plan.stash_slots].set(x_BLD)
             return y_BLD, zeros_x, c
 
+        @jax.named_scope(scopes.PP_BACKWARD)
         def backward_(c):
             x_BLD = c["stash"][m % the_plan.stash_slots]
             ct_BLD = jnp.where(last, 0.0, c["ct"][m % the_plan.ct_slots])
