@@ -8,7 +8,8 @@ bound: T forwards and T backwards per device); the rows carry the pipeline scope
 first stage (the embedding) or the last (head and loss) runs. Here:
 
     unit(k, s)  = `price.predict` of the rows of unit k (forward / backward) as stage s
-                  runs them, once (trip count over T), with its own overlap model
+                  runs them, once (trip count over T), with its own overlap model; a
+                  slot of the pipeline's buffers is read and written in place
     tick(t)     = max over stages s of unit(kind[t, s], s)        (accelerators)
                   + the tick's own rows (the stage shifts' ppermutes, buffer writes)
     step        = sum over ticks of tick(t) + the rows outside the scan (grad
@@ -24,12 +25,16 @@ CPU devices, `hw.shared_host`) a stage's idle devices leave their cores to the b
 ones: a tick costs the mean over stages of their units' (each priced as if every device
 ran it) and idle stage-ticks cost no time.
 
-`bubble` = 1 - (stage time in units) / (pp x the pipeline's time), the fraction of
-stage time lost to idling, next to the schedule's idle stage-ticks.
+`bubble` = 1 - (stage time in units) / (pp x the lock-step pipeline's time), the
+fraction of its time a stage waits, next to the schedule's idle stage-ticks. On a shared
+host the devices wait just as much (bench/pipeline.py reads it off a profile), but the
+step's wall clock does not pay the wait in full, so there the bubble is not a fraction
+of the predicted step.
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 
@@ -52,7 +57,7 @@ class PipelinePrediction:
     tick_s: [T] each tick: its units (max, or mean on a shared host) + shift_s.
     shift_s: the tick's own rows (stage shifts, buffer writes), per tick.
     outside_s: the rows outside the tick scan (grad reductions, optimizer).
-    bubble: the fraction of stage time idle in the priced pipeline.
+    bubble: the fraction of a stage's time spent waiting, ticks in lock-step.
     schedule_bubble: the table's idle stage-ticks (`Plan.bubble()`)."""
 
     prediction: Prediction
@@ -73,13 +78,34 @@ def plan_for(layout, parallel) -> pipeline.Plan | None:
     pp = layout.degree("pp")
     if pp <= 1:
         return None
-    return pipeline.plan(pipeline.SCHEDULES[parallel.pp_schedule], pp, parallel.microbatches)
+    return pipeline.plan(pipeline.SCHEDULES[parallel.pp_schedule], pp, parallel.microbatches,
+                         virtual=parallel.pp_virtual)
+
+
+def _slot_bytes(row: Row) -> float:
+    """Bytes a read or write of one slot of the pipeline's buffers (stash, arrived
+    activations and cotangents: [slots, B, L, D], indexed along the first dim) moves
+    when done in place, as XLA does for a loop's carried buffers: the slot read and the
+    result written. The ledger prices such a `dynamic_slice` / `scatter` (`.at[].set`)
+    by its whole operands, which would charge GPipe's M-slot stash in full on every
+    forward and backward."""
+    slot = math.prod(row.shape[1:] if row.primitive == "scatter" else row.shape)
+    return 2.0 * slot * np.dtype(row.dtype).itemsize
 
 
 def _once(rows: list[Row], ticks: int) -> list[Row]:
-    """The rows with the tick scan's trip count taken out (one execution per tick)."""
+    """The rows with the tick scan's trip count taken out (one execution per tick), the
+    pipeline's own buffer slots read and written in place (`_slot_bytes`)."""
     assert all(r.count % ticks == 0 for r in rows), "a row inside the tick scan runs T times"
-    return [dataclasses.replace(r, count=r.count // ticks) for r in rows]
+    out = []
+    for r in rows:
+        r = dataclasses.replace(r, count=r.count // ticks)
+        if r.scope == "other" and r.primitive in ("dynamic_slice", "scatter"):
+            b = _slot_bytes(r)
+            r = dataclasses.replace(r, bytes=b, fused_bytes=b if r.fused_bytes >= 0 else -1.0,
+                                    lib_bytes=b if r.lib_bytes >= 0 else -1.0)
+        out.append(r)
+    return out
 
 
 def unit_rows(rows: list[Row], kind: int, stage: int, pp: int) -> list[Row]:
@@ -94,7 +120,7 @@ def predict_pipeline(rows: list[Row], hw, mesh_axes, the_plan: pipeline.Plan,
                      prefetch: bool = False) -> PipelinePrediction:
     """Price `rows` (the ledger of a pp step) tick by tick along `the_plan` (module doc)."""
     T, pp = the_plan.kind_TP.shape
-    M = int((the_plan.kind_TP == pipeline.FORWARD).sum(axis=0)[0])
+    M = int((the_plan.kind_TP == pipeline.FORWARD).sum(axis=0)[0])  # units: M x V
     inside = [r for r in rows if scopes.PP_TICK in r.pp]
     outside = [r for r in rows if scopes.PP_TICK not in r.pp]
     once = _once(inside, T)
@@ -107,9 +133,10 @@ def predict_pipeline(rows: list[Row], hw, mesh_axes, the_plan: pipeline.Plan,
     shift_s = predict(shift, hw, mesh_axes, prefetch).step_s
     out = predict(outside, hw, mesh_axes, prefetch)
     work_TP = unit_s[the_plan.kind_TP, np.arange(pp)[None, :]]  # [T, pp]
-    units_T = work_TP.mean(axis=1) if hw.shared_host else work_TP.max(axis=1)
+    lockstep_T = work_TP.max(axis=1)
+    units_T = work_TP.mean(axis=1) if hw.shared_host else lockstep_T
     tick_s = units_T + shift_s
-    bubble = 1.0 - work_TP.sum() / (pp * units_T.sum()) if units_T.sum() else 0.0
+    bubble = 1.0 - work_TP.sum() / (pp * lockstep_T.sum()) if lockstep_T.sum() else 0.0
     step_s = float(tick_s.sum()) + out.step_s
     # the report's rows: every unit's rows M times, the rest as traced
     shown = [dataclasses.replace(r, count=r.count * M) for r in once
@@ -132,9 +159,9 @@ def predict_step(rows: list[Row], hw, layout, parallel):
 
 # -- memory --------------------------------------------------------------------------------
 def stage_problem(cfg, tcfg, layout, parallel):
-    """(the model one stage runs on one microbatch, as a step without pp: N/pp layers,
-    the global batch / M, the layout without its pp axis; and the parallel config
-    with one microbatch)."""
+    """(the model one device holds, as a step without pp: N/pp layers, the global batch
+    / M, the layout without its pp axis; and the parallel config with one microbatch
+    and no pipeline)."""
     from engine.config import TrainConfig  # noqa: F401  (dataclasses.replace keeps the type)
     from engine.layout import Layout
 
@@ -142,7 +169,7 @@ def stage_problem(cfg, tcfg, layout, parallel):
     return (dataclasses.replace(cfg, n_layers=cfg.n_layers // pp),
             dataclasses.replace(tcfg, batch=tcfg.batch // parallel.microbatches),
             Layout(tuple(a for a in layout.axes if a[0] != "pp")),
-            dataclasses.replace(parallel, microbatches=1))
+            dataclasses.replace(parallel, microbatches=1, pp_schedule="1f1b", pp_virtual=1))
 
 
 def predict_memory(cfg, tcfg, layout, platform: str = "cpu", parallel=None):
@@ -173,6 +200,10 @@ def predict_memory(cfg, tcfg, layout, platform: str = "cpu", parallel=None):
                                    activation_spec("residual", slayout, spar.tp_comm),
                                    dict(slayout.mesh_axes()))
     x_micro = B * Lx * D * memory.F32
+    V = parallel.pp_virtual
+    if V > 1:  # a unit runs one chunk: N/(pp·V) layers' residuals (every item is per layer)
+        stage = dataclasses.replace(stage, residuals=stage.residuals // V, items={
+            k: v // V if k.startswith("residual") else v for k, v in stage.items.items()})
     items = {f"pipeline: stash, {the_plan.stash_slots} microbatches' stage inputs, held "
              f"twice": 2 * the_plan.stash_slots * x_micro,
              f"pipeline: shift buffers, {the_plan.x_slots} + {the_plan.ct_slots} "
