@@ -131,7 +131,8 @@ def main(argv=None) -> int:
     from engine.cost import report
     from engine.cost.ledger import step_ledger
     from engine.cost.price import mfu as mfu_of
-    from engine.cost.price import mfu_peak, model_flops, predict, predicted_mfu
+    from engine.cost.pipeline import predict_step
+    from engine.cost.price import mfu_peak, model_flops, predicted_mfu
 
     rows = step_ledger(cfg, tcfg, layout, parallel)
     measured, step_s, audit_clean = None, None, None
@@ -146,7 +147,7 @@ def main(argv=None) -> int:
             hw = in_run_profile(hw, rows, trainer.mesh.devices.flatten().tolist())
         dtype = "bfloat16" if cfg.dtype == "bf16" else "float32"
         hw = dataclasses.replace(hw, mfu_peak={dtype: run_peak(cfg, trainer)})
-    pred = predict(rows, hw, layout.mesh_axes(), prefetch=parallel.prefetch)
+    pred, pipe = predict_step(rows, hw, layout, parallel)
     if not mine.predict_only:
         step_s, measured, text = measure(cfg, tcfg, layout, trainer, tcfg.steps, mine.trace_steps)
         a = audit(rows, text, layout.mesh_axes(), "cpu")
@@ -165,6 +166,18 @@ def main(argv=None) -> int:
     if not hw.overlap:
         print("  (no overlap on this hardware: every collective is exposed; on forced CPU "
               "devices collectives run synchronously, so measured time is all exposed)")
+    if pipe is not None:
+        fwd, bwd = pipe.unit_s[1:].max(axis=1)
+        print(f"pipeline {parallel.pp_schedule}, pp={layout.degree('pp')}, "
+              f"M={parallel.microbatches}: {len(pipe.tick_s)} ticks of {pipe.tick_s.min():.4g}-"
+              f"{pipe.tick_s.max():.4g} s (slowest stage's forward {fwd:.4g} s, backward "
+              f"{bwd:.4g} s, shifts {pipe.shift_s:.4g} s); predicted bubble "
+              f"{pipe.bubble:.3f} of stage time, the schedule's idle stage-ticks "
+              f"{pipe.schedule_bubble:.3f}" + (" (a shared host: the step does not pay the "
+                                               "wait in full, idle stages leave their cores "
+                                               "to the busy ones)" if hw.shared_host else ""))
+        print("  (the tables above count each unit's rows M times, the first stage's "
+              "embedding and the last stage's loss alike; step s is the pipelined step)")
     mflops = model_flops(cfg, tcfg)
     mfu = predicted_mfu(pred, cfg, tcfg, hw, layout.size)
     meas_mfu = mfu_of(cfg, tcfg, hw, layout.size, step_s) if step_s else None
@@ -206,6 +219,8 @@ def main(argv=None) -> int:
             "audit_clean": audit_clean, "predicted_peak_bytes": peak_bytes, "fits": fits,
             "liveness_peak_bytes": live,
             "predicted_compute_s": pred.compute_s,
+            "predicted_bubble": None if pipe is None else pipe.bubble,
+            "schedule_bubble": None if pipe is None else pipe.schedule_bubble,
             "predicted_comm_s": pred.comm_s, "predicted_exposed_comm_s": pred.exposed_comm_s,
             "scopes": [dict(zip(["scope", "flops", "bytes", "intensity", "bound",
                                  "predicted_s", "measured_s", "error_fraction"], r))

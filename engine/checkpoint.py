@@ -361,7 +361,7 @@ def restore_params(ckpt: Checkpoint, trainer):
     """The params of `ckpt`, placed as `trainer`'s layout stores them."""
     check_model(ckpt, trainer.cfg)
     return _place(ckpt.params, param_shapes(trainer.cfg), trainer.specs, trainer.mesh,
-                  ckpt.path, "params")
+                  ckpt.path, "params", getattr(trainer, "layer_order", None))
 
 
 def restore(ckpt: Checkpoint, trainer) -> tuple:
@@ -369,10 +369,13 @@ def restore(ckpt: Checkpoint, trainer) -> tuple:
     opt_shapes = jax.eval_shape(trainer.tx.init, param_shapes(trainer.cfg))
     return (restore_params(ckpt, trainer),
             _place(ckpt.opt_state, opt_shapes, trainer.opt_specs, trainer.mesh, ckpt.path,
-                   "opt_state"))
+                   "opt_state", getattr(trainer, "layer_order", None)))
 
 
-def _place(saved: dict, shapes, specs, mesh, path: str, part: str):
+def _place(saved: dict, shapes, specs, mesh, path: str, part: str, layer_order=None):
+    """`saved` (the model's layer order) placed on `mesh` as `specs`; with a
+    `layer_order` (a circular pipeline's, `Trainer.layer_order`) the stacked blocks'
+    rows are taken in that order."""
     leaves, treedef = jax.tree_util.tree_flatten_with_path(shapes)
     spec_leaves = treedef.flatten_up_to(specs)
     keys = [jax.tree_util.keystr(p) for p, _ in leaves]
@@ -386,6 +389,8 @@ def _place(saved: dict, shapes, specs, mesh, path: str, part: str):
         if x.shape != want.shape or x.dtype != want.dtype:
             raise CheckpointError(f"checkpoint {path}: {part}{key} is {x.dtype}{list(x.shape)}, "
                                   f"the model needs {want.dtype}{list(want.shape)}")
+        if layer_order is not None and "['blocks']" in key:
+            x = x[layer_order]
         out.append(jax.make_array_from_callback(x.shape, NamedSharding(mesh, spec),
                                                 lambda index, x=x: x[index]))
     return jax.tree.unflatten(treedef, out)

@@ -70,7 +70,10 @@ class ParallelConfig:
     pp_schedule: the pipeline schedule over the pp axis (engine/pipeline.py
               `SCHEDULES`): gpipe = every forward, then every backward (M microbatches'
               stage inputs stashed per stage); 1f1b = one forward, one backward in the
-              steady state (at most pp stashed).
+              steady state (at most pp stashed); interleaved = `pp_virtual` chunks
+              of N/(pp·V) layers per device, device s running chunks s, s+pp, ...
+              (circular, GPipe order: V·M chunk inputs stashed).
+    pp_virtual: the chunks per device of the interleaved schedule (1 otherwise).
     """
 
     zero: int = 3
@@ -79,6 +82,7 @@ class ParallelConfig:
     cp_comm: str = "allgather"
     microbatches: int = 1
     pp_schedule: str = "1f1b"
+    pp_virtual: int = 1
 
 
 def model_config(preset: str, **overrides) -> ModelConfig:

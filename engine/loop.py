@@ -161,6 +161,7 @@ class Checkpoints:
 
         done = record["step"]
         if done % self.every == 0 or done == self.steps:
-            path = checkpoint.save(self.directory, done, session.params, session.opt_state,
-                                   self.meta, self.keep)
+            trainer = session.trainer  # saved in the model's layer order
+            path = checkpoint.save(self.directory, done, trainer.unstore(session.params),
+                                   trainer.unstore(session.opt_state), self.meta, self.keep)
             self.say(f"saved {path}")

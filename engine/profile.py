@@ -9,8 +9,9 @@ plugin: `tensorboard --logdir DIR`) and `<host>.trace.json.gz` (ui.perfetto.dev)
 table attributes the traced steps' median wall time to ledger categories as
 bench/roofline.py does (engine/cost/trace.py: op events, classified by the compiled
 step's HLO, split in proportion to summed op time) and sets the cost model's prediction
-beside it: `price.predict` on the ledger of the same step, on the `cpu` profile
-(engine/cost/hardware.py: the calibration file, else the built-in defaults).
+beside it: `price.predict` (with pp, `engine.cost.pipeline.predict_step` along the
+schedule) on the ledger of the same step, on the `cpu` profile (engine/cost/hardware.py:
+the calibration file, else the built-in defaults).
 """
 from __future__ import annotations
 
@@ -115,7 +116,7 @@ class Profile:
         from engine.cost import hardware, report, trace
         from engine.cost.audit import axes_by_groups
         from engine.cost.ledger import step_ledger
-        from engine.cost.price import predict
+        from engine.cost.pipeline import predict_step
 
         step_s = statistics.median(self.times)
         events = trace.op_events(self.directory)
@@ -128,7 +129,7 @@ class Profile:
             self.say(f"note: {e}; predicting with the built-in cpu defaults")
             hw = hardware.cpu_defaults()
         rows = step_ledger(self.cfg, self.tcfg, self.layout, self.parallel)
-        pred = predict(rows, hw, self.layout.mesh_axes(), prefetch=self.parallel.prefetch)
+        pred, _ = predict_step(rows, hw, self.layout, self.parallel)  # pp: along the table
         srows = report.scope_table(pred, measured, hw)
         crows = report.collective_table(pred, measured, self.layout.mesh_axes())
         head = (f"measured: median traced step {step_s:.4g} s split by op time; predicted: "

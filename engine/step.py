@@ -58,10 +58,18 @@ class Trainer:
         self._dims = fsdp_dims()
         self._model_axes = self.zero.model_axes(self.axes)  # what the model sees
         if self.axes.pp is not None:
-            m = parallel.microbatches
+            m, v = parallel.microbatches, parallel.pp_virtual
             schedule = pipeline.SCHEDULES[parallel.pp_schedule]
-            self.plan = pipeline.plan(schedule, self.axes.pp_size, m)
-            self.forward_plan = pipeline.plan(schedule, self.axes.pp_size, m, backward=False)
+            self.plan = pipeline.plan(schedule, self.axes.pp_size, m, virtual=v)
+            self.forward_plan = pipeline.plan(schedule, self.axes.pp_size, m, backward=False,
+                                              virtual=v)
+        # the model's layer at each row of the stored blocks (None: in order). Params,
+        # optimizer state and grads are stored so; checkpoints and `init` use the order
+        # of the model (`store` / `unstore`)
+        self.layer_order = None
+        if self.axes.pp is not None and parallel.pp_virtual > 1:
+            self.layer_order = pipeline.storage_order(cfg.n_layers, self.axes.pp_size,
+                                                      parallel.pp_virtual)
         shard = functools.partial(jax.shard_map, mesh=mesh)  # check_vma stays on
         self.train_step = jax.jit(
             shard(self._train_step, in_specs=(self.specs, self.opt_specs, self.batch_spec),
@@ -164,9 +172,26 @@ class Trainer:
         return params, opt_state, {"loss": loss, "grad_norm": grad_norm, **metrics}
 
     # -- host side --------------------------------------------------------------------
+    def store(self, tree):
+        """A tree of device arrays in the model's layer order (params, an optimizer
+        state) as this trainer stores it (`layer_order`), on the same shardings."""
+        return self._reorder(tree, self.layer_order)
+
+    def unstore(self, tree):
+        """The inverse of `store`: the model's layer order (for checkpoints, tests)."""
+        return self._reorder(tree, None if self.layer_order is None
+                             else np.argsort(self.layer_order))
+
+    def _reorder(self, tree, index):
+        if index is None:
+            return tree
+        shardings = jax.tree.map(lambda x: x.sharding, tree)
+        return jax.jit(lambda t: pipeline.reorder_blocks(t, index), out_shardings=shardings)(tree)
+
     def init(self, seed: int):
         """(params, opt_state), sharded; params are layout-invariant for a seed."""
-        params = init_params(self.cfg, self.layout, self.mesh, seed, self.zero.level)
+        params = self.store(init_params(self.cfg, self.layout, self.mesh, seed,
+                                        self.zero.level))
         shardings = jax.tree.map(lambda s: NamedSharding(self.mesh, s), self.opt_specs)
         opt_state = jax.jit(self.tx.init, out_shardings=shardings)(params)
         return params, opt_state

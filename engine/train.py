@@ -110,6 +110,9 @@ def build_parser(prog: str = "python -m engine.train", description: str | None =
     x.add_argument("--pp-schedule", default="1f1b", choices=list(validate.SCHEDULES),
                    help="on the pp axis: " + "; ".join(
                        f"{s.name}: {s.doc}" for s in validate.SCHEDULES.values()))
+    x.add_argument("--pp-virtual", type=int, default=1, metavar="V",
+                   help="--pp-schedule interleaved: layer chunks per device (circular: "
+                        "device s runs chunks s, s+pp, ...); layers divisible by pp x V")
     x.add_argument("--prefetch", action="store_true",
                    help="zero 3: gather layer i+1's weights before layer i's compute")
     t = group("training", "training")
@@ -174,7 +177,7 @@ def parse(argv, parser: argparse.ArgumentParser | None = None, auto: bool = Fals
                        warmup=args.warmup, seed=args.seed)
     parallel = ParallelConfig(zero=args.zero, prefetch=args.prefetch, tp_comm=args.tp_comm,
                               cp_comm=args.cp_comm, microbatches=args.microbatches,
-                              pp_schedule=args.pp_schedule)
+                              pp_schedule=args.pp_schedule, pp_virtual=args.pp_virtual)
     problems = validate.config_problems(cfg, tcfg, parallel) + _flag_problems(args, cfg, tcfg)
     if problems:
         raise UsageError("; ".join(problems))

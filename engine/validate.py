@@ -79,7 +79,7 @@ def layout_problems(cfg: ModelConfig, tcfg: TrainConfig, parallel: ParallelConfi
                         f"seq={tcfg.seq} not divisible by tp={tp}")
     problems.extend(cp_problems(cfg, tcfg, parallel, layout))
     problems.extend(microbatch_problems(tcfg, parallel, layout))
-    problems.extend(pp_problems(parallel, layout))
+    problems.extend(pp_problems(parallel, layout, cfg))
     if layout.degree("ep") > 1 and not cfg.moe:
         problems.append(f"ep={layout.degree('ep')} shards experts: the model has none "
                         f"(set --experts)")
@@ -107,12 +107,19 @@ def moe_problems(cfg: ModelConfig, parallel: ParallelConfig) -> list[str]:
     return problems
 
 
-def pp_problems(parallel: ParallelConfig, layout) -> list[str]:
+def pp_problems(parallel: ParallelConfig, layout, cfg) -> list[str]:
     """1F1B runs one forward ahead per stage: fewer microbatches than stages would leave
-    it GPipe with a longer name."""
-    pp, m = layout.degree("pp"), parallel.microbatches
+    it GPipe with a longer name. The interleaved schedule cuts each device's layers into
+    `pp_virtual` equal chunks."""
+    pp, m, v = layout.degree("pp"), parallel.microbatches, parallel.pp_virtual
     if pp > 1 and parallel.pp_schedule == "1f1b" and m < pp:
         return [f"--pp-schedule 1f1b needs microbatches >= pp: --microbatches {m} < pp={pp}"]
+    if v < 1:
+        return [f"pp_virtual={v} must be >= 1"]
+    if v > 1 and parallel.pp_schedule != "interleaved":
+        return [f"--pp-virtual {v} needs --pp-schedule interleaved"]
+    if parallel.pp_schedule == "interleaved" and pp > 1 and cfg.n_layers % (pp * v):
+        return [f"layers={cfg.n_layers} not divisible by pp x pp_virtual = {pp} x {v}"]
     return []
 
 

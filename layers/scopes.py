@@ -15,6 +15,16 @@ REDUCE_GRADS = "reduce_grads"  # grad reductions after the backward
 OPTIMIZER = "optimizer"  # the optimizer update
 LOGITS = "logits"  # decoding: final norm and the last token's logits
 
+# The pipeline's tick (engine/pipeline.py): its body, the unit each branch of its switch
+# runs, and the parts only the first / last stage runs (conds on the stage index).
+# Not in SCOPES (a row keeps its layer scope); the ledger records them in `Row.pp`.
+PP_TICK = "pp_tick"
+PP_FORWARD = "pp_forward"
+PP_BACKWARD = "pp_backward"
+PP_FIRST = "pp_first_stage"
+PP_LAST = "pp_last_stage"
+PP_SCOPES = (PP_TICK, PP_FORWARD, PP_BACKWARD, PP_FIRST, PP_LAST)
+
 # Outermost first: the order a name stack is searched in.
 SCOPES = (EMBED, GATHER_PARAMS, ATTENTION, MLP, LOSS, REDUCE_GRADS, OPTIMIZER)
 # Scopes inside the scanned blocks (run once per layer).

@@ -157,3 +157,26 @@ def test_predicted_mfu_uses_mfu_peak(tmp_path):
     pred = predict(step_ledger(cfg, tcfg, lay), hw, lay.mesh_axes())
     assert predicted_mfu(pred, cfg, tcfg, hw, 1) == pytest.approx(
         model_flops(cfg, tcfg) / (pred.step_s * 1e11))
+
+
+def test_pp_prediction_reports_the_bubble(tmp_path, capsys):
+    """--predict-only on a pp layout prices along the schedule: the JSON holds the
+    predicted bubble and the schedule's idle stage-ticks (p-1)/(M+p-1), the text says
+    both, and the step is the pipeline's prediction."""
+    from engine.cost.pipeline import predict_step
+    from engine.train import parse_or_exit
+
+    out_json = tmp_path / "out.json"
+    argv = ["--predict-only", "--model", "tiny", "--hardware", "h100", "--layout", "pp2xfsdp4",
+            "--microbatches", "4", "--pp-schedule", "gpipe", "--json", str(out_json)]
+    assert roofline.main(argv) == 0
+    out = capsys.readouterr().out
+    data = json.loads(out_json.read_text())
+    assert data["schedule_bubble"] == pytest.approx(1 / 5)
+    assert data["predicted_bubble"] >= data["schedule_bubble"]
+    assert "predicted bubble" in out
+    cfg, tcfg, par, lay, _ = parse_or_exit(argv, roofline.build_parser())
+    assert par.microbatches == 4 and par.pp_schedule == "gpipe"
+    pred, pipe = predict_step(step_ledger(cfg, tcfg, lay, par), hardware.get("h100"), lay, par)
+    assert data["predicted_step_s"] == pytest.approx(pred.step_s)
+    assert data["predicted_bubble"] == pytest.approx(pipe.bubble)

@@ -23,7 +23,7 @@ from jax._src.interpreters import partial_eval as pe
 from jax.extend import core as jcore
 
 from engine.cost.fusion import INLINED, Domain, canon, nbytes
-from layers.scopes import SCOPES  # the named scopes, outermost first
+from layers.scopes import PP_SCOPES, SCOPES  # the named scopes, outermost first
 
 # jaxpr primitive -> HLO collective kind. pvary moves nothing (it only marks a value as
 # per-device for check_vma) and lowers to no HLO op: its rows carry 0 bytes.
@@ -96,6 +96,9 @@ class Row:
     # "blocked": the row is inside the jnp flash kernel's key-block scan, which an
     # accelerator replaces by its own attention kernel (a `kind="attention"` row)
     kernel: str = ""
+    # the pipeline scopes (layers.scopes.PP_SCOPES) on the row's name stack, outermost
+    # first: which tick unit of engine/pipeline.py runs it (engine/cost/pipeline.py)
+    pp: tuple = ()
 
     @property
     def total_flops(self) -> float:
@@ -147,12 +150,17 @@ def _phase_scope(stack: source_info_util.NameStack) -> tuple[str, str]:
     return phase, scope
 
 
+def _pp_scopes(stack: source_info_util.NameStack) -> tuple[str, ...]:
+    return tuple(e.name for e in stack.stack
+                 if isinstance(e, source_info_util.Scope) and e.name in PP_SCOPES)
+
+
 def _axes(eqn) -> tuple[str, ...]:
     axes = eqn.params.get("axis_name", eqn.params.get("axes", ()))
     return tuple(axes) if isinstance(axes, (tuple, list)) else (axes,)
 
 
-def _collective_rows(eqn, phase, scope, count, mesh_shape) -> list[Row]:
+def _collective_rows(eqn, phase, scope, count, mesh_shape, pp=()) -> list[Row]:
     axes = _axes(eqn)
     size = math.prod(mesh_shape[a] for a in axes)
     kind = COLLECTIVES[eqn.primitive.name]
@@ -161,7 +169,7 @@ def _collective_rows(eqn, phase, scope, count, mesh_shape) -> list[Row]:
         buf = var_out.aval if eqn.primitive.name.startswith("all_gather") else var_in.aval
         moved = 0 if kind is None or size == 1 else _nbytes(buf)
         rows.append(Row(scope, phase, "collective", eqn.primitive.name, str(buf.dtype),
-                        tuple(buf.shape), 0.0, float(moved), count, axes, size))
+                        tuple(buf.shape), 0.0, float(moved), count, axes, size, pp=pp))
     return rows
 
 
@@ -209,7 +217,7 @@ def _fusion_sets(jaxpr) -> tuple[set, set]:
     return fused, spilled & fused
 
 
-def _compute_row(eqn, phase, scope, count, moved: float) -> Row:
+def _compute_row(eqn, phase, scope, count, moved: float, pp=()) -> Row:
     name = eqn.primitive.name
     ins = [v.aval for v in eqn.invars if hasattr(v.aval, "shape")]
     outs = [v.aval for v in eqn.outvars if hasattr(v.aval, "shape")]
@@ -226,7 +234,7 @@ def _compute_row(eqn, phase, scope, count, moved: float) -> Row:
         flops = float(elems) if name in ARITH else 0.0
         kind, dtype = "memory", str(out.dtype)
     return Row(scope, phase, kind, name, dtype, tuple(out.shape), flops, float(moved), count,
-               dot=dot)
+               dot=dot, pp=pp)
 
 
 def _sub_jaxprs(eqn):
@@ -241,7 +249,7 @@ def _sub_jaxprs(eqn):
                 yield item, mult
 
 
-def _kernel_row(eqn, phase, scope, count, body_rows) -> Row:
+def _kernel_row(eqn, phase, scope, count, body_rows, pp=()) -> Row:
     """The flash kernel an accelerator runs in place of the jnp key-block scan `eqn`:
     the scan's matmul FLOPs (every [L, T] tile of every key block), its operands and
     results as traffic, shape (J key blocks, T keys per block)."""
@@ -266,7 +274,7 @@ def _kernel_row(eqn, phase, scope, count, body_rows) -> Row:
     moved = sum(nbytes(v.aval) for v in (*eqn.invars, *eqn.outvars) if kernel_operand(v))
     dtype = next((r.dot[2] for r in body_rows if r.dot), "float32")
     return Row(scope, phase, "attention", "flash_attention", dtype,
-               (eqn.params["length"], block), flops, float(moved), count)
+               (eqn.params["length"], block), flops, float(moved), count, pp=pp)
 
 
 def _walk(jaxpr, stack, count, mesh_shape, rows, domain=None, alias=None, site=0):
@@ -306,14 +314,15 @@ def _walk(jaxpr, stack, count, mesh_shape, rows, domain=None, alias=None, site=0
                     r.kind == "matmul" and len(r.shape) == 5 for r in body):
                 # the key-block scan: its score tiles are [B, G, R, L, T]
                 rows[start:] = [dataclasses.replace(r, kernel="blocked") for r in body]
-                rows.append(_kernel_row(eqn, phase, scope, count, body))
+                rows.append(_kernel_row(eqn, phase, scope, count, body, _pp_scopes(here)))
             continue
         phase, scope = _phase_scope(here)
         if name in COLLECTIVES:
-            rows.extend(_collective_rows(eqn, phase, scope, count, mesh_shape))
+            rows.extend(_collective_rows(eqn, phase, scope, count, mesh_shape,
+                                         _pp_scopes(here)))
         else:
             rows.append(_compute_row(eqn, phase, scope, count,
-                                     _fusion_bytes(eqn, fused, spilled)))
+                                     _fusion_bytes(eqn, fused, spilled), _pp_scopes(here)))
             in_b, out_b = _io_bytes(eqn)
             ins = [(canon(v, alias, site), b) for v, b in zip(eqn.invars, in_b)]
             twin = domain.twin(name, eqn.params, [k for k, _ in ins]) if name in FUSIBLE \
@@ -341,7 +350,9 @@ def ledger(closed: jcore.ClosedJaxpr, layout) -> list[Row]:
     """Rows of every equation in the traced step, per device, with trip counts.
 
     while bodies count once (the step has none: layers scan, optax is loop-free) and
-    both branches of a cond are counted (an upper bound; the step has none either)."""
+    every branch of a cond is counted (an upper bound). The pipeline's tick scan
+    (engine/pipeline.py) is a switch over units and conds on the stage: its rows carry
+    the pipeline scopes (`Row.pp`) that engine/cost/pipeline.py prices per unit."""
     rows: list[Row] = []
     _walk(closed.jaxpr, source_info_util.NameStack(), 1, dict(layout.mesh_axes()), rows)
     return rows

@@ -188,6 +188,10 @@ cp4xfsdp2, cp2xfsdp2xtp2): allgather 0 to +6%, ring -6 to +1%. At seq 512 (tiny,
 single and cp2..cp8, f32 and bf16, `memory.predict` vs `memory.measure`)
 -2 to +11%, one device within 0.3% (it was -32 to -35% without this candidate).
 
+Pipeline parallelism (pp > 1): engine/cost/pipeline.py's `predict_memory`: one stage's
+backward unit on one microbatch, as the step without pp it equals, plus the pipeline's
+stash (GPipe's M stage inputs, 1F1B's pp), shift buffers and grads accumulator.
+
 `measure(compiled)` reads the compiled step's `memory_analysis()` and defines the
 measured peak as
 
@@ -307,6 +311,10 @@ def predict(cfg: ModelConfig, tcfg: TrainConfig, layout: Layout, platform: str =
     from engine.config import ParallelConfig
 
     par = trainer.parallel if trainer is not None else parallel or ParallelConfig()
+    if layout.degree("pp") > 1:  # one stage's backward unit and the pipeline's buffers
+        from engine.cost.pipeline import predict_memory
+
+        return predict_memory(cfg, tcfg, layout, platform, par)
     cp = layout.degree("cp")
     kernel = cp_kernel(cfg.attention) if cp > 1 else resolve_attention(cfg.attention, tcfg.seq)
     if cp > 1 and par.cp_comm == "ring":

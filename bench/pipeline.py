@@ -1,0 +1,213 @@
+"""Pipeline schedules on 8 host devices: the bubble and the peak memory, measured and predicted.
+
+    python bench/pipeline.py
+    python bench/pipeline.py --pp 2 --schedules 1f1b --json pipeline.json
+
+For each pp in --pp (layout pp{p}xfsdp{8/p}), M in {p, 2p, 4p} and each schedule
+(interleaved with --virtual chunks per device), the
+tiny model with 8 layers (f32, remat full; --batch rows of --seq tokens) compiles once
+and runs; one row per configuration:
+
+    bubble        (p-1)/(V·M+p-1) (V = 1 but for interleaved), the schedule's idle
+                  stage-ticks (`Plan.bubble()`) when pp divides M
+    idle meas.    the mean over devices of 1 - (time inside the pipeline's forward and
+                  backward units) / step time, read off a profiler trace of --trace-steps
+                  steps: per device, the union of the intervals of HLO ops whose
+                  `op_name` is under the `pp_forward` / `pp_backward` scopes
+    idle pred.    engine/cost/pipeline.py's `bubble` on the cpu profile: the fraction
+                  of its time a stage waits when every tick lasts its slowest stage's
+                  unit (the units priced on this host)
+    + shifts      the same with each tick lasting its slowest unit plus its shifts
+                  (the stage ppermutes and buffer writes outside the units, which the
+                  trace counts as idle)
+    h100 bubble   `bubble` with the units priced on an H100
+    step s        median wall clock of --steps steps; pred. = engine/cost/pipeline.py
+                  on the cpu profile (a shared host: a tick costs the mean of its units)
+    peak MiB      per device: `memory_analysis()` of the compiled step
+                  (engine/cost/memory.py `measure`) and `memory.predict`
+
+Forced host devices are threads sharing the host's cores: a stage with nothing to do in
+a tick gives its cores to the busy ones, so the wall clock does not show the bubble the
+way a chip per device would, and a busy unit is stretched by the other threads.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine.train import OneLineParser, force_host_devices  # noqa: E402
+
+MiB = 2 ** 20
+
+
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return int(text)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = OneLineParser(prog="python bench/pipeline.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--pp", nargs="+", type=int, default=[2, 4], choices=(2, 4, 8),
+                   help="pipeline degrees (layout pp{p}xfsdp{8/p})")
+    p.add_argument("--schedules", nargs="+", default=["gpipe", "1f1b", "interleaved"],
+                   choices=("gpipe", "1f1b", "interleaved"))
+    p.add_argument("--virtual", type=_positive, default=2,
+                   help="chunks per device of the interleaved schedule (8 layers: "
+                        "pp x V must divide 8)")
+    p.add_argument("--batch", type=_positive, default=32,
+                   help="global batch (divisible by fsdp x 4p)")
+    p.add_argument("--seq", type=_positive, default=32)
+    p.add_argument("--steps", type=_positive, default=3, help="steps timed")
+    p.add_argument("--trace-steps", type=_positive, default=2, help="steps profiled")
+    p.add_argument("--json", default=None, help="write the rows as JSON")
+    return p
+
+
+def unit_intervals(text: str, events) -> dict[int, float]:
+    """{device: seconds inside forward / backward units} from the trace's op events
+    (`engine.cost.trace.op_events`), nested ops (a stage cond inside a unit) counted
+    once: the union of their intervals."""
+    from engine.cost import hlo
+    from layers import scopes
+
+    module = hlo.parse(text)
+    first = {name: next((i.op_name for i in instrs if i.op_name), "")
+             for name, instrs in module.computations.items()}
+    units = {ins.name for ins in module.instructions()
+             if any(s in (ins.op_name or first.get(ins.callee, ""))
+                    for s in (scopes.PP_FORWARD, scopes.PP_BACKWARD))}
+    spans: dict[int, list] = {}
+    for op, dev, start, dur in events:
+        if op in units:
+            spans.setdefault(dev, []).append((start, start + dur))
+    busy = {}
+    for dev, iv in spans.items():
+        iv.sort()
+        total, end = 0, None
+        for a, b in iv:
+            if end is None or a > end:
+                total += b - a
+                end = b
+            elif b > end:
+                total += b - end
+                end = b
+        busy[dev] = total / 1e9
+    return busy
+
+
+def _with_shifts(pipe, the_plan) -> float:
+    """The predicted idle fraction of a device when every tick lasts its slowest unit
+    plus the tick's shifts (the ops outside the units, which the trace counts as idle)."""
+    import numpy as np
+
+    pp = pipe.unit_s.shape[1]
+    work_TP = pipe.unit_s[the_plan.kind_TP, np.arange(pp)[None, :]]
+    return 1 - work_TP.sum() / (pp * (work_TP.max(axis=1) + pipe.shift_s).sum())
+
+
+def run_one(cfg, tcfg, layout, par, args) -> dict:
+    import jax
+
+    from bench.timing import compiled_step, time_steps
+    from engine import pipeline
+    from engine.cost import hardware, memory, trace
+    from engine.cost.ledger import step_ledger
+    from engine.cost.pipeline import predict_step
+    from engine.step import Trainer
+
+    trainer = Trainer(cfg, tcfg, layout, layout.mesh(), par)
+    step, params, opt_state, tokens, _ = compiled_step(trainer)
+    measured_mem = memory.measure(step)["peak"]
+    predicted_mem = memory.predict(cfg, tcfg, layout, "cpu", parallel=par).peak
+    step_s, params, opt_state, _ = time_steps(step, params, opt_state, tokens, args.steps)
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d):
+            for _ in range(args.trace_steps):
+                params, opt_state, m = step(params, opt_state, tokens)
+                jax.block_until_ready(m)
+        events = trace.op_events(d)
+    busy = unit_intervals(step.as_text(), events)
+    wall = [e[2] for e in events], [e[2] + e[3] for e in events]
+    traced_s = (max(wall[1]) - min(wall[0])) / 1e9 / args.trace_steps
+    devices = [d.id for d in trainer.mesh.devices.flat]
+    idle = [1 - busy.get(d, 0.0) / args.trace_steps / traced_s for d in devices]
+    rows = step_ledger(cfg, tcfg, layout, par)
+    cpu, cpu_pipe = predict_step(rows, hardware.get("cpu"), layout, par)
+    _, h100 = predict_step(rows, hardware.get("h100"), layout, par)
+    pp, M = layout.degree("pp"), par.microbatches
+    V = par.pp_virtual
+    the_plan = pipeline.plan(pipeline.SCHEDULES[par.pp_schedule], pp, M, virtual=V)
+    return dict(pp=pp, microbatches=M, schedule=par.pp_schedule, virtual=V,
+                ticks=the_plan.ticks, bubble_formula=(pp - 1) / (V * M + pp - 1),
+                schedule_bubble=the_plan.bubble(),
+                measured_idle=statistics.mean(idle), measured_idle_min=min(idle),
+                measured_idle_max=max(idle), traced_step_s=traced_s,
+                measured_step_s=step_s, predicted_step_s=cpu.step_s,
+                predicted_idle=cpu_pipe.bubble,
+                predicted_idle_shifts=_with_shifts(cpu_pipe, the_plan),
+                h100_bubble=h100.bubble, stash_slots=the_plan.stash_slots,
+                measured_peak_bytes=measured_mem, predicted_peak_bytes=predicted_mem)
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    force_host_devices(8)
+    import dataclasses
+    import os
+
+    from tabulate import tabulate
+
+    from engine.config import ParallelConfig, TrainConfig, model_config
+    from engine.layout import Layout
+
+    cfg = model_config("tiny", dtype="f32", remat="full", n_layers=8)
+    tcfg = TrainConfig(batch=args.batch, seq=args.seq)
+    for pp in args.pp:  # every configuration checked before any compiles
+        if args.batch % (8 // pp * 4 * pp):
+            print(f"error: --batch {args.batch} is not divisible by fsdp x M = "
+                  f"{8 // pp} x {4 * pp}", file=sys.stderr)
+            return 2
+        if "interleaved" in args.schedules and 8 % (pp * args.virtual):
+            print(f"error: 8 layers are not divisible by pp x V = {pp} x {args.virtual}",
+                  file=sys.stderr)
+            return 2
+    out = []
+    for pp in args.pp:
+        layout = Layout.parse(f"pp{pp}xfsdp{8 // pp}")
+        for m in (pp, 2 * pp, 4 * pp):
+            for schedule in args.schedules:
+                v = args.virtual if schedule == "interleaved" else 1
+                par = ParallelConfig(microbatches=m, pp_schedule=schedule, pp_virtual=v)
+                out.append(run_one(cfg, tcfg, layout, par, args))
+                print(f"  done pp={pp} M={m} {schedule}", file=sys.stderr, flush=True)
+    load = os.getloadavg()
+    table = [[r["pp"], r["microbatches"],
+              r["schedule"] + (f" V={r['virtual']}" if r["virtual"] > 1 else ""), r["ticks"], f"{r['bubble_formula']:.3f}",
+              f"{r['measured_idle']:.3f} ({r['measured_idle_min']:.2f}-{r['measured_idle_max']:.2f})",
+              f"{r['predicted_idle']:.3f}", f"{r['predicted_idle_shifts']:.3f}", f"{r['h100_bubble']:.3f}", f"{r['measured_step_s']:.3g}", f"{r['predicted_step_s']:.3g}",
+              f"{r['measured_peak_bytes'] / MiB:.2f}", f"{r['predicted_peak_bytes'] / MiB:.2f}"]
+             for r in out]
+    print(f"tiny, 8 layers, f32, remat full, batch {args.batch}, seq {args.seq}; "
+          f"layouts pp{{p}}xfsdp{{8/p}} on 8 host devices; load average "
+          f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
+    print(tabulate(table, ["pp", "M", "schedule", "ticks", "bubble (p-1)/(VM+p-1)",
+                           "idle meas. (min-max)", "idle pred.", "+ shifts", "h100 bubble", "step s meas.",
+                           "step s pred.", "peak MiB meas.", "peak MiB pred."],
+                   disable_numparse=True))
+    if args.json:
+        Path(args.json).write_text(json.dumps(dict(
+            rows=out, load_average=load, config=dict(batch=args.batch, seq=args.seq,
+                                                     model=dataclasses.asdict(cfg))),
+            indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,215 @@
+"""Price a pipelined step (engine/pipeline.py) tick by tick from its schedule's table.
+
+The pipelined step is a scan over T ticks; in each, every stage runs one unit (idle, the
+forward of a microbatch or its backward) picked by `lax.switch`, then shifts its outputs
+to its neighbours. The ledger walks every branch of that switch on every tick (an upper
+bound: T forwards and T backwards per device); the rows carry the pipeline scopes
+(`Row.pp`, layers/scopes.py) that say which unit runs them and which parts only the
+first stage (the embedding) or the last (head and loss) runs. Here:
+
+    unit(k, s)  = `price.predict` of the rows of unit k (forward / backward) as stage s
+                  runs them, once (trip count over T), with its own overlap model; a
+                  slot of the pipeline's buffers is read and written in place
+    tick(t)     = max over stages s of unit(kind[t, s], s)        (accelerators)
+                  + the tick's own rows (the stage shifts' ppermutes, buffer writes)
+    step        = sum over ticks of tick(t) + the rows outside the scan (grad
+                  reductions, optimizer)
+
+The max is the ticks' lock-step: every stage waits for its neighbour's shift before the
+next tick. With unit times equal across ticks (GPipe's ticks are all forwards or all
+backwards) the step's pipeline part is (M + p - 1) x (forward + backward) and the idle
+fraction of a stage is the schedule's bubble (p - 1) / (M + p - 1) (`Plan.bubble()`);
+1F1B's ticks mix forwards and backwards across stages, so they run at the backward's
+pace and its time bubble is larger than its idle stage-ticks. On a shared host (forced
+CPU devices, `hw.shared_host`) a stage's idle devices leave their cores to the busy
+ones: a tick costs the mean over stages of their units' (each priced as if every device
+ran it) and idle stage-ticks cost no time.
+
+`bubble` = 1 - (stage time in units) / (pp x the lock-step pipeline's time), the
+fraction of its time a stage waits, next to the schedule's idle stage-ticks. On a shared
+host the devices wait just as much (bench/pipeline.py reads it off a profile), but the
+step's wall clock does not pay the wait in full, so there the bubble is not a fraction
+of the predicted step.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from engine import pipeline
+from engine.cost.ledger import Row
+from engine.cost.price import Prediction, predict
+from layers import scopes
+
+UNITS = {pipeline.FORWARD: scopes.PP_FORWARD, pipeline.BACKWARD: scopes.PP_BACKWARD}
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelinePrediction:
+    """A pipelined step's prediction, seconds.
+
+    prediction: as `price.predict`'s, its rows each unit's rows run M times (the first
+        stage's and the last stage's parts included) and the rest as traced; step_s is
+        the pipelined step (below), not compute + exposed communication.
+    unit_s: [3, pp] one unit (IDLE, FORWARD, BACKWARD) on each stage.
+    tick_s: [T] each tick: its units (max, or mean on a shared host) + shift_s.
+    shift_s: the tick's own rows (stage shifts, buffer writes), per tick.
+    outside_s: the rows outside the tick scan (grad reductions, optimizer).
+    bubble: the fraction of a stage's time spent waiting, ticks in lock-step.
+    schedule_bubble: the table's idle stage-ticks (`Plan.bubble()`)."""
+
+    prediction: Prediction
+    unit_s: np.ndarray
+    tick_s: np.ndarray
+    shift_s: float
+    outside_s: float
+    bubble: float
+    schedule_bubble: float
+
+    @property
+    def step_s(self) -> float:
+        return self.prediction.step_s
+
+
+def plan_for(layout, parallel) -> pipeline.Plan | None:
+    """The schedule table the step runs (as `Trainer` builds it), None without pp."""
+    pp = layout.degree("pp")
+    if pp <= 1:
+        return None
+    return pipeline.plan(pipeline.SCHEDULES[parallel.pp_schedule], pp, parallel.microbatches,
+                         virtual=parallel.pp_virtual)
+
+
+def _slot_bytes(row: Row) -> float:
+    """Bytes a read or write of one slot of the pipeline's buffers (stash, arrived
+    activations and cotangents: [slots, B, L, D], indexed along the first dim) moves
+    when done in place, as XLA does for a loop's carried buffers: the slot read and the
+    result written. The ledger prices such a `dynamic_slice` / `scatter` (`.at[].set`)
+    by its whole operands, which would charge GPipe's M-slot stash in full on every
+    forward and backward."""
+    slot = math.prod(row.shape[1:] if row.primitive == "scatter" else row.shape)
+    return 2.0 * slot * np.dtype(row.dtype).itemsize
+
+
+def _once(rows: list[Row], ticks: int) -> list[Row]:
+    """The rows with the tick scan's trip count taken out (one execution per tick), the
+    pipeline's own buffer slots read and written in place (`_slot_bytes`)."""
+    assert all(r.count % ticks == 0 for r in rows), "a row inside the tick scan runs T times"
+    out = []
+    for r in rows:
+        r = dataclasses.replace(r, count=r.count // ticks)
+        if r.scope == "other" and r.primitive in ("dynamic_slice", "scatter"):
+            b = _slot_bytes(r)
+            r = dataclasses.replace(r, bytes=b, fused_bytes=b if r.fused_bytes >= 0 else -1.0,
+                                    lib_bytes=b if r.lib_bytes >= 0 else -1.0)
+        out.append(r)
+    return out
+
+
+def unit_rows(rows: list[Row], kind: int, stage: int, pp: int) -> list[Row]:
+    """The rows unit `kind` runs on `stage`: its branch's, less the first stage's
+    embedding elsewhere than stage 0 and the head and loss elsewhere than the last."""
+    skip = ({scopes.PP_FIRST} if stage > 0 else set()) | (
+        {scopes.PP_LAST} if stage < pp - 1 else set())
+    return [r for r in rows if UNITS[kind] in r.pp and not skip & set(r.pp)]
+
+
+def predict_pipeline(rows: list[Row], hw, mesh_axes, the_plan: pipeline.Plan,
+                     prefetch: bool = False) -> PipelinePrediction:
+    """Price `rows` (the ledger of a pp step) tick by tick along `the_plan` (module doc)."""
+    T, pp = the_plan.kind_TP.shape
+    M = int((the_plan.kind_TP == pipeline.FORWARD).sum(axis=0)[0])  # units: M x V
+    inside = [r for r in rows if scopes.PP_TICK in r.pp]
+    outside = [r for r in rows if scopes.PP_TICK not in r.pp]
+    once = _once(inside, T)
+    unit_s = np.zeros((3, pp))
+    for kind in UNITS:
+        for s in range(pp):
+            part = unit_rows(once, kind, s, pp)
+            unit_s[kind, s] = predict(part, hw, mesh_axes, prefetch).step_s if part else 0.0
+    shift = [r for r in once if not set(UNITS.values()) & set(r.pp)]
+    shift_s = predict(shift, hw, mesh_axes, prefetch).step_s
+    out = predict(outside, hw, mesh_axes, prefetch)
+    work_TP = unit_s[the_plan.kind_TP, np.arange(pp)[None, :]]  # [T, pp]
+    lockstep_T = work_TP.max(axis=1)
+    units_T = work_TP.mean(axis=1) if hw.shared_host else lockstep_T
+    tick_s = units_T + shift_s
+    bubble = 1.0 - work_TP.sum() / (pp * lockstep_T.sum()) if lockstep_T.sum() else 0.0
+    step_s = float(tick_s.sum()) + out.step_s
+    # the report's rows: every unit's rows M times, the rest as traced
+    shown = [dataclasses.replace(r, count=r.count * M) for r in once
+             if set(UNITS.values()) & set(r.pp)]
+    shown += [dataclasses.replace(r, count=r.count * T) for r in shift] + outside
+    flat = predict(shown, hw, mesh_axes, prefetch)
+    return PipelinePrediction(dataclasses.replace(flat, step_s=step_s), unit_s, tick_s,
+                              shift_s, out.step_s, float(bubble), the_plan.bubble())
+
+
+def predict_step(rows: list[Row], hw, layout, parallel):
+    """(`Prediction` of the step, its `PipelinePrediction` or None): `price.predict`,
+    or with a pp axis `predict_pipeline` along the step's schedule."""
+    the_plan = plan_for(layout, parallel)
+    if the_plan is None:
+        return predict(rows, hw, layout.mesh_axes(), prefetch=parallel.prefetch), None
+    pipe = predict_pipeline(rows, hw, layout.mesh_axes(), the_plan, parallel.prefetch)
+    return pipe.prediction, pipe
+
+
+# -- memory --------------------------------------------------------------------------------
+def stage_problem(cfg, tcfg, layout, parallel):
+    """(the model one device holds, as a step without pp: N/pp layers, the global batch
+    / M, the layout without its pp axis; and the parallel config with one microbatch
+    and no pipeline)."""
+    from engine.config import TrainConfig  # noqa: F401  (dataclasses.replace keeps the type)
+    from engine.layout import Layout
+
+    pp = layout.degree("pp")
+    return (dataclasses.replace(cfg, n_layers=cfg.n_layers // pp),
+            dataclasses.replace(tcfg, batch=tcfg.batch // parallel.microbatches),
+            Layout(tuple(a for a in layout.axes if a[0] != "pp")),
+            dataclasses.replace(parallel, microbatches=1, pp_schedule="1f1b", pp_virtual=1))
+
+
+def predict_memory(cfg, tcfg, layout, platform: str = "cpu", parallel=None):
+    """The pipelined step's per-device peak (`memory.MemoryPrediction`): the peak falls
+    in a backward unit, the vjp of one stage on one microbatch, whose items are the
+    hand model's (engine/cost/memory.py) for the stage as a step of its own
+    (`stage_problem`: N/pp layers, one microbatch, its params, optimizer state and
+    grads as a stage stores them), plus what the pipeline's scan carries:
+
+        stash          2 x stash_slots x B_m·L_x·D·4   the stage inputs awaiting their
+                       backward (M slots under GPipe, pp under 1F1B), held twice: the
+                       switch's branches take the carry and return it (read off
+                       XLA:CPU: gpipe - 1f1b = 2 (M - pp) slots exactly, tiny at pp2 and
+                       pp4, M = 8 and 16)
+        shift buffers  2 x (x_slots + ct_slots) x B_m·L_x·D·4   arrived activations and
+                       cotangents, held the same way
+        grads          the scan carry's grads accumulator, f32 as differentiated (one
+                       more copy of the stage's grads beside the unit's)
+
+    B_m = this device's rows of one microbatch."""
+    from engine.cost import memory
+    from engine.params import activation_spec
+
+    the_plan = plan_for(layout, parallel)
+    scfg, stcfg, slayout, spar = stage_problem(cfg, tcfg, layout, parallel)
+    stage = memory.predict(scfg, stcfg, slayout, platform, parallel=spar)
+    B, Lx, D = memory._shard_shape((stcfg.batch, tcfg.seq, cfg.d_model),
+                                   activation_spec("residual", slayout, spar.tp_comm),
+                                   dict(slayout.mesh_axes()))
+    x_micro = B * Lx * D * memory.F32
+    V = parallel.pp_virtual
+    if V > 1:  # a unit runs one chunk: N/(pp·V) layers' residuals (every item is per layer)
+        stage = dataclasses.replace(stage, residuals=stage.residuals // V, items={
+            k: v // V if k.startswith("residual") else v for k, v in stage.items.items()})
+    items = {f"pipeline: stash, {the_plan.stash_slots} microbatches' stage inputs, held "
+             f"twice": 2 * the_plan.stash_slots * x_micro,
+             f"pipeline: shift buffers, {the_plan.x_slots} + {the_plan.ct_slots} "
+             f"microbatches, held twice": 2 * (the_plan.x_slots + the_plan.ct_slots) * x_micro,
+             "pipeline: grads accumulated over the microbatches (f32)": stage.grads}
+    extra = sum(items.values())
+    return dataclasses.replace(stage, residuals=stage.residuals + extra,
+                               items={**items, **stage.items},
+                               phase=f"{stage.phase} (one microbatch on one stage)")
