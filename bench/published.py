@@ -228,7 +228,6 @@ def profile(r: Run):
 
 def evaluate(r: Run) -> dict:
     """Predicted and published MFU (this engine's convention), peak HBM and fit."""
-    from engine.cost import hardware
     from engine.cost.fit import memory_fit
     from engine.cost.ledger import step_ledger
     from engine.cost.price import predict, predicted_mfu
