@@ -162,7 +162,6 @@ def stage_problem(cfg, tcfg, layout, parallel):
     """(the model one device holds, as a step without pp: N/pp layers, the global batch
     / M, the layout without its pp axis; and the parallel config with one microbatch
     and no pipeline)."""
-    from engine.config import TrainConfig  # noqa: F401  (dataclasses.replace keeps the type)
     from engine.layout import Layout
 
     pp = layout.degree("pp")
