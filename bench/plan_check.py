@@ -3,8 +3,8 @@
 
     python bench/plan_check.py --model small [--top 8] [--random 8] [--json out.json]
 
-Plans for the devices on the cpu profile (engine/plan.py; the calibration file if
-bench/calibrate.py wrote one, else the built-in defaults), then compiles and times the
+Plans for the devices on the cpu profile (engine/plan.py; `--calibration`, else the
+calibration file if bench/calibrate.py wrote one, else the built-in defaults), then compiles and times the
 planner's first `--top` candidates plus `--random` candidates drawn (seeded) from the
 rest of the ranked list: the median of `--timed-steps` steps after a warm-up
 (bench/timing.py). Prints each one's predicted and measured step and rank, the Spearman
@@ -36,6 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--sample-seed", type=int, default=0, help="seed of the random draw")
     g.add_argument("--timed-steps", type=int, default=3,
                    help="steps timed per candidate, after a warm-up")
+    g.add_argument("--calibration", default=None,
+                   help="cpu profile JSON (bench/calibrate.py --out); default: the one "
+                        "bench/calibrate.py writes, else the built-in defaults")
     g.add_argument("--json", default=None, help="write figures as JSON")
     p = train_parser(prog="python bench/plan_check.py", description=__doc__.split("\n\n")[0],
                      parents=[own], groups=("model", "training"))
@@ -99,7 +102,13 @@ def main(argv=None) -> int:
         print(f"error: {mine.devices} devices wanted, {len(jax.devices())} available "
               f"(XLA_FLAGS sets another count)", file=sys.stderr)
         return 2
-    hw = plan.hardware_profile("cpu")
+    from engine.cost.hardware import ProfileError
+
+    try:
+        hw = plan.hardware_profile("cpu", mine.calibration)
+    except ProfileError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     pinned = {"remat": mine.remat} if mine.remat else {}
     result = plan.plan(cfg, tcfg, mine.devices, hw, pinned=pinned, workers=2)
     if not result.ranked:

@@ -44,11 +44,22 @@ def published_candidate(run):
     return plan.Candidate(layout, parallel, cfg), tcfg
 
 
+def shown(c) -> dict:
+    """{switch: value} of the switches that apply to the candidate's layout."""
+    from engine import plan
+
+    par = c.parallel
+    return {s.name: v for s, v in zip(plan.SWITCHES, c.flags.values())
+            if s.applies(c.layout, par)}
+
+
 def changes(a, b) -> str:
-    """What b changes from a: layout and switches, `x -> y`."""
+    """What b changes from a: layout and the switches that apply to either, `x -> y`
+    (`-`: does not apply)."""
     out = [f"layout {a.layout} -> {b.layout}"] if str(a.layout) != str(b.layout) else []
-    fa, fb = a.flags, b.flags
-    out += [f"{k} {fa[k]} -> {fb[k]}" for k in fa if fa[k] != fb[k]]
+    fa, fb = shown(a), shown(b)
+    out += [f"{k} {fa.get(k, '-')} -> {fb.get(k, '-')}" for k in {**fa, **fb}
+            if fa.get(k, "-") != fb.get(k, "-")]
     return "; ".join(out) or "none"
 
 

@@ -277,17 +277,16 @@ def pool(workers: int):
 
 def _run(jobs: list, workers: int, executor=None) -> list:
     """`_price_program` over jobs: in `executor` if given, else in a `pool` of
-    `workers` (here when 1)."""
+    `workers` (here when 1). Jobs go out one at a time, those of more axes and switches
+    (longer traces) first, so no worker idles while another holds a queue."""
     if executor is None and workers <= 1:
         return [_price_program(j) for j in jobs]
-    # longest first: programs of more axes and switches trace longer
     order = sorted(range(len(jobs)), key=lambda i: -len(jobs[i][0][0].describe()))
-    chunk = max(1, len(jobs) // (8 * max(workers, 1)))
     if executor is None:
         with pool(workers) as ex:
-            done = list(ex.map(_price_program, [jobs[i] for i in order], chunksize=chunk))
+            done = list(ex.map(_price_program, [jobs[i] for i in order]))
     else:
-        done = list(executor.map(_price_program, [jobs[i] for i in order], chunksize=chunk))
+        done = list(executor.map(_price_program, [jobs[i] for i in order]))
     out = [None] * len(jobs)
     for i, r in zip(order, done):
         out[i] = r
