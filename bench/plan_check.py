@@ -4,9 +4,9 @@
     python bench/plan_check.py --model small [--top 8] [--random 8] [--json out.json]
 
 Plans for the devices on the cpu profile (engine/plan.py; `--calibration`, else the
-calibration file if bench/calibrate.py wrote one, else the built-in defaults), then compiles and times the
-planner's first `--top` candidates plus `--random` candidates drawn (seeded) from the
-rest of the ranked list: the median of `--timed-steps` steps after a warm-up
+calibration file if bench/calibrate.py wrote one, else the built-in defaults), then
+compiles and times the planner's first `--top` candidates plus `--random` candidates
+drawn (seeded) from the rest of the ranked list: the median of `--timed-steps` steps after a warm-up
 (bench/timing.py). Prints each one's predicted and measured step and rank, the Spearman
 rank correlation of predicted vs measured, and where the planner's first choice lands:
 `auto_vs_best` = measured step of the first choice / the best measured step. On a

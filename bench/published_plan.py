@@ -72,20 +72,20 @@ def search(run, hw, executor, max_tp: int, rounds: int) -> dict:
     pub, tcfg = published_candidate(run)
     n = pub.layout.size
     capacity = fit.capacity(hw, n)
-    pinned = {k: v for k, v in pub.flags.items()}
-    stage1, _ = plan.candidates(pub.cfg, tcfg, n, pinned, ("dp", "fsdp", "tp"),
+    stage1, _ = plan.candidates(pub.cfg, tcfg, n, pub.flags, ("dp", "fsdp", "tp"),
                                 {"tp": max_tp}, pub.parallel)
     stage1 = [c for c in stage1 if not all(c.layout.degree(a) > 1 for a in DATA_AXES)]
     seen: dict[tuple, object] = {}
     over: dict[tuple, int] = {}
-    programs = cached = 0
+    programs = cached = over_programs = 0
 
     def priced(cands):
-        nonlocal programs, cached
+        nonlocal programs, cached, over_programs
         fresh = [c for c in cands if (c.program, str(c.layout)) not in seen
                  and (c.program, str(c.layout)) not in over]
         ranked, out, p, h, _ = plan.price(fresh, tcfg, hw, n, capacity, executor=executor)
-        programs, cached = programs + p + len({c.program for c, _ in out}), cached + h
+        programs, cached = programs + p, cached + h
+        over_programs += len({c.program for c, _ in out})
         seen.update({(p.candidate.program, str(p.candidate.layout)): p for p in ranked})
         over.update({(c.program, str(c.layout)): peak for c, peak in out})
 
@@ -108,8 +108,8 @@ def search(run, hw, executor, max_tp: int, rounds: int) -> dict:
             break
         best = nxt
     return dict(name=run.name, hardware=run.hardware, chips=n, published=published,
-                published_over=pub_over, capacity=capacity, choice=best, programs=programs, cached=cached,
-                over=len(over))
+                published_over=pub_over, capacity=capacity, choice=best, programs=programs,
+                cached=cached, over_programs=over_programs)
 
 
 def describe(p) -> str:
@@ -146,7 +146,8 @@ def main(argv=None) -> int:
             out.append(search(r, hardware.get(r.hardware), executor, args.max_tp,
                               args.rounds))
             o = out[-1]
-            print(f"  {r.name}: {o['programs']} programs ({o['cached']} cached) in "
+            print(f"  {r.name}: {o['programs']} programs priced ({o['cached']} from the "
+                  f"cache), {o['over_programs']} over memory in "
                   f"{time.perf_counter() - t:.1f} s", file=sys.stderr, flush=True)
     rows = [[o["name"], describe(o["published"]) + (" (over HBM)" if o["published_over"] else ""),
              f"{100 * o['published'].mfu:.1f}", describe(o["choice"]),
@@ -158,7 +159,9 @@ def main(argv=None) -> int:
     slower = [o["name"] for o in out if o["choice"].step_s > o["published"].step_s]
     print(f"{len(out)} runs in {time.perf_counter() - t0:.0f} s: "
           f"{sum(o['programs'] for o in out)} programs priced "
-          f"({sum(o['cached'] for o in out)} from the ledger cache); the choice is predicted "
+          f"({sum(o['cached'] for o in out)} from the ledger cache), "
+          f"{sum(o['over_programs'] for o in out)} over memory (not traced); the choice is "
+          f"predicted "
           f"at least as fast as the published layout in {len(out) - len(slower)}"
           + (f" (not in: {', '.join(slower)})" if slower else ""))
     if args.json:
@@ -167,7 +170,8 @@ def main(argv=None) -> int:
             published=o["published"].record(), published_over_hbm=o["published_over"],
             choice=o["choice"].record(), changed=changes(o["published"].candidate,
                                                          o["choice"].candidate),
-            programs=o["programs"], programs_cached=o["cached"]) for o in out], indent=1))
+            programs=o["programs"], programs_cached=o["cached"],
+            programs_over_memory=o["over_programs"]) for o in out], indent=1))
     return 0
 
 
