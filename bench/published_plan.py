@@ -13,6 +13,8 @@ two stages, and always holds the published configuration itself:
 2. switches: from the fastest of stage 1, one switch changed at a time (zero, prefetch,
    tp-comm, remat; engine/plan.py `neighbours`), moving to the fastest while it
    improves, at most `--rounds` times.
+Prints the table, then for each run where the choice differs, `plan.why`: the compute
+and exposed-communication difference and the category holding most of it.
 Candidates the memory model puts over the chip's HBM are dropped; where it puts the
 published configuration itself over the HBM (it ran, so the memory model overestimates
 it), the bound is the published configuration's predicted peak instead (flagged in the
@@ -109,7 +111,7 @@ def search(run, hw, executor, max_tp: int, rounds: int) -> dict:
         best = nxt
     return dict(name=run.name, hardware=run.hardware, chips=n, published=published,
                 published_over=pub_over, capacity=capacity, choice=best, programs=programs,
-                cached=cached, over_programs=over_programs)
+                cached=cached, over_programs=over_programs, tcfg=tcfg, hw=hw)
 
 
 def describe(p) -> str:
@@ -156,6 +158,10 @@ def main(argv=None) -> int:
              changes(o["published"].candidate, o["choice"].candidate)] for o in out]
     print(tabulate(rows, ["run", "published", "pred MFU %", "planner's choice", "pred MFU %",
                           "speed-up", "changed"], disable_numparse=True))
+    for o in out:
+        if o["choice"].candidate != o["published"].candidate:
+            print(f"{o['name']}: " + plan.why(o["choice"], o["published"], o["tcfg"], o["hw"])
+                  .replace("#1 ", "the choice ").replace("#2 ", "the published "))
     slower = [o["name"] for o in out if o["choice"].step_s > o["published"].step_s]
     print(f"{len(out)} runs in {time.perf_counter() - t0:.0f} s: "
           f"{sum(o['programs'] for o in out)} programs priced "
