@@ -13,8 +13,8 @@ two stages, and always holds the published configuration itself:
 2. switches: from the fastest of stage 1, one switch changed at a time (zero, prefetch,
    tp-comm, remat; engine/plan.py `neighbours`), moving to the fastest while it
    improves, at most `--rounds` times.
-Prints the table, then for each run where the choice differs, `plan.why`: the compute
-and exposed-communication difference and the category holding most of it.
+Prints the table, then for each run where the choice differs, `engine.plan_report.why`:
+the compute and exposed-communication difference and the category holding most of it.
 Candidates the memory model puts over the chip's HBM are dropped; where it puts the
 published configuration itself over the HBM (it ran, so the memory model overestimates
 it), the bound is the published configuration's predicted peak instead (flagged in the
@@ -139,6 +139,7 @@ def main(argv=None) -> int:
 
     from engine import plan
     from engine.cost import hardware
+    from engine.plan_report import why
 
     t0 = time.perf_counter()
     out = []
@@ -160,7 +161,7 @@ def main(argv=None) -> int:
                           "speed-up", "changed"], disable_numparse=True))
     for o in out:
         if o["choice"].candidate != o["published"].candidate:
-            print(f"{o['name']}: " + plan.why(o["choice"], o["published"], o["tcfg"], o["hw"])
+            print(f"{o['name']}: " + why(o["choice"], o["published"], o["tcfg"], o["hw"])
                   .replace("#1 ", "the choice ").replace("#2 ", "the published "))
     slower = [o["name"] for o in out if o["choice"].step_s > o["published"].step_s]
     print(f"{len(out)} runs in {time.perf_counter() - t0:.0f} s: "

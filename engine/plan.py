@@ -15,8 +15,10 @@ engine/cost/price.py).
 
 Speed: a step's ledger depends on the axis sizes and the switches, not on the order of
 the axes (the order only picks, in pricing, the link tier a collective runs over), so
-each distinct program (`Candidate.program`) is traced once on an AbstractMesh, in worker
-processes, and priced there for every order.
+each distinct program (`Candidate.program`) is traced once on an AbstractMesh, in a pool
+of worker processes (`pool`), and priced there for every order. `price` takes any
+candidate list, so a restricted search (`layouts` over some roles, `neighbours`) reuses
+it.
 """
 from __future__ import annotations
 
@@ -175,7 +177,7 @@ def neighbours(cand: Candidate, tcfg: TrainConfig) -> list[Candidate]:
     """The runnable candidates that differ from `cand` in one switch (in every order of
     its axes): a switch that stops applying goes back to its default."""
     out = []
-    for i, s in enumerate(SWITCHES):
+    for s in SWITCHES:
         if not s.applies(cand.layout, cand.parallel):
             continue
         current = cand.flags[s.name]
@@ -306,7 +308,7 @@ def price(cands: list, tcfg: TrainConfig, hw, n: int, capacity: float | None,
         groups.setdefault(c.program, []).append(c)
     jobs = [(group, tcfg, hw, capacity) for group in groups.values()]
     if executor is None:
-        workers = min(workers, max(1, len(jobs) // 8))  # a worker costs a jax import
+        workers = min(workers, max(1, len(jobs) // 8))  # a pool costs its server's imports
     ranked, over, programs, cached = [], [], 0, 0
     for (group, *_), (priced, hit, peak) in zip(jobs, _run(jobs, workers, executor)):
         if priced is None:
@@ -337,52 +339,8 @@ def plan(cfg: ModelConfig, tcfg: TrainConfig, n: int, hw, hbm_bytes: float | Non
                 time.perf_counter() - t0)
 
 
-def _categories(pred) -> dict:
-    """Seconds on the critical path per category: compute by scope, exposed
-    collectives by kind and axes."""
-    from engine.cost.ledger import COLLECTIVES
-
-    out: dict[str, float] = {}
-    for p in pred.rows:
-        r = p.row
-        if r.kind == "collective":
-            if COLLECTIVES.get(r.primitive) is None:
-                continue
-            key, t = f"{COLLECTIVES[r.primitive]} over {','.join(sorted(r.axes))}", p.exposed
-        else:
-            key, t = f"{r.scope} compute", p.seconds
-        out[key] = out.get(key, 0.0) + t
-    return out
-
-
-def why(first: Priced, second: Priced, tcfg: TrainConfig, hw) -> str:
-    """One line: by how much the first beats the second, split into compute and exposed
-    communication, and the category where most of the difference is."""
-    a, b = (predict_candidate(p.candidate, tcfg, hw) for p in (first, second))
-    ca, cb = _categories(a), _categories(b)
-    diffs = {k: cb.get(k, 0.0) - ca.get(k, 0.0) for k in {*ca, *cb}}
-    top = max(diffs, key=lambda k: abs(diffs[k]))
-    gap = second.step_s - first.step_s
-    return (f"#1 {first.candidate.describe()} beats #2 {second.candidate.describe()} by "
-            f"{gap:.4g} s ({100 * gap / second.step_s:.1f}%): #2 spends "
-            f"{b.compute_s - a.compute_s:+.4g} s on compute and "
-            f"{b.exposed_comm_s - a.exposed_comm_s:+.4g} s on exposed communication, most "
-            f"in {top} ({diffs[top]:+.4g} s)")
-
-
 def gib(x) -> str:
     return "-" if x is None else f"{x / 2**30:.3g} GiB" if x >= 2**30 else f"{x / 2**20:.3g} MiB"
-
-
-def table(ranked: list, top: int) -> str:
-    from tabulate import tabulate
-
-    rows = [[i + 1, str(p.candidate.layout),
-             " ".join(f"{k}={v}" for k, v in p.candidate.flags.items()),
-             f"{p.step_s:.4g}", f"{100 * p.mfu:.1f}%", gib(p.peak_bytes),
-             f"{p.exposed_comm_s:.4g}"] for i, p in enumerate(ranked[:top])]
-    return tabulate(rows, ["#", "layout", "switches", "step s", "MFU", "peak/device",
-                           "exposed comm s"], disable_numparse=True)
 
 
 def hardware_profile(name: str, calibration=None, say=print):
@@ -513,6 +471,8 @@ def main(argv=None) -> int:
           f"{result.programs - result.cached} traced with {result.workers} worker(s), "
           f"{result.cached} from the ledger cache) in {result.seconds:.1f} s; {len(result.refused)} "
           f"refused by engine.validate, {len(result.over)} over memory")
+    from engine.plan_report import table, why
+
     print(table(result.ranked, mine.top))
     if len(result.ranked) > 1:
         print(why(result.ranked[0], result.ranked[1], tcfg, hw))
