@@ -288,3 +288,26 @@ def test_ledger_cache_returns_what_a_trace_gives(tmp_path, monkeypatch):
     assert not hit
     monkeypatch.setenv("SHARDWISE_LEDGER_CACHE", "off")
     assert cache.step_ledger(cfg, tcfg, a, par) == (rows, False)
+
+
+def test_published_plan_names_what_changed_and_refuses_bad_flags(capsys):
+    from bench import published_plan
+
+    cfg = model_config("small")
+    cand = lambda text, remat="none", **par: plan.Candidate(
+        Layout.parse(text), validate.ParallelConfig(**par), dataclasses.replace(cfg, remat=remat))
+    a = cand("fsdp4xtp2", zero=3, prefetch=True, tp_comm="sequence")
+    assert published_plan.changes(a, a) == "none"
+    # tp-comm stops applying on fsdp8 ("-"); zero does not apply to dp8
+    assert published_plan.changes(a, cand("fsdp8", "dots", zero=3)) == (
+        "layout fsdp4xtp2 -> fsdp8; prefetch True -> False; tp_comm sequence -> -; "
+        "remat none -> dots")
+    # prefetch applies under zero 3 only
+    assert published_plan.changes(cand("dp8"), cand("fsdp8", zero=2)) == (
+        "layout dp8 -> fsdp8; zero - -> 2")
+    assert published_plan.changes(cand("dp8"), cand("fsdp8", zero=3)) == (
+        "layout dp8 -> fsdp8; zero - -> 3; prefetch - -> False")
+    for argv, word in ((["--rounds", "-1"], "rounds=-1"), (["--only", "no such run"], "no run")):
+        assert published_plan.main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and err.count("\n") == 1 and word in err, err
