@@ -8,8 +8,7 @@ worker runs: the memory model (engine/cost/fit.py), the trace on an AbstractMesh
 (engine/cost/ledger.py `trace_step`), the walk into ledger rows (`ledger`) and the
 pricing of every order (engine/cost/price.py). Prints CPU seconds (process time, so
 other jobs on shared cores inflate it less than wall clock) per program for each, the
-imports a fresh worker needs (the pool's forkserver pays them once), and what the
-sampled mean gives for all programs on `--workers` cores.
+imports a fresh worker needs (once per worker), and what the sampled mean gives for all programs on `--workers` cores.
 """
 from __future__ import annotations
 
@@ -23,6 +22,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.train import build_parser as train_parser  # noqa: E402
 from engine.train import parse_or_exit  # noqa: E402
+
+WORKER_IMPORTS = ("engine.plan", "engine.cost.cache", "engine.cost.ledger", "engine.cost.price",
+                  "engine.cost.fit", "engine.cost.memory", "engine.step")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -54,10 +56,10 @@ def main(argv=None) -> int:
     from engine.cost.ledger import ledger, trace_step
     from engine.cost.price import predict
 
-    # what a fresh worker would import before its first job (the pool's server does once)
+    # what a fresh worker imports before its first job
     imports = float(subprocess.run(
         [sys.executable, "-c", "import time; t = time.process_time(); import "
-         + ", ".join(plan.PRELOAD) + "; print(time.process_time() - t)"],
+         + ", ".join(WORKER_IMPORTS) + "; print(time.process_time() - t)"],
         capture_output=True, text=True, check=True, cwd=Path(__file__).resolve().parents[1],
         env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}).stdout)
 
@@ -88,7 +90,7 @@ def main(argv=None) -> int:
     total = sum(per.values())
     print(f"{len(ok)} candidates, {len(groups)} programs; {n} sampled (every {every}th); "
           f"load average {os.getloadavg()[0]:.1f}")
-    print(f"imports of a fresh worker (plan.PRELOAD) {imports:.2f} CPU-s; per program: "
+    print(f"imports of a fresh worker {imports:.2f} CPU-s; per program: "
           + ", ".join(f"{k} {v:.3f}" for k, v in per.items())
           + f" = {total:.3f} CPU-s ({100 * per['trace'] / total:.0f}% tracing)")
     print(f"all {len(groups)} programs: {total * len(groups):.0f} CPU-s, "
