@@ -168,7 +168,7 @@ def test_json_holds_the_ranked_candidates(planned):
 
 
 def test_worker_processes_price_as_this_process_does():
-    """The pool's workers (forked from a server that preloaded jax) rank and price the
+    """The pool's workers (spawned processes) rank and price the
     candidates exactly as pricing in this process does."""
     cfg, tcfg = model_config("tiny"), TrainConfig(batch=4, seq=32)
     hw = plan.hardware_profile("cpu", say=lambda s: None)
