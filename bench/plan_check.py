@@ -3,11 +3,12 @@
 
     python bench/plan_check.py --model small [--top 8] [--random 8] [--json out.json]
 
-Plans for the devices on the cpu profile (engine/plan.py; the calibration file if
-bench/calibrate.py wrote one, else the built-in defaults), then compiles and times the
-planner's first `--top` candidates plus `--random` candidates drawn (seeded) from the
-rest of the ranked list: the median of `--timed-steps` steps after a warm-up
-(bench/timing.py). Prints each one's predicted and measured step and rank, the Spearman
+Plans for the devices on the cpu profile (engine/plan.py; `--calibration`, else the
+calibration file if bench/calibrate.py wrote one, else the built-in defaults), then
+compiles and times the planner's first `--top` candidates plus `--random` candidates
+drawn (seeded) from the rest of the ranked list: the median of `--timed-steps` steps after a warm-up
+(bench/timing.py), with `--rounds R` timed R times round robin and the fastest round
+kept. Prints each one's predicted and measured step and rank, the Spearman
 rank correlation of predicted vs measured, and where the planner's first choice lands:
 `auto_vs_best` = measured step of the first choice / the best measured step. On a
 shared machine the measured steps are noisy; compare runs, not single figures.
@@ -17,6 +18,8 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
+import os
 import random
 import sys
 from pathlib import Path
@@ -36,6 +39,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--sample-seed", type=int, default=0, help="seed of the random draw")
     g.add_argument("--timed-steps", type=int, default=3,
                    help="steps timed per candidate, after a warm-up")
+    g.add_argument("--rounds", type=int, default=1,
+                   help="time every candidate this many times, round robin, and keep each "
+                        "one's fastest round (other jobs on shared cores only slow a step)")
+    g.add_argument("--calibration", default=None,
+                   help="cpu profile JSON (bench/calibrate.py --out); default: the one "
+                        "bench/calibrate.py writes, else the built-in defaults")
     g.add_argument("--json", default=None, help="write figures as JSON")
     p = train_parser(prog="python bench/plan_check.py", description=__doc__.split("\n\n")[0],
                      parents=[own], groups=("model", "training"))
@@ -67,22 +76,43 @@ def spearman(a, b) -> float:
     return float((ra * rb).sum() / denom) if denom else float("nan")
 
 
-def measure(cand, tcfg, steps: int) -> float:
-    """Median measured step seconds of one candidate on the host devices."""
-    from bench.timing import compiled_step, time_steps
+def compiled(cand, tcfg):
+    """(compiled step, params, opt_state, tokens) of one candidate on the host devices."""
+    from bench.timing import compiled_step
     from engine.step import Trainer
 
     trainer = Trainer(cand.cfg, tcfg, cand.layout, cand.layout.mesh(), cand.parallel)
     step, params, opt_state, tokens, _ = compiled_step(trainer)
-    step_s, *_ = time_steps(step, params, opt_state, tokens, steps)
-    del step, params, opt_state, tokens, trainer
-    gc.collect()
-    return step_s
+    return step, params, opt_state, tokens
+
+
+def measure(cands, tcfg, steps: int, rounds: int, say=print) -> list[float]:
+    """Each candidate's measured step seconds: the median of `steps` steps after a
+    warm-up (bench/timing.py), timed `rounds` times round robin (every compiled step
+    kept), the fastest round kept."""
+    from bench.timing import time_steps
+
+    best = [math.inf] * len(cands)
+    held = [None] * len(cands)
+    for r in range(rounds):
+        for i, p in enumerate(cands):
+            if held[i] is None:
+                held[i] = compiled(p.candidate, tcfg)
+            step, params, opt_state, tokens = held[i]
+            step_s, params, opt_state, _ = time_steps(step, params, opt_state, tokens, steps)
+            held[i] = step, params, opt_state, tokens
+            if rounds == 1:
+                held[i] = None
+                gc.collect()
+            best[i] = min(best[i], step_s)
+            say(f"  round {r + 1}/{rounds}, {i + 1}/{len(cands)} {p.candidate.describe()}: "
+                f"predicted {p.step_s:.4g} s, measured {step_s:.4g} s", flush=True)
+    return best
 
 
 def main(argv=None) -> int:
     cfg, tcfg, _, _, mine = parse_or_exit(argv, build_parser())
-    minimum = {"devices": 1, "top": 1, "random": 0, "timed_steps": 1}
+    minimum = {"devices": 1, "top": 1, "random": 0, "timed_steps": 1, "rounds": 1}
     problems = [f"{k}={getattr(mine, k)} must be >= {m}" for k, m in minimum.items()
                 if getattr(mine, k) < m]
     if problems:
@@ -99,7 +129,13 @@ def main(argv=None) -> int:
         print(f"error: {mine.devices} devices wanted, {len(jax.devices())} available "
               f"(XLA_FLAGS sets another count)", file=sys.stderr)
         return 2
-    hw = plan.hardware_profile("cpu")
+    from engine.cost.hardware import ProfileError
+
+    try:
+        hw = plan.hardware_profile("cpu", mine.calibration)
+    except ProfileError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     pinned = {"remat": mine.remat} if mine.remat else {}
     result = plan.plan(cfg, tcfg, mine.devices, hw, pinned=pinned, workers=2)
     if not result.ranked:
@@ -110,12 +146,10 @@ def main(argv=None) -> int:
     chosen += random.Random(mine.sample_seed).sample(rest, min(mine.random, len(rest)))
     print(f"plan: {len(result.ranked)} candidates in {result.seconds:.1f} s on {hw.name} "
           f"({hw.source}); measuring {len(chosen)} on {mine.devices} host devices, "
-          f"{mine.timed_steps} steps each")
-    measured = []
-    for i, p in enumerate(chosen):
-        measured.append(measure(p.candidate, tcfg, mine.timed_steps))
-        print(f"  {i + 1}/{len(chosen)} {p.candidate.describe()}: predicted "
-              f"{p.step_s:.4g} s, measured {measured[-1]:.4g} s", flush=True)
+          f"{mine.timed_steps} steps each, {mine.rounds} round(s)")
+    load = [os.getloadavg()[0]]
+    measured = measure(chosen, tcfg, mine.timed_steps, mine.rounds)
+    load.append(os.getloadavg()[0])
     predicted = [p.step_s for p in chosen]
     pr, mr = ranks(predicted), ranks(measured)
     rows = [[i + 1 if i < mine.top else "random", p.candidate.describe(),
@@ -128,10 +162,12 @@ def main(argv=None) -> int:
     auto_vs_best = measured[0] / min(measured)
     print(f"Spearman {rho:.3f} over {len(chosen)} candidates; the first choice measured "
           f"{measured[0]:.4g} s, rank {mr[0]:g} of {len(chosen)}: auto_vs_best "
-          f"{auto_vs_best:.3f} (noisy: the machine's cores are shared)")
+          f"{auto_vs_best:.3f} (load average {load[0]:.1f} before, {load[1]:.1f} after "
+          f"measuring: timings on shared cores are noisy)")
     if mine.json:
         Path(mine.json).write_text(json.dumps({
             "spearman": rho, "auto_vs_best": auto_vs_best, "hardware_source": hw.source,
+            "timed_steps": mine.timed_steps, "rounds": mine.rounds, "load_average": load,
             "candidates": [dict(p.record(), measured_step_s=m, predicted_rank=float(a),
                                 measured_rank=float(b))
                            for p, m, a, b in zip(chosen, measured, pr, mr)]}, indent=1))

@@ -15,8 +15,10 @@ engine/cost/price.py).
 
 Speed: a step's ledger depends on the axis sizes and the switches, not on the order of
 the axes (the order only picks, in pricing, the link tier a collective runs over), so
-each distinct program (`Candidate.program`) is traced once on an AbstractMesh, in worker
-processes, and priced there for every order.
+each distinct program (`Candidate.program`) is traced once on an AbstractMesh, in a pool
+of worker processes (`pool`), and priced there for every order. `price` takes any
+candidate list, so a restricted search (`layouts` over some roles, `neighbours`) reuses
+it.
 """
 from __future__ import annotations
 
@@ -118,24 +120,34 @@ def factorisations(n: int, names: tuple[str, ...] = AXIS_ROLES) -> list[dict]:
     return out
 
 
-def layouts(n: int) -> list[Layout]:
-    """Every factorisation of n devices in every order of its axes."""
+def layouts(n: int, names: tuple[str, ...] = AXIS_ROLES, limits: dict | None = None
+            ) -> list[Layout]:
+    """Every factorisation of n devices over the roles `names` in every order of its
+    axes; limits: {role: largest size} leaves out factorisations past them."""
+    limits = limits or {}
     return [Layout(tuple((r, f[r]) for r in order))
-            for f in factorisations(n) for order in itertools.permutations(f)]
+            for f in factorisations(n, names)
+            if all(f.get(r, 1) <= m for r, m in limits.items())
+            for order in itertools.permutations(f)]
 
 
-def switch_settings(cfg: ModelConfig, layout: Layout, pinned: dict) -> list[tuple]:
-    """Every (ParallelConfig, ModelConfig) of the switches for `layout`; a switch named
-    in `pinned` keeps that value."""
-    settings = [(ParallelConfig(), cfg)]
+def switch_settings(cfg: ModelConfig, layout: Layout, pinned: dict,
+                    base: ParallelConfig = ParallelConfig()) -> list[tuple]:
+    """Every (ParallelConfig, ModelConfig) of the switches for `layout`, the other
+    fields from `base`; a switch named in `pinned` keeps that value where it applies
+    (elsewhere its default)."""
+    settings = [(base, cfg)]
     for s in SWITCHES:
         grown = []
         for par, c in settings:
-            values = ((pinned[s.name],) if s.name in pinned
-                      else s.values if s.applies(layout, par) else (None,))
+            values = (((pinned[s.name],) if s.name in pinned else s.values)
+                      if s.applies(layout, par) else (None,))
             for v in values:
-                if v is None:
+                if v is None and s.model:
                     grown.append((par, c))
+                elif v is None:  # does not apply: the default
+                    grown.append((dataclasses.replace(
+                        par, **{s.name: getattr(ParallelConfig(), s.name)}), c))
                 elif s.model:
                     grown.append((par, dataclasses.replace(c, **{s.name: v})))
                 else:
@@ -144,17 +156,39 @@ def switch_settings(cfg: ModelConfig, layout: Layout, pinned: dict) -> list[tupl
     return settings
 
 
-def candidates(cfg: ModelConfig, tcfg: TrainConfig, n: int, pinned: dict | None = None):
-    """(runnable candidates, [(refused candidate, reason)]) of n devices."""
+def candidates(cfg: ModelConfig, tcfg: TrainConfig, n: int, pinned: dict | None = None,
+               names: tuple[str, ...] = AXIS_ROLES, limits: dict | None = None,
+               base: ParallelConfig = ParallelConfig()):
+    """(runnable candidates, [(refused candidate, reason)]) of n devices over the roles
+    `names` (sizes up to `limits`, as `layouts`); ParallelConfig fields that are not
+    switches from `base`."""
     ok, refused = [], []
-    for layout in layouts(n):
-        for par, c in switch_settings(cfg, layout, pinned or {}):
+    for layout in layouts(n, names, limits):
+        for par, c in switch_settings(cfg, layout, pinned or {}, base):
             cand = Candidate(layout, par, c)
             if problems := validate.problems(c, tcfg, par, layout):
                 refused.append((cand, "; ".join(problems)))
             else:
                 ok.append(cand)
     return ok, refused
+
+
+def neighbours(cand: Candidate, tcfg: TrainConfig) -> list[Candidate]:
+    """The runnable candidates that differ from `cand` in one switch (in every order of
+    its axes): a switch that stops applying goes back to its default."""
+    out = []
+    for s in SWITCHES:
+        if not s.applies(cand.layout, cand.parallel):
+            continue
+        current = cand.flags[s.name]
+        for v in (v for v in s.values if v != current):
+            pinned = {**cand.flags, s.name: v}
+            for order in itertools.permutations(cand.layout.axes):
+                layout = Layout(tuple(order))
+                for par, c in switch_settings(cand.cfg, layout, pinned, cand.parallel):
+                    if not validate.problems(c, tcfg, par, layout):
+                        out.append(Candidate(layout, par, c))
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,115 +238,100 @@ def predict_candidate(cand: Candidate, tcfg: TrainConfig, hw):
     return predict(rows, hw, cand.layout.mesh_axes(), prefetch=cand.parallel.prefetch)
 
 
-def _price_program(job) -> tuple[list, bool]:
-    """Trace one program (its first candidate's layout; engine/cost/cache.py may hold
-    it already) and price it for every order: ([(step, compute, comm, exposed comm)]
-    per candidate of the job, whether the ledger came from the cache)."""
-    from engine.cost import cache
+def _price_program(job) -> tuple[list | None, bool, int | None]:
+    """One program: its peak memory (engine/cost/fit.py); if it fits `capacity`, its
+    ledger (traced on its first candidate's layout, unless engine/cost/cache.py holds
+    it) priced for every candidate of the job. Returns ([(step, compute, comm, exposed
+    comm)] per candidate or None when over memory, whether the ledger came from the
+    cache, peak bytes)."""
+    from engine.cost import cache, fit
     from engine.cost.price import predict
 
-    cands, tcfg, hw = job
+    cands, tcfg, hw, capacity = job
     first = cands[0]
+    peak = fit.peak_bytes(first.cfg, tcfg, first.parallel, first.layout, hw)
+    if capacity is not None and peak is not None and peak > capacity:
+        return None, False, peak
     rows, cached = cache.step_ledger(first.cfg, tcfg, first.layout, first.parallel)
     out = []
     for c in cands:
         p = predict(rows, hw, c.layout.mesh_axes(), prefetch=c.parallel.prefetch)
         out.append((p.step_s, p.compute_s, p.comm_s, p.exposed_comm_s))
-    return out, cached
+    return out, cached, peak
 
 
-def _run(jobs: list, workers: int) -> list:
-    """`_price_program` over jobs, in `workers` spawned processes (fresh interpreters:
-    safe whatever jax backend this process started)."""
-    if workers <= 1:
-        return [_price_program(j) for j in jobs]
+def pool(workers: int):
+    """A process pool of `workers` spawned processes (fresh interpreters: safe whatever
+    jax backend this process started). Each imports jax and the traced step once, then
+    takes jobs. Workers forked from a forkserver that had imported them instead traced
+    ~25% slower (the 8-device plan of `small`, 129 vs 101 s at load ~2), so spawn."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
-    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as ex:
-        return list(ex.map(_price_program, jobs, chunksize=max(1, len(jobs) // (8 * workers))))
+    return ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
+
+
+def _run(jobs: list, workers: int, executor=None) -> list:
+    """`_price_program` over jobs: in `executor` if given, else in a `pool` of
+    `workers` (here when 1). Jobs go out in their order (programs of one layout's sizes
+    next to each other), in chunks of consecutive ones: a worker tracing programs of the
+    same shapes in a row reuses jax's tracing caches (a longest-first order without
+    chunks measured ~20% slower on the 8-device plan of `small`)."""
+    if executor is None and workers <= 1:
+        return [_price_program(j) for j in jobs]
+    chunk = max(1, len(jobs) // (8 * max(workers, 1)))
+    if executor is None:
+        with pool(workers) as ex:
+            return list(ex.map(_price_program, jobs, chunksize=chunk))
+    return list(executor.map(_price_program, jobs, chunksize=chunk))
+
+
+def price(cands: list, tcfg: TrainConfig, hw, n: int, capacity: float | None,
+          workers: int = 1, executor=None) -> tuple[list, list, int, int, int]:
+    """Price candidates of n devices: grouped by program, each program's memory checked
+    and its ledger traced once (`_run`), every candidate priced. Returns (ranked:
+    [Priced] fastest first, over: [(candidate, peak bytes)] over `capacity`, programs,
+    programs whose ledger came from the cache, workers used)."""
+    from engine.cost.price import mfu
+
+    groups: dict[tuple, list] = {}
+    for c in cands:
+        groups.setdefault(c.program, []).append(c)
+    jobs = [(group, tcfg, hw, capacity) for group in groups.values()]
+    if executor is None:
+        workers = min(workers, max(1, len(jobs) // 8))  # a worker costs a jax import
+    ranked, over, programs, cached = [], [], 0, 0
+    for (group, *_), (priced, hit, peak) in zip(jobs, _run(jobs, workers, executor)):
+        if priced is None:
+            over.extend((c, peak) for c in group)
+            continue
+        programs += 1
+        cached += hit
+        for c, (step, compute, comm, exposed) in zip(group, priced):
+            ranked.append(Priced(c, step, compute, comm, exposed,
+                                 mfu(c.cfg, tcfg, hw, n, step), peak))
+    ranked.sort(key=lambda p: (p.step_s, str(p.candidate.layout), p.candidate.describe()))
+    return ranked, over, programs, cached, workers
 
 
 def plan(cfg: ModelConfig, tcfg: TrainConfig, n: int, hw, hbm_bytes: float | None = None,
-         pinned: dict | None = None, workers: int = 1) -> Plan:
-    """Enumerate, validate, check memory (once per program), trace and price each
-    program once, rank by predicted step."""
+         pinned: dict | None = None, workers: int = 1, names: tuple[str, ...] = AXIS_ROLES,
+         limits: dict | None = None, executor=None) -> Plan:
+    """Enumerate (`candidates`), validate, check memory, trace and price each program
+    once (`price`), rank by predicted step."""
     from engine.cost import fit
-    from engine.cost.price import mfu
 
     t0 = time.perf_counter()
-    ok, refused = candidates(cfg, tcfg, n, pinned)
+    ok, refused = candidates(cfg, tcfg, n, pinned, names, limits)
     capacity = fit.capacity(hw, n, hbm_bytes)
-    groups: dict[tuple, list] = {}
-    for c in ok:
-        groups.setdefault(c.program, []).append(c)
-    fitting, over, peaks = [], [], {}
-    for key, cands in groups.items():
-        first = cands[0]
-        peaks[key] = fit.peak_bytes(first.cfg, tcfg, first.parallel, first.layout, hw)
-        if capacity is not None and peaks[key] is not None and peaks[key] > capacity:
-            over.extend((c, peaks[key]) for c in cands)
-        else:
-            fitting.append(cands)
-    jobs = [(cands, tcfg, hw) for cands in fitting]
-    workers = min(workers, max(1, len(jobs) // 8))  # a worker costs a jax import
-    ranked, cached = [], 0
-    for cands, (priced, hit) in zip(fitting, _run(jobs, workers)):
-        cached += hit
-        for c, (step, compute, comm, exposed) in zip(cands, priced):
-            ranked.append(Priced(c, step, compute, comm, exposed, mfu(c.cfg, tcfg, hw, n, step),
-                                 peaks[c.program]))
-    ranked.sort(key=lambda p: (p.step_s, str(p.candidate.layout), p.candidate.describe()))
-    return Plan(ranked, refused, over, capacity, len(fitting), cached, workers,
+    ranked, over, programs, cached, workers = price(ok, tcfg, hw, n, capacity, workers,
+                                                    executor)
+    return Plan(ranked, refused, over, capacity, programs, cached, workers,
                 time.perf_counter() - t0)
-
-
-def _categories(pred) -> dict:
-    """Seconds on the critical path per category: compute by scope, exposed
-    collectives by kind and axes."""
-    from engine.cost.ledger import COLLECTIVES
-
-    out: dict[str, float] = {}
-    for p in pred.rows:
-        r = p.row
-        if r.kind == "collective":
-            if COLLECTIVES.get(r.primitive) is None:
-                continue
-            key, t = f"{COLLECTIVES[r.primitive]} over {','.join(sorted(r.axes))}", p.exposed
-        else:
-            key, t = f"{r.scope} compute", p.seconds
-        out[key] = out.get(key, 0.0) + t
-    return out
-
-
-def why(first: Priced, second: Priced, tcfg: TrainConfig, hw) -> str:
-    """One line: by how much the first beats the second, split into compute and exposed
-    communication, and the category where most of the difference is."""
-    a, b = (predict_candidate(p.candidate, tcfg, hw) for p in (first, second))
-    ca, cb = _categories(a), _categories(b)
-    diffs = {k: cb.get(k, 0.0) - ca.get(k, 0.0) for k in {*ca, *cb}}
-    top = max(diffs, key=lambda k: abs(diffs[k]))
-    gap = second.step_s - first.step_s
-    return (f"#1 {first.candidate.describe()} beats #2 {second.candidate.describe()} by "
-            f"{gap:.4g} s ({100 * gap / second.step_s:.1f}%): #2 spends "
-            f"{b.compute_s - a.compute_s:+.4g} s on compute and "
-            f"{b.exposed_comm_s - a.exposed_comm_s:+.4g} s on exposed communication, most "
-            f"in {top} ({diffs[top]:+.4g} s)")
 
 
 def gib(x) -> str:
     return "-" if x is None else f"{x / 2**30:.3g} GiB" if x >= 2**30 else f"{x / 2**20:.3g} MiB"
-
-
-def table(ranked: list, top: int) -> str:
-    from tabulate import tabulate
-
-    rows = [[i + 1, str(p.candidate.layout),
-             " ".join(f"{k}={v}" for k, v in p.candidate.flags.items()),
-             f"{p.step_s:.4g}", f"{100 * p.mfu:.1f}%", gib(p.peak_bytes),
-             f"{p.exposed_comm_s:.4g}"] for i, p in enumerate(ranked[:top])]
-    return tabulate(rows, ["#", "layout", "switches", "step s", "MFU", "peak/device",
-                           "exposed comm s"], disable_numparse=True)
 
 
 def hardware_profile(name: str, calibration=None, say=print):
@@ -443,6 +462,8 @@ def main(argv=None) -> int:
           f"{result.programs - result.cached} traced with {result.workers} worker(s), "
           f"{result.cached} from the ledger cache) in {result.seconds:.1f} s; {len(result.refused)} "
           f"refused by engine.validate, {len(result.over)} over memory")
+    from engine.plan_report import table, why
+
     print(table(result.ranked, mine.top))
     if len(result.ranked) > 1:
         print(why(result.ranked[0], result.ranked[1], tcfg, hw))

@@ -71,6 +71,50 @@ def test_switches_multiply_only_where_they_change_the_program():
     assert {c.remat for _, c in pinned} == {"dots"}
 
 
+def test_restricted_layouts_are_the_brute_force_ones_within_the_limits():
+    def within(text, names, limits):
+        lay = Layout.parse(text)
+        return (all(r in names for r, _ in lay.axes)
+                and all(lay.degree(r) <= m for r, m in limits.items()))
+
+    names, limits = ("dp", "fsdp", "tp"), {"tp": 4}
+    got = [str(lay) for lay in plan.layouts(16, names, limits)]
+    assert len(got) == len(set(got))
+    assert set(got) == {t for t in _brute_force_layouts(16) if within(t, names, limits)}
+    assert "tp8xfsdp2" not in got and "fsdp4xtp4" in got
+
+
+def test_pinned_switches_apply_only_where_they_change_the_program():
+    cfg = model_config("small")
+    pinned = {"zero": 1, "prefetch": True, "tp_comm": "ring", "remat": "dots"}
+    for text in ("dp8", "fsdp8", "fsdp4xtp2", "tp8"):
+        lay = Layout.parse(text)
+        (par, c), = plan.switch_settings(cfg, lay, pinned)
+        default = validate.ParallelConfig()
+        assert c.remat == "dots"
+        assert par.zero == (1 if lay.degree("fsdp") > 1 else default.zero)
+        assert par.prefetch is False  # zero 1: prefetch never applies
+        assert par.tp_comm == ("ring" if lay.degree("tp") > 1 else default.tp_comm)
+
+
+def test_neighbours_change_one_switch_and_stay_runnable():
+    cfg, tcfg = model_config("small"), TrainConfig(batch=16, seq=256)
+    par = validate.ParallelConfig(zero=3, prefetch=True, tp_comm="sequence")
+    start = plan.Candidate(Layout.parse("fsdp4xtp2"), par, dataclasses.replace(cfg, remat="dots"))
+    got = plan.neighbours(start, tcfg)
+    assert {str(c.layout) for c in got} == {"fsdp4xtp2", "tp2xfsdp4"}
+    changed = {}
+    for c in got:
+        assert validate.problems(c.cfg, tcfg, c.parallel, c.layout) == []
+        diff = {k: v for k, v in c.flags.items() if v != start.flags[k]}
+        if c.parallel.zero != 3:  # prefetch stops applying: back to its default
+            assert diff.pop("prefetch") is False
+        (name, value), = diff.items()
+        changed.setdefault(name, set()).add(value)
+    assert changed == {"zero": {1, 2}, "prefetch": {False}, "tp_comm": {"allreduce", "ring"},
+                       "remat": {"none", "full"}}
+
+
 def test_refused_candidates_never_appear():
     # heads=6, kv 2: tp4 does not divide the heads and cp4 does not cut seq=36 into 8
     cfg = model_config("tiny", n_heads=6, n_kv_heads=2)
@@ -121,6 +165,18 @@ def test_json_holds_the_ranked_candidates(planned):
         assert set(c["flags"]) == {s.name for s in plan.SWITCHES}
     steps = [c["predicted_step_s"] for c in cands]
     assert steps == sorted(steps) and all(s > 0 for s in steps)
+
+
+def test_worker_processes_price_as_this_process_does():
+    """The pool's workers (spawned processes) rank and price the
+    candidates exactly as pricing in this process does."""
+    cfg, tcfg = model_config("tiny"), TrainConfig(batch=4, seq=32)
+    hw = plan.hardware_profile("cpu", say=lambda s: None)
+    here = plan.plan(cfg, tcfg, 2, hw, None, {"remat": "full"})
+    with plan.pool(2) as ex:
+        there = plan.plan(cfg, tcfg, 2, hw, None, {"remat": "full"}, executor=ex)
+    assert len(here.ranked) == 10
+    assert [p.record() for p in there.ranked] == [p.record() for p in here.ranked]
 
 
 def test_first_choice_is_the_roofline_prediction(planned, tmp_path, capsys):
@@ -232,3 +288,26 @@ def test_ledger_cache_returns_what_a_trace_gives(tmp_path, monkeypatch):
     assert not hit
     monkeypatch.setenv("SHARDWISE_LEDGER_CACHE", "off")
     assert cache.step_ledger(cfg, tcfg, a, par) == (rows, False)
+
+
+def test_published_plan_names_what_changed_and_refuses_bad_flags(capsys):
+    from bench import published_plan
+
+    cfg = model_config("small")
+    cand = lambda text, remat="none", **par: plan.Candidate(
+        Layout.parse(text), validate.ParallelConfig(**par), dataclasses.replace(cfg, remat=remat))
+    a = cand("fsdp4xtp2", zero=3, prefetch=True, tp_comm="sequence")
+    assert published_plan.changes(a, a) == "none"
+    # tp-comm stops applying on fsdp8 ("-"); zero does not apply to dp8
+    assert published_plan.changes(a, cand("fsdp8", "dots", zero=3)) == (
+        "layout fsdp4xtp2 -> fsdp8; prefetch True -> False; tp_comm sequence -> -; "
+        "remat none -> dots")
+    # prefetch applies under zero 3 only
+    assert published_plan.changes(cand("dp8"), cand("fsdp8", zero=2)) == (
+        "layout dp8 -> fsdp8; zero - -> 2")
+    assert published_plan.changes(cand("dp8"), cand("fsdp8", zero=3)) == (
+        "layout dp8 -> fsdp8; zero - -> 3; prefetch - -> False")
+    for argv, word in ((["--rounds", "-1"], "rounds=-1"), (["--only", "no such run"], "no run")):
+        assert published_plan.main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and err.count("\n") == 1 and word in err, err

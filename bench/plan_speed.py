@@ -1,0 +1,102 @@
+"""Where a first (uncached) plan spends its time: CPU seconds per program of each phase.
+
+    python bench/plan_speed.py --devices 8 --model small [--sample 30]
+
+Enumerates the plan's candidates (engine/plan.py) and, in this one process without
+the ledger cache, runs every `len(programs) / --sample`-th program through the phases a
+worker runs: the memory model (engine/cost/fit.py), the trace on an AbstractMesh
+(engine/cost/ledger.py `trace_step`), the walk into ledger rows (`ledger`) and the
+pricing of every order (engine/cost/price.py). Prints CPU seconds (process time, so
+other jobs on shared cores inflate it less than wall clock) per program for each, the
+imports a fresh worker needs (once per worker), and what the sampled mean gives for all programs on `--workers` cores.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine.train import build_parser as train_parser  # noqa: E402
+from engine.train import parse_or_exit  # noqa: E402
+
+WORKER_IMPORTS = ("engine.plan", "engine.cost.cache", "engine.cost.ledger", "engine.cost.price",
+                  "engine.cost.fit", "engine.cost.memory", "engine.step")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    own = argparse.ArgumentParser(add_help=False)
+    g = own.add_argument_group("plan speed")
+    g.add_argument("--devices", type=int, default=8, help="devices to lay out")
+    g.add_argument("--hardware", default="cpu", help="profile to price with")
+    g.add_argument("--sample", type=int, default=30, help="programs to run")
+    g.add_argument("--workers", type=int, default=os.cpu_count() or 1,
+                   help="cores the estimate of the whole plan divides by")
+    p = train_parser(prog="python bench/plan_speed.py", description=__doc__.split("\n\n")[0],
+                     parents=[own], groups=("model", "training"))
+    p.set_defaults(remat=None)
+    return p
+
+
+def main(argv=None) -> int:
+    cfg, tcfg, _, _, mine = parse_or_exit(argv, build_parser())
+    bad = [f"{k}={getattr(mine, k)} must be >= 1" for k in ("devices", "sample", "workers")
+           if getattr(mine, k) < 1]
+    if bad:
+        print(f"error: {'; '.join(bad)}", file=sys.stderr)
+        return 2
+    os.environ["SHARDWISE_LEDGER_CACHE"] = "off"
+    import subprocess
+
+    from engine import plan
+    from engine.cost import fit, hardware
+    from engine.cost.ledger import ledger, trace_step
+    from engine.cost.price import predict
+
+    # what a fresh worker imports before its first job
+    imports = float(subprocess.run(
+        [sys.executable, "-c", "import time; t = time.process_time(); import "
+         + ", ".join(WORKER_IMPORTS) + "; print(time.process_time() - t)"],
+        capture_output=True, text=True, check=True, cwd=Path(__file__).resolve().parents[1],
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}).stdout)
+
+    hw = hardware.get(mine.hardware)
+    ok, _ = plan.candidates(cfg, tcfg, mine.devices, {"remat": mine.remat} if mine.remat else {})
+    groups: dict[tuple, list] = {}
+    for c in ok:
+        groups.setdefault(c.program, []).append(c)
+    every = max(1, len(groups) // mine.sample)
+    picked = list(groups.values())[::every][:mine.sample]
+    phases = dict(memory=0.0, trace=0.0, ledger=0.0, price=0.0)
+    for cands in picked:
+        c = cands[0]
+        t = [time.process_time()]
+        fit.peak_bytes(c.cfg, tcfg, c.parallel, c.layout, hw)
+        t.append(time.process_time())
+        jaxpr = trace_step(c.cfg, tcfg, c.layout, c.parallel)
+        t.append(time.process_time())
+        rows = ledger(jaxpr, c.layout)
+        t.append(time.process_time())
+        for o in cands:
+            predict(rows, hw, o.layout.mesh_axes(), prefetch=o.parallel.prefetch)
+        t.append(time.process_time())
+        for name, a, b in zip(phases, t, t[1:]):
+            phases[name] += b - a
+    n = len(picked)
+    per = {k: v / n for k, v in phases.items()}
+    total = sum(per.values())
+    print(f"{len(ok)} candidates, {len(groups)} programs; {n} sampled (every {every}th); "
+          f"load average {os.getloadavg()[0]:.1f}")
+    print(f"imports of a fresh worker {imports:.2f} CPU-s; per program: "
+          + ", ".join(f"{k} {v:.3f}" for k, v in per.items())
+          + f" = {total:.3f} CPU-s ({100 * per['trace'] / total:.0f}% tracing)")
+    print(f"all {len(groups)} programs: {total * len(groups):.0f} CPU-s, "
+          f"{total * len(groups) / mine.workers:.0f} s on {mine.workers} free core(s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,50 @@
+"""How a plan is printed: the ranked table, and why one candidate beats another (the
+predicted difference split into compute and exposed communication, by category)."""
+from __future__ import annotations
+
+from engine.config import TrainConfig
+from engine.plan import Priced, gib, predict_candidate
+
+
+def _categories(pred) -> dict:
+    """Seconds on the critical path per category: compute by scope, exposed
+    collectives by kind and axes."""
+    from engine.cost.ledger import COLLECTIVES
+
+    out: dict[str, float] = {}
+    for p in pred.rows:
+        r = p.row
+        if r.kind == "collective":
+            if COLLECTIVES.get(r.primitive) is None:
+                continue
+            key, t = f"{COLLECTIVES[r.primitive]} over {','.join(sorted(r.axes))}", p.exposed
+        else:
+            key, t = f"{r.scope} compute", p.seconds
+        out[key] = out.get(key, 0.0) + t
+    return out
+
+
+def why(first: Priced, second: Priced, tcfg: TrainConfig, hw) -> str:
+    """One line: by how much the first beats the second, split into compute and exposed
+    communication, and the category where most of the difference is."""
+    a, b = (predict_candidate(p.candidate, tcfg, hw) for p in (first, second))
+    ca, cb = _categories(a), _categories(b)
+    diffs = {k: cb.get(k, 0.0) - ca.get(k, 0.0) for k in {*ca, *cb}}
+    top = max(diffs, key=lambda k: abs(diffs[k]))
+    gap = second.step_s - first.step_s
+    return (f"#1 {first.candidate.describe()} beats #2 {second.candidate.describe()} by "
+            f"{gap:.4g} s ({100 * gap / second.step_s:.1f}%): #2 spends "
+            f"{b.compute_s - a.compute_s:+.4g} s on compute and "
+            f"{b.exposed_comm_s - a.exposed_comm_s:+.4g} s on exposed communication, most "
+            f"in {top} ({diffs[top]:+.4g} s)")
+
+
+def table(ranked: list, top: int) -> str:
+    from tabulate import tabulate
+
+    rows = [[i + 1, str(p.candidate.layout),
+             " ".join(f"{k}={v}" for k, v in p.candidate.flags.items()),
+             f"{p.step_s:.4g}", f"{100 * p.mfu:.1f}%", gib(p.peak_bytes),
+             f"{p.exposed_comm_s:.4g}"] for i, p in enumerate(ranked[:top])]
+    return tabulate(rows, ["#", "layout", "switches", "step s", "MFU", "peak/device",
+                           "exposed comm s"], disable_numparse=True)
