@@ -32,7 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.published import RUNS  # noqa: E402
+from bench.published import RUNS, profile  # noqa: E402
 
 DATA_AXES = ("dp", "fsdp")
 
@@ -138,7 +138,6 @@ def main(argv=None) -> int:
     from tabulate import tabulate
 
     from engine import plan
-    from engine.cost import hardware
     from engine.plan_report import why
 
     t0 = time.perf_counter()
@@ -146,7 +145,7 @@ def main(argv=None) -> int:
     with plan.pool(args.workers) as executor:
         for r in runs:
             t = time.perf_counter()
-            out.append(search(r, hardware.get(r.hardware), executor, args.max_tp,
+            out.append(search(r, profile(r), executor, args.max_tp,
                               args.rounds))
             o = out[-1]
             print(f"  {r.name}: {o['programs']} programs priced ({o['cached']} from the "
