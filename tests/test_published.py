@@ -36,8 +36,8 @@ def test_fusion_group_chain_across_a_jit_reads_inputs_once_writes_output_once():
 
 def test_a_scan_stacking_residuals_moves_one_slice_per_step_not_the_stack():
     """The forward scan writes each layer's residual into a stacked [N, ...] buffer and
-    the backward reads one back per layer: in place, a slice each (XLA aliases the
-    buffer), on every profile's byte model."""
+    the backward reads one back per layer, and the pipeline writes a stash slot: in
+    place, a slice each (XLA aliases the buffer), on every profile's byte model."""
     n, shape = 16, (64, 32)
     slice_bytes = 64 * 32 * 4
 
@@ -51,10 +51,14 @@ def test_a_scan_stacking_residuals_moves_one_slice_per_step_not_the_stack():
     def g(stack, upd):
         return jax.lax.dynamic_update_slice_in_dim(stack, upd, 5, axis=0)
 
+    def h(stash, x):  # the pipeline's stash: `.at[slot].set` at a traced slot
+        return stash.at[jnp.argmax(x[0, :, 0]) % n].set(x[0])
+
     read = next(r for r in _rows(f, shape) if r.primitive == "dynamic_slice")
     write = next(r for r in _rows(g, (n, *shape), (1, *shape))
                  if r.primitive == "dynamic_update_slice")
-    for r in (read, write):
+    scatter = next(r for r in _rows(h, (n, *shape), (1, *shape)) if r.primitive == "scatter")
+    for r in (read, write, scatter):
         # read the slice (or the update) and write it, plus the int32 start indices;
         # the whole stack would be n = 16 slices
         assert r.bytes == pytest.approx(2 * slice_bytes, abs=4 * 3)

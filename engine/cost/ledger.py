@@ -176,16 +176,19 @@ def _collective_rows(eqn, phase, scope, count, mesh_shape, pp=()) -> list[Row]:
 def _io_bytes(eqn) -> tuple[list[int], list[int]]:
     """Bytes of each operand read and each result written. A slice of a large buffer
     touches only the slice: `dynamic_slice` reads its result's worth of its operand, and
-    `dynamic_update_slice` writes the update into its operand in place (XLA aliases the
-    buffer with the result: the scan's stacked residuals and grads are never copied), so
-    the buffer is neither read nor written whole."""
+    `dynamic_update_slice` / `scatter` (`.at[i].set`) write their updates into the
+    operand in place (XLA aliases the buffer with the result: the scans' stacked
+    residuals and grads, the pipeline's stash, are never copied), so the buffer is
+    neither read nor written whole."""
     ins = [_nbytes(v.aval) if hasattr(v.aval, "shape") else 0 for v in eqn.invars]
     outs = [_nbytes(v.aval) for v in eqn.outvars]
     name = eqn.primitive.name
     if name == "dynamic_slice":
         ins[0] = outs[0]
-    elif name == "dynamic_update_slice":
+    elif name == "dynamic_update_slice":  # operand, update, *start indices
         ins[0], outs[0] = 0, ins[1]
+    elif name == "scatter":  # operand, indices, updates
+        ins[0], outs[0] = 0, ins[2]
     return ins, outs
 
 

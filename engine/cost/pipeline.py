@@ -34,7 +34,6 @@ of the predicted step.
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import numpy as np
 
@@ -82,30 +81,11 @@ def plan_for(layout, parallel) -> pipeline.Plan | None:
                          virtual=parallel.pp_virtual)
 
 
-def _slot_bytes(row: Row) -> float:
-    """Bytes a read or write of one slot of the pipeline's buffers (stash, arrived
-    activations and cotangents: [slots, B, L, D], indexed along the first dim) moves
-    when done in place, as XLA does for a loop's carried buffers: the slot read and the
-    result written. The ledger prices such a `dynamic_slice` / `scatter` (`.at[].set`)
-    by its whole operands, which would charge GPipe's M-slot stash in full on every
-    forward and backward."""
-    slot = math.prod(row.shape[1:] if row.primitive == "scatter" else row.shape)
-    return 2.0 * slot * np.dtype(row.dtype).itemsize
-
-
 def _once(rows: list[Row], ticks: int) -> list[Row]:
-    """The rows with the tick scan's trip count taken out (one execution per tick), the
-    pipeline's own buffer slots read and written in place (`_slot_bytes`)."""
+    """The rows with the tick scan's trip count taken out (one execution per tick; the
+    ledger prices the buffers' slots read and written in place)."""
     assert all(r.count % ticks == 0 for r in rows), "a row inside the tick scan runs T times"
-    out = []
-    for r in rows:
-        r = dataclasses.replace(r, count=r.count // ticks)
-        if r.scope == "other" and r.primitive in ("dynamic_slice", "scatter"):
-            b = _slot_bytes(r)
-            r = dataclasses.replace(r, bytes=b, fused_bytes=b if r.fused_bytes >= 0 else -1.0,
-                                    lib_bytes=b if r.lib_bytes >= 0 else -1.0)
-        out.append(r)
-    return out
+    return [dataclasses.replace(r, count=r.count // ticks) for r in rows]
 
 
 def unit_rows(rows: list[Row], kind: int, stage: int, pp: int) -> list[Row]:
