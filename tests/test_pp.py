@@ -27,15 +27,15 @@ def tokens(tcfg=TCFG, step=0):
     return synthetic_tokens(tcfg.seed, step, tcfg.batch, tcfg.seq, CFG.vocab)
 
 
-def trainer(layout, tcfg=TCFG, **parallel):
+def trainer(layout, tcfg=TCFG, cfg=PP_CFG, **parallel):
     lay = Layout.parse(layout)
-    return Trainer(PP_CFG, tcfg, lay, lay.mesh(), ParallelConfig(**parallel))
+    return Trainer(cfg, tcfg, lay, lay.mesh(), ParallelConfig(**parallel))
 
 
-def loss_and_grads(layout, init, tcfg=TCFG, **parallel):
+def loss_and_grads(layout, init, tcfg=TCFG, cfg=PP_CFG, **parallel):
     """As test_tp_comm's, with params and grads in the model's layer order (a circular
     schedule stores its blocks in another, `Trainer.layer_order`)."""
-    t = trainer(layout, tcfg, **parallel)
+    t = trainer(layout, tcfg, cfg, **parallel)
     order = t.layer_order
     if order is not None:
         init = pipeline.reorder_blocks(init, order)
@@ -179,6 +179,15 @@ def test_pp_composes(layout, parallel, init, single):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("remat", ["none", "dots"])
+def test_pp_remat_policies_match_single(remat, init, single):
+    """`single` runs remat full: each policy recomputes differently, same values."""
+    cfg = dataclasses.replace(PP_CFG, remat=remat)
+    got = loss_and_grads("pp2xfsdp4", init, cfg=cfg, microbatches=2, pp_schedule="1f1b")
+    assert_matches(got, single, f"pp2xfsdp4 remat {remat}")
+
+
+@pytest.mark.slow
 def test_1f1b_with_microbatches_not_a_multiple_of_pp(init):
     tcfg = dataclasses.replace(TCFG, batch=6)
     got = loss_and_grads("pp2xtp4", init, tcfg, microbatches=3)
@@ -206,6 +215,8 @@ def test_pp_evaluation_loss_matches_single(init, single):
      "--pp-virtual 2 needs --pp-schedule interleaved"),
     ("pp2xfsdp4", PP_CFG, dict(pp_schedule="interleaved", pp_virtual=0),
      "pp_virtual=0 must be >= 1"),
+    ("pp2xfsdp2xtp2", PP_CFG, dict(microbatches=2, tp_comm="ring"),
+     "--tp-comm ring with pp"),
 ])
 def test_invalid_pp_refused_in_one_line(layout, cfg, parallel, message):
     with pytest.raises(ConfigError) as e:
