@@ -217,6 +217,8 @@ def test_pp_evaluation_loss_matches_single(init, single):
      "pp_virtual=0 must be >= 1"),
     ("pp2xfsdp2xtp2", PP_CFG, dict(microbatches=2, tp_comm="ring"),
      "--tp-comm ring with pp"),
+    ("pp2xcp2xfsdp2", PP_CFG, dict(microbatches=2, cp_comm="ring"),
+     "--cp-comm ring with pp"),
 ])
 def test_invalid_pp_refused_in_one_line(layout, cfg, parallel, message):
     with pytest.raises(ConfigError) as e:
