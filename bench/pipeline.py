@@ -143,7 +143,7 @@ def run_one(cfg, tcfg, layout, par, args) -> dict:
     _, h100 = predict_step(rows, hardware.get("h100"), layout, par)
     pp, M = layout.degree("pp"), par.microbatches
     V = par.pp_virtual
-    the_plan = pipeline.plan(pipeline.SCHEDULES[par.pp_schedule], pp, M, virtual=V)
+    the_plan = pipeline.step_plan(layout, par)
     return dict(pp=pp, microbatches=M, schedule=par.pp_schedule, virtual=V,
                 ticks=the_plan.ticks, bubble_formula=(pp - 1) / (V * M + pp - 1),
                 schedule_bubble=the_plan.bubble(),

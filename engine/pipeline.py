@@ -205,6 +205,16 @@ def plan(schedule: Schedule, pp: int, microbatches: int, backward: bool = True,
                 np.asarray(chunks, np.int32), recv_x, recv_ct, V)
 
 
+def step_plan(layout, parallel, backward: bool = True) -> Plan | None:
+    """The table a training step under `layout` and `parallel` runs (forward only when
+    not `backward`: evaluation); None without a pp axis."""
+    pp = layout.degree("pp")
+    if pp <= 1:
+        return None
+    return plan(SCHEDULES[parallel.pp_schedule], pp, parallel.microbatches, backward,
+                parallel.pp_virtual)
+
+
 def storage_order(n_layers: int, pp: int, virtual: int) -> np.ndarray:
     """The model's layer kept at each row of the stacked blocks as a circular schedule
     stores them: device s (rows [s·N/pp, (s+1)·N/pp) of the pp-sharded stack) holds its

@@ -58,11 +58,8 @@ class Trainer:
         self._dims = fsdp_dims()
         self._model_axes = self.zero.model_axes(self.axes)  # what the model sees
         if self.axes.pp is not None:
-            m, v = parallel.microbatches, parallel.pp_virtual
-            schedule = pipeline.SCHEDULES[parallel.pp_schedule]
-            self.plan = pipeline.plan(schedule, self.axes.pp_size, m, virtual=v)
-            self.forward_plan = pipeline.plan(schedule, self.axes.pp_size, m, backward=False,
-                                              virtual=v)
+            self.plan = pipeline.step_plan(layout, parallel)
+            self.forward_plan = pipeline.step_plan(layout, parallel, backward=False)
         # the model's layer at each row of the stored blocks (None: in order). Params,
         # optimizer state and grads are stored so; checkpoints and `init` use the order
         # of the model (`store` / `unstore`)

@@ -72,15 +72,6 @@ class PipelinePrediction:
         return self.prediction.step_s
 
 
-def plan_for(layout, parallel) -> pipeline.Plan | None:
-    """The schedule table the step runs (as `Trainer` builds it), None without pp."""
-    pp = layout.degree("pp")
-    if pp <= 1:
-        return None
-    return pipeline.plan(pipeline.SCHEDULES[parallel.pp_schedule], pp, parallel.microbatches,
-                         virtual=parallel.pp_virtual)
-
-
 def _once(rows: list[Row], ticks: int) -> list[Row]:
     """The rows with the tick scan's trip count taken out (one execution per tick; the
     ledger prices the buffers' slots read and written in place)."""
@@ -130,7 +121,7 @@ def predict_pipeline(rows: list[Row], hw, mesh_axes, the_plan: pipeline.Plan,
 def predict_step(rows: list[Row], hw, layout, parallel):
     """(`Prediction` of the step, its `PipelinePrediction` or None): `price.predict`,
     or with a pp axis `predict_pipeline` along the step's schedule."""
-    the_plan = plan_for(layout, parallel)
+    the_plan = pipeline.step_plan(layout, parallel)
     if the_plan is None:
         return predict(rows, hw, layout.mesh_axes(), prefetch=parallel.prefetch), None
     pipe = predict_pipeline(rows, hw, layout.mesh_axes(), the_plan, parallel.prefetch)
@@ -172,7 +163,7 @@ def predict_memory(cfg, tcfg, layout, platform: str = "cpu", parallel=None):
     from engine.cost import memory
     from engine.params import activation_spec
 
-    the_plan = plan_for(layout, parallel)
+    the_plan = pipeline.step_plan(layout, parallel)
     scfg, stcfg, slayout, spar = stage_problem(cfg, tcfg, layout, parallel)
     stage = memory.predict(scfg, stcfg, slayout, platform, parallel=spar)
     B, Lx, D = memory._shard_shape((stcfg.batch, tcfg.seq, cfg.d_model),
