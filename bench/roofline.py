@@ -173,9 +173,11 @@ def main(argv=None) -> int:
               f"{pipe.tick_s.max():.4g} s (slowest stage's forward {fwd:.4g} s, backward "
               f"{bwd:.4g} s, shifts {pipe.shift_s:.4g} s); predicted bubble "
               f"{pipe.bubble:.3f} of stage time, the schedule's idle stage-ticks "
-              f"{pipe.schedule_bubble:.3f}" + (" (a shared host: the step does not pay the "
-                                               "wait in full, idle stages leave their cores "
-                                               "to the busy ones)" if hw.shared_host else ""))
+              f"{pipe.schedule_bubble:.3f}" + (
+                  " (uniform: every stage runs each tick's units and keeps its own, so that "
+                  "a ring's permutes meet on every device)" if pipe.uniform else
+                  " (a shared host: the step does not pay the wait in full, idle stages "
+                  "leave their cores to the busy ones)" if hw.shared_host else ""))
         print("  (the tables above count each unit's rows M times, the first stage's "
               "embedding and the last stage's loss alike; step s is the pipelined step)")
     mflops = model_flops(cfg, tcfg)

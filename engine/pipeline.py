@@ -28,6 +28,13 @@ microbatches at a time chunk by chunk: (V·M + pp − 1) ticks of forwards then 
 backwards, each unit 1/V of a stage's, so the idle fraction is (pp − 1)/(V·M + pp − 1)
 when pp divides M, at the cost of V·M chunk inputs stashed per device.
 
+A uniform plan (`uniform_units`: a tp or cp ring, whose collective-permutes inside a
+unit every device must run at once) replaces the switch: each tick runs the forward
+unit where any stage's row holds a forward, then the backward likewise, on every stage
+(the predicates are the tick's, the same on every device), and a stage keeps what a
+unit computed only where its row says so; the embedding and the head are computed on
+every stage and selected.
+
 The embedding runs on the first stage only and the head and loss on the last only
 (`lax.cond` on the stage index; the other stages' grads of those params stay zero and
 the all-reduce over pp after the scan sums the one nonzero copy). Computing them on
@@ -52,6 +59,7 @@ from layers import scopes
 from layers.axes import Axes
 
 IDLE, FORWARD, BACKWARD = 0, 1, 2
+FORWARDS, BACKWARDS, BOTH = 0, 1, 2  # a tick's phase under a uniform plan (Plan.phase_T)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,6 +117,15 @@ class Plan:
     recv_x_TP: np.ndarray | None = None
     recv_ct_TP: np.ndarray | None = None
     virtual: int = 1
+    uniform: bool = False
+
+    @property
+    def phase_T(self) -> np.ndarray:
+        """[T] what the units of tick t are across the stages: FORWARDS (forwards and
+        idles), BACKWARDS (backwards and idles) or BOTH (1F1B's mixed ticks)."""
+        has_f = (self.kind_TP == FORWARD).any(axis=1)
+        has_b = (self.kind_TP == BACKWARD).any(axis=1)
+        return np.where(has_f & has_b, BOTH, np.where(has_b, BACKWARDS, FORWARDS)).astype(np.int32)
 
     @property
     def ticks(self) -> int:
@@ -143,10 +160,11 @@ def _orders(pp: int, M: int, V: int) -> tuple[list, list]:
 
 
 def plan(schedule: Schedule, pp: int, microbatches: int, backward: bool = True,
-         virtual: int = 1) -> Plan:
+         virtual: int = 1, uniform: bool = False) -> Plan:
     """Simulate `schedule` tick by tick: a unit runs once its input was sent at an
     earlier tick (the forward of the previous chunk; the backward of the next chunk,
-    or on the model's last chunk its own forward). Forward only when not `backward`."""
+    or on the model's last chunk its own forward). Forward only when not `backward`.
+    `uniform`: every device runs the same program each tick (`run`)."""
     M, V = microbatches, virtual
     C = pp * V
     order_f, order_b = _orders(pp, M, V)
@@ -202,7 +220,14 @@ def plan(schedule: Schedule, pp: int, microbatches: int, backward: bool = True,
             recv_ct[a, (c - 1) % pp] = item(m, c - 1) % ct_slots
     return Plan(np.asarray(kinds, np.int32), np.asarray(mbs, np.int32),
                 _slots(stash) if backward else 0, x_slots, ct_slots,
-                np.asarray(chunks, np.int32), recv_x, recv_ct, V)
+                np.asarray(chunks, np.int32), recv_x, recv_ct, V, uniform)
+
+
+def uniform_units(layout, parallel) -> bool:
+    """Whether the stages' units hold collective-permutes of their own (a ring over tp
+    or cp), so that every device must run the same units' program each tick."""
+    return any(comm == "ring" and layout.degree(role) > 1
+               for role, comm in (("tp", parallel.tp_comm), ("cp", parallel.cp_comm)))
 
 
 def step_plan(layout, parallel, backward: bool = True) -> Plan | None:
@@ -212,7 +237,7 @@ def step_plan(layout, parallel, backward: bool = True) -> Plan | None:
     if pp <= 1:
         return None
     return plan(SCHEDULES[parallel.pp_schedule], pp, parallel.microbatches, backward,
-                parallel.pp_virtual)
+                parallel.pp_virtual, uniform_units(layout, parallel))
 
 
 def storage_order(n_layers: int, pp: int, virtual: int) -> np.ndarray:
@@ -275,6 +300,15 @@ def run(stages: Stages, params, inputs_MBL, targets_MBL, x_shape, x_axes, axes: 
             w.reshape(V, w.shape[0] // V, *w.shape[1:]), v, keepdims=False)
         return dict(model_p, blocks=jax.tree.map(take, model_p["blocks"]))
 
+    uniform = the_plan.uniform
+
+    def either(pred, f, g):
+        """f() where `pred`, else g(): a `lax.cond`, or under a uniform plan both computed
+        and one kept, so that every device runs the same collectives."""
+        if not uniform:
+            return lax.cond(pred, f, g)
+        return jax.tree.map(lambda a, b: jnp.where(pred, a, b), f(), g())
+
     def unit(p, x_BLD, inputs_BL, targets_BL, v, with_loss=True):
         """One chunk on one microbatch: (output x [B, L, D], the loss on the model's
         last chunk, else 0). Only the first chunk embeds, only the last runs the head
@@ -290,11 +324,11 @@ def run(stages: Stages, params, inputs_MBL, targets_MBL, x_shape, x_axes, axes: 
             with jax.named_scope(scopes.PP_LAST):
                 return _like(stages.head_loss(model_p, y_BLD, targets_BL), (pp,))
 
-        x_BLD = lax.cond(first, embed, lambda: x_BLD)
+        x_BLD = either(first, embed, lambda: x_BLD)
         y_BLD = _like(stages.blocks(model_p, x_BLD), x_axes)
         if not with_loss:
             return y_BLD, loss0
-        return y_BLD, lax.cond(last, head, lambda: loss0)
+        return y_BLD, either(last, head, lambda: loss0)
 
     zeros_x = _like(jnp.zeros(x_shape, jnp.float32), x_axes)
     buffer = lambda k: jnp.broadcast_to(zeros_x, (max(k, 1), *x_shape))
@@ -303,6 +337,14 @@ def run(stages: Stages, params, inputs_MBL, targets_MBL, x_shape, x_axes, axes: 
     if backward:
         carry.update(ct=buffer(the_plan.ct_slots), stash=buffer(the_plan.stash_slots),
                      grads=jax.tree.map(collectives.zeros_like, params))
+    phase_T = jnp.asarray(the_plan.phase_T)
+
+    def keep(active, new, old):
+        """`new`, or where this stage's unit is not `active` (a unit a uniform plan runs
+        only to keep the devices' programs alike) `old`."""
+        if active is True:
+            return new
+        return jax.tree.map(lambda a, b: jnp.where(active, a, b), new, old)
 
     @jax.named_scope(scopes.PP_TICK)
     def tick(c, t):
@@ -314,40 +356,53 @@ def run(stages: Stages, params, inputs_MBL, targets_MBL, x_shape, x_axes, axes: 
             return zeros_x, zeros_x, c
 
         @jax.named_scope(scopes.PP_FORWARD)
-        def forward(c):
+        def forward(c, active=True):
             # training: the loss is taken in the backward, which recomputes the stage
             x_BLD = c["x"][i % the_plan.x_slots]
             y_BLD, loss = unit(params, x_BLD, inputs_BL, targets_BL, v,
                                with_loss=not backward)
-            c = dict(c, loss=c["loss"] + loss)
+            c = dict(c, loss=c["loss"] + keep(active, loss, 0.0))
             if backward:
-                c["stash"] = c["stash"].at[i % the_plan.stash_slots].set(x_BLD)
+                slot = i % the_plan.stash_slots
+                c["stash"] = c["stash"].at[slot].set(keep(active, x_BLD, c["stash"][slot]))
             return y_BLD, zeros_x, c
 
         @jax.named_scope(scopes.PP_BACKWARD)
-        def backward_(c):
+        def backward_(c, active=True):
             x_BLD = c["stash"][i % the_plan.stash_slots]
             last = (stage == n - 1) & (v == V - 1)
             ct_BLD = jnp.where(last, 0.0, c["ct"][i % the_plan.ct_slots])
             (_, loss), vjp = jax.vjp(lambda p, x: unit(p, x, inputs_BL, targets_BL, v),
                                      params, x_BLD)
             d_params, dx_BLD = vjp((ct_BLD, _like(jnp.float32(1 / M), (pp,))))
-            return zeros_x, dx_BLD, dict(c, grads=jax.tree.map(jnp.add, c["grads"], d_params),
-                                         loss=c["loss"] + loss)
+            grads = jax.tree.map(jnp.add, c["grads"], d_params)
+            return zeros_x, dx_BLD, dict(c, grads=keep(active, grads, c["grads"]),
+                                         loss=c["loss"] + keep(active, loss, 0.0))
 
-        branches = [idle, forward] + ([backward_] if backward else [])
-        y_BLD, dx_BLD, c = lax.switch(kind, branches, c)
+        if uniform:
+            # a ring's permutes inside a unit must meet the same permutes on every
+            # device: every stage runs each kind of unit the tick holds (the same
+            # predicate on every device) and keeps only its own
+            phase = phase_T[t]
+            y_BLD, dx_BLD, c = lax.cond(phase != BACKWARDS,
+                                        lambda c: forward(c, kind == FORWARD), idle, c)
+            if backward:
+                _, dx_BLD, c = lax.cond(phase != FORWARDS,
+                                        lambda c: backward_(c, kind == BACKWARD), idle, c)
+        else:
+            branches = [idle, forward] + ([backward_] if backward else [])
+            y_BLD, dx_BLD, c = lax.switch(kind, branches, c)
         # what the neighbours sent this tick, kept where the table says it is read
         # (the ring wraps: under a circular schedule the last device feeds the first)
         y_in = collectives.ring_shift(y_BLD, pp, 1)
         slot = recv_x_TP[t, stage]
-        keep, slot = slot >= 0, jnp.maximum(slot, 0)
-        c = dict(c, x=c["x"].at[slot].set(jnp.where(keep, y_in, c["x"][slot])))
+        arrived, slot = slot >= 0, jnp.maximum(slot, 0)
+        c = dict(c, x=c["x"].at[slot].set(jnp.where(arrived, y_in, c["x"][slot])))
         if backward:
             ct_in = collectives.ring_shift(dx_BLD, pp, -1)
             slot = recv_ct_TP[t, stage]
-            keep, slot = slot >= 0, jnp.maximum(slot, 0)
-            c = dict(c, ct=c["ct"].at[slot].set(jnp.where(keep, ct_in, c["ct"][slot])))
+            arrived, slot = slot >= 0, jnp.maximum(slot, 0)
+            c = dict(c, ct=c["ct"].at[slot].set(jnp.where(arrived, ct_in, c["ct"][slot])))
         return c, None
 
     carry, _ = lax.scan(tick, carry, jnp.arange(the_plan.ticks))

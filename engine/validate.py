@@ -110,20 +110,8 @@ def moe_problems(cfg: ModelConfig, parallel: ParallelConfig) -> list[str]:
 def pp_problems(parallel: ParallelConfig, layout, cfg) -> list[str]:
     """1F1B runs one forward ahead per stage: fewer microbatches than stages would leave
     it GPipe with a longer name. The interleaved schedule cuts each device's layers into
-    `pp_virtual` equal chunks. A ring's collective-permutes (`--tp-comm ring`, `--cp-comm
-    ring`) would run inside the schedule's per-stage branches, where stages take
-    different units at once: XLA:CPU's runtime joins a collective-permute across every
-    device of the program, so the tp ring hung, then aborted (pp2xfsdp2xtp2), and the
-    cp ring's permutes met the other stage's and gave a wrong loss (pp2xcp2xfsdp2: 5.771
-    against single's 5.944)."""
+    `pp_virtual` equal chunks."""
     pp, m, v = layout.degree("pp"), parallel.microbatches, parallel.pp_virtual
-    rings = [f"--{role}-comm ring" for role, comm in (("tp", parallel.tp_comm),
-                                                      ("cp", parallel.cp_comm))
-             if comm == "ring" and layout.degree(role) > 1]
-    if pp > 1 and rings:
-        return [f"{' and '.join(rings)} with pp: a ring's collective-permutes run inside the "
-                f"pipeline's per-stage branches, which XLA:CPU cannot join across stages; "
-                f"use --tp-comm allreduce or sequence, --cp-comm allgather"]
     if pp > 1 and parallel.pp_schedule == "1f1b" and m < pp:
         return [f"--pp-schedule 1f1b needs microbatches >= pp: --microbatches {m} < pp={pp}"]
     if v < 1:

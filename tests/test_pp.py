@@ -178,6 +178,49 @@ def test_pp_composes(layout, parallel, init, single):
     assert_matches(got, single, f"{layout} {parallel}")
 
 
+@pytest.mark.parametrize("layout, parallel", [
+    ("pp2xfsdp2xtp2", dict(tp_comm="ring", pp_schedule="1f1b")),
+    ("pp2xcp2xfsdp2", dict(cp_comm="ring", pp_schedule="1f1b")),
+    pytest.param("pp2xfsdp2xtp2", dict(tp_comm="ring", pp_schedule="gpipe"),
+                 marks=pytest.mark.slow),
+    pytest.param("pp2xcp2xtp2", dict(tp_comm="ring", cp_comm="ring", pp_schedule="1f1b"),
+                 marks=pytest.mark.slow),
+    pytest.param("pp2xfsdp2xtp2", dict(tp_comm="ring", pp_schedule="interleaved",
+                                       pp_virtual=2), marks=pytest.mark.slow),
+])
+def test_rings_under_pp_match_single(layout, parallel, init, single):
+    """A ring's collective-permutes inside the stages' units (tp ring, cp ring): the
+    plan is uniform, every device runs each tick's units and keeps its own, and the step
+    equals `single`. (Run per stage, as the other comms are, the tp ring hung XLA:CPU's
+    rendezvous and the cp ring's permutes met the other stage's: a wrong loss.)"""
+    t = trainer(layout, microbatches=2, **parallel)
+    assert t.plan.uniform
+    got = loss_and_grads(layout, init, microbatches=2, **parallel)
+    assert_matches(got, single, f"{layout} {parallel}")
+
+
+def test_uniform_plans_only_for_ring_comms_and_their_phases_cover_the_units():
+    """Only a ring comm over an axis of more than one device makes a plan uniform; a
+    tick's phase names every kind of unit its stages run (1F1B has mixed ticks, GPipe
+    none)."""
+    for layout, parallel, want in [
+            ("pp2xfsdp2xtp2", dict(tp_comm="ring"), True),
+            ("pp2xcp2xfsdp2", dict(cp_comm="ring"), True),
+            ("pp2xfsdp2xtp2", dict(tp_comm="sequence", cp_comm="ring"), False),
+            ("pp2xcp2xfsdp2", dict(tp_comm="ring"), False)]:
+        the_plan = pipeline.step_plan(Layout.parse(layout),
+                                      ParallelConfig(microbatches=2, **parallel))
+        assert the_plan.uniform == want, (layout, parallel)
+    for name in ("gpipe", "1f1b"):
+        p = pipeline.plan(pipeline.SCHEDULES[name], 4, 8, uniform=True)
+        for row, phase in zip(p.kind_TP, p.phase_T):
+            kinds = set(row.tolist()) - {pipeline.IDLE}
+            want = {pipeline.FORWARDS: {pipeline.FORWARD}, pipeline.BACKWARDS:
+                    {pipeline.BACKWARD}, pipeline.BOTH: {pipeline.FORWARD, pipeline.BACKWARD}}
+            assert kinds == want[phase]
+        assert (pipeline.BOTH in p.phase_T) == (name == "1f1b")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("remat", ["none", "dots"])
 def test_pp_remat_policies_match_single(remat, init, single):
@@ -215,10 +258,6 @@ def test_pp_evaluation_loss_matches_single(init, single):
      "--pp-virtual 2 needs --pp-schedule interleaved"),
     ("pp2xfsdp4", PP_CFG, dict(pp_schedule="interleaved", pp_virtual=0),
      "pp_virtual=0 must be >= 1"),
-    ("pp2xfsdp2xtp2", PP_CFG, dict(microbatches=2, tp_comm="ring"),
-     "--tp-comm ring with pp"),
-    ("pp2xcp2xfsdp2", PP_CFG, dict(microbatches=2, cp_comm="ring"),
-     "--cp-comm ring with pp"),
 ])
 def test_invalid_pp_refused_in_one_line(layout, cfg, parallel, message):
     with pytest.raises(ConfigError) as e:
@@ -308,6 +347,38 @@ def test_pipeline_price_is_ticks_of_the_slowest_unit(name, v, pp):
             assert shared.step_s == pytest.approx(v * m * (F + B) + T * tick)
             if homogeneous:  # the devices still wait as in lock-step
                 assert shared.bubble == pytest.approx(formula)
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+def test_uniform_pipeline_price_runs_every_kind_of_unit_its_tick_holds(name):
+    """A uniform plan: every stage runs the tick's units (first- and last-stage parts
+    included), so a tick costs F, B, or F + B on a mixed 1F1B tick, on an accelerator
+    and on a shared host alike."""
+    from engine.cost import hardware
+    from engine.cost.ledger import Row
+    from engine.cost.pipeline import predict_pipeline
+    from engine.cost.price import predict
+    from layers import scopes
+
+    pp, m = 4, 8
+    the_plan = pipeline.plan(pipeline.SCHEDULES[name], pp, m, uniform=True)
+    T = the_plan.ticks
+    head = Row("loss", "fwd", "matmul", "dot_general", "bfloat16", (1,), 3e11, 0.0, T,
+               pp=(scopes.PP_TICK, scopes.PP_BACKWARD, scopes.PP_LAST))
+    rows = [_unit_row(scopes.PP_FORWARD, 1e12, T), _unit_row(scopes.PP_BACKWARD, 2e12, T),
+            head, _unit_row(None, 1e9, T)]
+    for hw in (hardware.get("h100"), hardware.cpu_defaults()):
+        one = lambda rs: predict([dataclasses.replace(r, count=1) for r in rs], hw,  # noqa: E731
+                                 (("pp", pp),)).step_s
+        F, B, tick = one(rows[:1]), one(rows[1:3]), one(rows[3:])
+        got = predict_pipeline(rows, hw, (("pp", pp),), the_plan)
+        phase = the_plan.phase_T
+        want = sum(F * (p != pipeline.BACKWARDS) + B * (p != pipeline.FORWARDS) for p in phase)
+        assert got.step_s == pytest.approx(want + T * tick)
+        if name == "gpipe":
+            assert want == pytest.approx((m + pp - 1) * (F + B))
+        else:  # mixed ticks run both units
+            assert (phase == pipeline.BOTH).any() and want > (m + pp - 1) * (F + B)
 
 
 @pytest.mark.parametrize("layout", ["pp2xfsdp4", "pp4xfsdp2"])

@@ -57,7 +57,8 @@ class PipelinePrediction:
     shift_s: the tick's own rows (stage shifts, buffer writes), per tick.
     outside_s: the rows outside the tick scan (grad reductions, optimizer).
     bubble: the fraction of a stage's time spent waiting, ticks in lock-step.
-    schedule_bubble: the table's idle stage-ticks (`Plan.bubble()`)."""
+    schedule_bubble: the table's idle stage-ticks (`Plan.bubble()`).
+    uniform: every stage runs each tick's units (`Plan.uniform`)."""
 
     prediction: Prediction
     unit_s: np.ndarray
@@ -66,6 +67,7 @@ class PipelinePrediction:
     outside_s: float
     bubble: float
     schedule_bubble: float
+    uniform: bool = False
 
     @property
     def step_s(self) -> float:
@@ -79,11 +81,15 @@ def _once(rows: list[Row], ticks: int) -> list[Row]:
     return [dataclasses.replace(r, count=r.count // ticks) for r in rows]
 
 
-def unit_rows(rows: list[Row], kind: int, stage: int, pp: int) -> list[Row]:
+def unit_rows(rows: list[Row], kind: int, stage: int, pp: int,
+              uniform: bool = False) -> list[Row]:
     """The rows unit `kind` runs on `stage`: its branch's, less the first stage's
-    embedding elsewhere than stage 0 and the head and loss elsewhere than the last."""
-    skip = ({scopes.PP_FIRST} if stage > 0 else set()) | (
-        {scopes.PP_LAST} if stage < pp - 1 else set())
+    embedding elsewhere than stage 0 and the head and loss elsewhere than the last
+    (under a uniform plan every stage runs both)."""
+    skip = set()
+    if not uniform:
+        skip = ({scopes.PP_FIRST} if stage > 0 else set()) | (
+            {scopes.PP_LAST} if stage < pp - 1 else set())
     return [r for r in rows if UNITS[kind] in r.pp and not skip & set(r.pp)]
 
 
@@ -98,14 +104,21 @@ def predict_pipeline(rows: list[Row], hw, mesh_axes, the_plan: pipeline.Plan,
     unit_s = np.zeros((3, pp))
     for kind in UNITS:
         for s in range(pp):
-            part = unit_rows(once, kind, s, pp)
+            part = unit_rows(once, kind, s, pp, the_plan.uniform)
             unit_s[kind, s] = predict(part, hw, mesh_axes, prefetch).step_s if part else 0.0
     shift = [r for r in once if not set(UNITS.values()) & set(r.pp)]
     shift_s = predict(shift, hw, mesh_axes, prefetch).step_s
     out = predict(outside, hw, mesh_axes, prefetch)
     work_TP = unit_s[the_plan.kind_TP, np.arange(pp)[None, :]]  # [T, pp]
-    lockstep_T = work_TP.max(axis=1)
-    units_T = work_TP.mean(axis=1) if hw.shared_host else lockstep_T
+    if the_plan.uniform:  # every stage runs each kind of unit its tick's phase holds
+        fwd, bwd = unit_s[pipeline.FORWARD].max(), unit_s[pipeline.BACKWARD].max()
+        phase_T = the_plan.phase_T
+        lockstep_T = (np.where(phase_T != pipeline.BACKWARDS, fwd, 0.0)
+                      + np.where(phase_T != pipeline.FORWARDS, bwd, 0.0))
+        units_T = lockstep_T
+    else:
+        lockstep_T = work_TP.max(axis=1)
+        units_T = work_TP.mean(axis=1) if hw.shared_host else lockstep_T
     tick_s = units_T + shift_s
     bubble = 1.0 - work_TP.sum() / (pp * lockstep_T.sum()) if lockstep_T.sum() else 0.0
     step_s = float(tick_s.sum()) + out.step_s
@@ -115,7 +128,8 @@ def predict_pipeline(rows: list[Row], hw, mesh_axes, the_plan: pipeline.Plan,
     shown += [dataclasses.replace(r, count=r.count * T) for r in shift] + outside
     flat = predict(shown, hw, mesh_axes, prefetch)
     return PipelinePrediction(dataclasses.replace(flat, step_s=step_s), unit_s, tick_s,
-                              shift_s, out.step_s, float(bubble), the_plan.bubble())
+                              shift_s, out.step_s, float(bubble), the_plan.bubble(),
+                              the_plan.uniform)
 
 
 def predict_step(rows: list[Row], hw, layout, parallel):
