@@ -8,10 +8,12 @@ Candidates are every factorisation of N into the axes of the role registry
 (engine/roles.py; axes of size 1 left out) in every order, times every value of each
 switch in `SWITCHES` (each read from its own registry, offered only where it changes the
 program: `--zero` and `--prefetch` with an fsdp axis, `--tp-comm` with tp, `--cp-comm`
-with cp). `engine.validate` drops what cannot run, the memory model
-(engine/cost/fit.py) what does not fit the device; the rest are ranked by the predicted
-step of `bench/roofline.py --predict-only` (the ledger of the traced step priced by
-engine/cost/price.py).
+with cp, `--pp-schedule` with pp, at 4·pp microbatches, and `--pp-virtual 2` with the
+interleaved schedule). `engine.validate` drops what cannot run, the memory
+model (engine/cost/fit.py) what does not fit the device; the rest are ranked by the
+predicted step of `bench/roofline.py --predict-only` (the ledger of the traced step
+priced by engine/cost/price.py, a pp step along its schedule by
+engine/cost/pipeline.py).
 
 Speed: a step's ledger depends on the axis sizes and the switches, not on the order of
 the axes (the order only picks, in pricing, the link tier a collective runs over), so
@@ -35,6 +37,7 @@ from collectives.ring import COMMS
 from engine import roles, validate
 from engine.config import ConfigError, ParallelConfig, TrainConfig
 from engine.layout import AXIS_ROLES, Layout
+from engine.pipeline import SCHEDULES
 from engine.zero import ZERO
 from layers.block import REMAT
 from layers.config import ModelConfig
@@ -50,14 +53,17 @@ def degree(layout: Layout, what: str) -> int:
 class Switch:
     """One setting the plan chooses. name: the `ParallelConfig` (or, with model=True,
     `ModelConfig`) field, whose flag is `--name` with `-` for `_`; values: from its
-    registry; applies(layout, parallel): whether it changes the step's program there
-    (elsewhere the field keeps its default). Switches are applied in order, so
-    `applies` may read the ones before it."""
+    registry, or a function of the layout giving them; applies(layout, parallel):
+    whether it changes the step's program there (elsewhere the field keeps its
+    default). Switches are applied in order, so `applies` may read the ones before it."""
 
     name: str
-    values: tuple
+    values: tuple | Callable[[Layout], tuple]
     applies: Callable[[Layout, ParallelConfig], bool]
     model: bool = False
+
+    def options(self, layout: Layout) -> tuple:
+        return self.values(layout) if callable(self.values) else self.values
 
 
 SWITCHES: tuple[Switch, ...] = (
@@ -66,7 +72,18 @@ SWITCHES: tuple[Switch, ...] = (
     Switch("tp_comm", COMMS, lambda lay, par: degree(lay, "heads") > 1),
     Switch("cp_comm", tuple(CP_COMMS), lambda lay, par: degree(lay, "sequence") > 1),
     Switch("remat", REMAT, lambda lay, par: True, model=True),
+    Switch("pp_schedule", tuple(SCHEDULES), lambda lay, par: lay.degree("pp") > 1),
+    Switch("pp_virtual", (2,), lambda lay, par: par.pp_schedule == "interleaved"
+           and lay.degree("pp") > 1),
+    # a pipeline's bubble is (pp-1)/(M+pp-1): 4·pp microbatches keep it under 1/5 (one
+    # value: each M is a program of its own to trace)
+    Switch("microbatches", lambda lay: (4 * lay.degree("pp"),),
+           lambda lay, par: lay.degree("pp") > 1),
 )
+
+
+# schedules whose steps have one ledger (`Candidate.program`)
+SHARED_TRACE = ("gpipe", "1f1b")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,9 +102,15 @@ class Candidate:
 
     @property
     def program(self) -> tuple:
-        """What the traced step depends on: axis sizes by role, the parallel config and
-        the model (not the order of the axes)."""
-        return (tuple(self.layout.degree(r) for r in AXIS_ROLES), self.parallel, self.cfg)
+        """What the traced step's ledger depends on: axis sizes by role, the parallel
+        config and the model (not the order of the axes, which only picks link tiers in
+        pricing; nor the choice between the gpipe and 1f1b schedules: their ticks run
+        the same units and shifts, T = 2(M + pp - 1) of them, and only their tables,
+        which pricing walks, differ)."""
+        par = self.parallel
+        if par.pp_schedule in SHARED_TRACE:
+            par = dataclasses.replace(par, pp_schedule=SHARED_TRACE[0])
+        return (tuple(self.layout.degree(r) for r in AXIS_ROLES), par, self.cfg)
 
     def argv(self) -> list[str]:
         """The training CLI's flags for this candidate."""
@@ -140,7 +163,7 @@ def switch_settings(cfg: ModelConfig, layout: Layout, pinned: dict,
     for s in SWITCHES:
         grown = []
         for par, c in settings:
-            values = (((pinned[s.name],) if s.name in pinned else s.values)
+            values = (((pinned[s.name],) if s.name in pinned else s.options(layout))
                       if s.applies(layout, par) else (None,))
             for v in values:
                 if v is None and s.model:
@@ -181,7 +204,7 @@ def neighbours(cand: Candidate, tcfg: TrainConfig) -> list[Candidate]:
         if not s.applies(cand.layout, cand.parallel):
             continue
         current = cand.flags[s.name]
-        for v in (v for v in s.values if v != current):
+        for v in (v for v in s.options(cand.layout) if v != current):
             pinned = {**cand.flags, s.name: v}
             for order in itertools.permutations(cand.layout.axes):
                 layout = Layout(tuple(order))
@@ -232,32 +255,35 @@ class Plan:
 def predict_candidate(cand: Candidate, tcfg: TrainConfig, hw):
     """The cost model's Prediction for one candidate, as roofline's --predict-only."""
     from engine.cost import cache
-    from engine.cost.price import predict
+    from engine.cost.pipeline import predict_step
 
     rows, _ = cache.step_ledger(cand.cfg, tcfg, cand.layout, cand.parallel)
-    return predict(rows, hw, cand.layout.mesh_axes(), prefetch=cand.parallel.prefetch)
+    return predict_step(rows, hw, cand.layout, cand.parallel)[0]
 
 
-def _price_program(job) -> tuple[list | None, bool, int | None]:
-    """One program: its peak memory (engine/cost/fit.py); if it fits `capacity`, its
-    ledger (traced on its first candidate's layout, unless engine/cost/cache.py holds
-    it) priced for every candidate of the job. Returns ([(step, compute, comm, exposed
-    comm)] per candidate or None when over memory, whether the ledger came from the
-    cache, peak bytes)."""
+def _price_program(job) -> tuple[list, bool, list]:
+    """One program: each candidate's peak memory (engine/cost/fit.py); if any fits
+    `capacity`, the program's ledger (traced on its first candidate, unless
+    engine/cost/cache.py holds it) priced for every candidate that fits. Returns
+    ([(step, compute, comm, exposed comm), or None when over memory] per candidate,
+    whether the ledger came from the cache, [peak bytes] per candidate)."""
     from engine.cost import cache, fit
-    from engine.cost.price import predict
+    from engine.cost.pipeline import predict_step
 
     cands, tcfg, hw, capacity = job
     first = cands[0]
-    peak = fit.peak_bytes(first.cfg, tcfg, first.parallel, first.layout, hw)
-    if capacity is not None and peak is not None and peak > capacity:
-        return None, False, peak
+    peaks = [fit.peak_bytes(c.cfg, tcfg, c.parallel, c.layout, hw) for c in cands]
+    if capacity is not None and all(p is not None and p > capacity for p in peaks):
+        return [None] * len(cands), False, peaks
     rows, cached = cache.step_ledger(first.cfg, tcfg, first.layout, first.parallel)
     out = []
-    for c in cands:
-        p = predict(rows, hw, c.layout.mesh_axes(), prefetch=c.parallel.prefetch)
+    for c, peak in zip(cands, peaks):
+        if capacity is not None and peak is not None and peak > capacity:
+            out.append(None)
+            continue
+        p = predict_step(rows, hw, c.layout, c.parallel)[0]
         out.append((p.step_s, p.compute_s, p.comm_s, p.exposed_comm_s))
-    return out, cached, peak
+    return out, cached, peaks
 
 
 def pool(workers: int):
@@ -301,13 +327,17 @@ def price(cands: list, tcfg: TrainConfig, hw, n: int, capacity: float | None,
     if executor is None:
         workers = min(workers, max(1, len(jobs) // 8))  # a worker costs a jax import
     ranked, over, programs, cached = [], [], 0, 0
-    for (group, *_), (priced, hit, peak) in zip(jobs, _run(jobs, workers, executor)):
-        if priced is None:
-            over.extend((c, peak) for c in group)
+    for (group, *_), (priced, hit, peaks) in zip(jobs, _run(jobs, workers, executor)):
+        if all(p is None for p in priced):
+            over.extend(zip(group, peaks))
             continue
         programs += 1
         cached += hit
-        for c, (step, compute, comm, exposed) in zip(group, priced):
+        for c, got, peak in zip(group, priced, peaks):
+            if got is None:
+                over.append((c, peak))
+                continue
+            step, compute, comm, exposed = got
             ranked.append(Priced(c, step, compute, comm, exposed,
                                  mfu(c.cfg, tcfg, hw, n, step), peak))
     ranked.sort(key=lambda p: (p.step_s, str(p.candidate.layout), p.candidate.describe()))

@@ -147,6 +147,33 @@ def test_orders_share_one_traced_program():
                     == predict(rows_b, hw, lay.mesh_axes()).step_s)
 
 
+def test_pp_candidates_choose_a_schedule_and_share_its_trace():
+    """pp layouts come with every schedule at 4·pp microbatches (interleaved with 2
+    chunks per device where the layers divide); gpipe and 1f1b are one program: the
+    gpipe step's ledger priced along 1f1b's table is 1f1b's own prediction (the stash's
+    zero fill outside the ticks is all that differs: < 0.1%)."""
+    from engine.cost.pipeline import predict_step
+
+    cfg, tcfg = model_config("small"), TrainConfig(batch=32, seq=256)
+    ok, _ = plan.candidates(cfg, tcfg, 8, {"remat": "full"})
+    pp = [c for c in ok if c.layout.degree("pp") > 1]
+    assert {c.parallel.pp_schedule for c in pp} == {"gpipe", "1f1b", "interleaved"}
+    assert all(c.parallel.microbatches == 4 * c.layout.degree("pp") for c in pp)
+    assert all((c.parallel.pp_virtual == 2) == (c.parallel.pp_schedule == "interleaved")
+               for c in pp)
+    lay = Layout.parse("pp2xfsdp2xtp2")
+    by = {c.parallel.pp_schedule: c for c in pp if c.layout == lay
+          and c.parallel.tp_comm == "ring" and c.parallel.zero == 3 and not c.parallel.prefetch}
+    assert by["gpipe"].program == by["1f1b"].program != by["interleaved"].program
+    rows = {s: step_ledger(cfg, tcfg, lay, by[s].parallel) for s in ("gpipe", "1f1b")}
+    for hw in (hardware.cpu_defaults(), hardware.get("h100")):
+        own = predict_step(rows["1f1b"], hw, lay, by["1f1b"].parallel)[0].step_s
+        shared = predict_step(rows["gpipe"], hw, lay, by["1f1b"].parallel)[0].step_s
+        assert shared == pytest.approx(own, rel=1e-3)
+        gpipe = predict_step(rows["gpipe"], hw, lay, by["gpipe"].parallel)[0].step_s
+        assert gpipe != pytest.approx(own, rel=1e-3)  # the tables do price differently
+
+
 @pytest.fixture(scope="module")
 def planned(tmp_path_factory):
     path = tmp_path_factory.mktemp("plan") / "plan.json"
