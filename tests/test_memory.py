@@ -81,3 +81,20 @@ def test_refuses_what_it_does_not_model():
     with pytest.raises(memory.Unsupported, match="blocked"):
         memory.predict(dataclasses.replace(CFG, attention="auto"),
                        TrainConfig(batch=16, seq=1024), LAYOUT)
+
+
+def test_microbatches_peak_falls_as_the_compiler_s():
+    """Gradient accumulation (no pp): one microbatch's step plus the grads accumulator;
+    within the tolerance of the compiler's peak at M = 2 and 4, and falling with M as
+    it does."""
+    peaks = []
+    for m in (1, 2, 4):
+        par = ParallelConfig(microbatches=m)
+        trainer = Trainer(CFG, TCFG, LAYOUT, LAYOUT.mesh(), par)
+        measured = memory.measure(memory.compile_step(trainer, FAST))
+        pred = memory.predict(CFG, TCFG, LAYOUT, "cpu", trainer=trainer)
+        assert pred.arguments == measured["argument"]
+        assert abs(memory.error(pred, measured)) < TOLERANCE, (m, pred.peak, measured)
+        peaks.append((pred.peak, measured["peak"]))
+    assert peaks[0][0] > peaks[1][0] > peaks[2][0]
+    assert peaks[0][1] > peaks[1][1] > peaks[2][1]
