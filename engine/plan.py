@@ -77,8 +77,9 @@ SWITCHES: tuple[Switch, ...] = (
            and lay.degree("pp") > 1),
     # a pipeline's bubble is (pp-1)/(M+pp-1): 4·pp microbatches keep it under 1/5 (one
     # value: each M is a program of its own to trace)
+    # (without pp a step over memory is retried with more: `accumulated`)
     Switch("microbatches", lambda lay: (4 * lay.degree("pp"),),
-           lambda lay, par: lay.degree("pp") > 1),
+           lambda lay, par: lay.degree("pp") > 1 or par.microbatches > 1),
 )
 
 
@@ -272,7 +273,11 @@ def _price_program(job) -> tuple[list, bool, list]:
 
     cands, tcfg, hw, capacity = job
     first = cands[0]
-    peaks = [fit.peak_bytes(c.cfg, tcfg, c.parallel, c.layout, hw) for c in cands]
+    peak_of: dict = {}  # a peak depends on the sizes and switches, not the axis order
+    for c in cands:
+        if c.parallel not in peak_of:
+            peak_of[c.parallel] = fit.peak_bytes(c.cfg, tcfg, c.parallel, c.layout, hw)
+    peaks = [peak_of[c.parallel] for c in cands]
     if capacity is not None and all(p is not None and p > capacity for p in peaks):
         return [None] * len(cands), False, peaks
     rows, cached = cache.step_ledger(first.cfg, tcfg, first.layout, first.parallel)
@@ -340,22 +345,50 @@ def price(cands: list, tcfg: TrainConfig, hw, n: int, capacity: float | None,
             step, compute, comm, exposed = got
             ranked.append(Priced(c, step, compute, comm, exposed,
                                  mfu(c.cfg, tcfg, hw, n, step), peak))
-    ranked.sort(key=lambda p: (p.step_s, str(p.candidate.layout), p.candidate.describe()))
+    ranked.sort(key=_rank)
     return ranked, over, programs, cached, workers
+
+
+def _rank(p: Priced) -> tuple:
+    return p.step_s, str(p.candidate.layout), p.candidate.describe()
+
+
+def accumulated(cand: Candidate, tcfg: TrainConfig) -> Candidate | None:
+    """`cand` without pp with twice its microbatches (gradient accumulation: the same
+    update from smaller steps, for a step over memory), or None where that cannot run
+    (M would not divide the per-device batch) or there is a pp axis (its microbatches
+    are a switch of their own)."""
+    if cand.layout.degree("pp") > 1:
+        return None
+    par = dataclasses.replace(cand.parallel, microbatches=2 * cand.parallel.microbatches)
+    if validate.problems(cand.cfg, tcfg, par, cand.layout):
+        return None
+    return Candidate(cand.layout, par, cand.cfg)
 
 
 def plan(cfg: ModelConfig, tcfg: TrainConfig, n: int, hw, hbm_bytes: float | None = None,
          pinned: dict | None = None, workers: int = 1, names: tuple[str, ...] = AXIS_ROLES,
          limits: dict | None = None, executor=None) -> Plan:
     """Enumerate (`candidates`), validate, check memory, trace and price each program
-    once (`price`), rank by predicted step."""
+    once (`price`), rank by predicted step. A candidate without pp over memory is
+    retried with 2, 4, ... microbatches (`accumulated`) while they divide its batch."""
     from engine.cost import fit
 
     t0 = time.perf_counter()
     ok, refused = candidates(cfg, tcfg, n, pinned, names, limits)
     capacity = fit.capacity(hw, n, hbm_bytes)
-    ranked, over, programs, cached, workers = price(ok, tcfg, hw, n, capacity, workers,
-                                                    executor)
+    ranked, over, programs, cached, used = price(ok, tcfg, hw, n, capacity, workers, executor)
+    # a step over memory may fit as microbatches: double M until it fits or cannot run
+    retry, over = over, []
+    while retry:
+        grown = [(c, peak, accumulated(c, tcfg)) for c, peak in retry]
+        over += [(c, peak) for c, peak, g in grown if g is None]
+        if not (more := [g for _, _, g in grown if g is not None]):
+            break
+        fits, retry, p, k, w = price(more, tcfg, hw, n, capacity, workers, executor)
+        ranked, programs, cached, used = ranked + fits, programs + p, cached + k, max(used, w)
+    ranked.sort(key=_rank)
+    workers = used
     return Plan(ranked, refused, over, capacity, programs, cached, workers,
                 time.perf_counter() - t0)
 

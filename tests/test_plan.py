@@ -174,6 +174,32 @@ def test_pp_candidates_choose_a_schedule_and_share_its_trace():
         assert gpipe != pytest.approx(own, rel=1e-3)  # the tables do price differently
 
 
+def test_a_step_over_memory_is_retried_with_more_microbatches():
+    """With room for fsdp8's zero-3 step only at 2 microbatches, the plan ranks it at
+    M = 2 (its peak under the capacity), keeps M = 1 where that fits, and leaves over
+    memory what fits at no M that divides the per-device batch."""
+    from engine.cost import fit
+
+    cfg, tcfg = model_config("small", remat="full"), TrainConfig(batch=32, seq=256)
+    h100, lay = hardware.get("h100"), Layout.parse("fsdp8")
+    peak = {m: fit.peak_bytes(cfg, tcfg, validate.ParallelConfig(microbatches=m), lay, h100)
+            for m in (1, 2)}
+    assert peak[2] < peak[1]
+    cap = (peak[1] + peak[2]) / 2
+    result = plan.plan(cfg, tcfg, 8, h100, cap, {"remat": "full"}, names=("fsdp",))
+    assert result.ranked
+    by = {c.candidate.describe(): c for c in result.ranked}
+    assert by["fsdp8 zero 3 remat full microbatches 2"].peak_bytes == peak[2]
+    for p in result.ranked:
+        assert p.peak_bytes <= cap
+        m = p.candidate.parallel.microbatches
+        if m > 1:  # the next smaller M did not fit
+            half = dataclasses.replace(p.candidate.parallel, microbatches=m // 2)
+            assert fit.peak_bytes(cfg, tcfg, half, lay, h100) > cap
+    for c, over in result.over:  # M = 4 per device is the most that divides
+        assert over > cap and c.parallel.microbatches == 4
+
+
 @pytest.fixture(scope="module")
 def planned(tmp_path_factory):
     path = tmp_path_factory.mktemp("plan") / "plan.json"
