@@ -295,18 +295,20 @@ def _scan_copy_rows(eqn, phase, scope, count, pp=()) -> list[Row]:
     written out, 2x the slice's bytes each. XLA:CPU fuses a slice with elementwise
     neighbours: an xs read only by fusible ops (not bitcasts: `FREE`) is sliced inside
     their loop fusion and a ys made by a fusible op used only there is written by it into
-    the buffer, so those cost
-    nothing beyond the rows of the body's own ops (which already read the slice or write
-    the result). What `jax.jit(f).lower(...).compile().as_text()` shows on XLA:CPU for a
-    scan of `tanh(c @ w)` stacking its results: `dynamic-slice` fusions feeding the dot,
-    `dynamic-update-slice` fusions aliasing the loop's buffer, a `broadcast` of each ys
-    buffer in the entry computation.
+    the buffer, so those cost nothing beyond the rows of the body's own ops (which already
+    read the slice or write the result). What `jax.jit(f).lower(...).compile().as_text()`
+    shows on XLA:CPU for a scan of `c @ w`, `tanh` of it and `2 * c`, each stacked
+    (tests/test_cost.py): a `dynamic-slice` fusion feeding the dot, one
+    `dynamic-update-slice` fusion per stacked output aliasing the loop's buffer (the
+    multiply inside its own), a `broadcast` of each stacked buffer in the entry.
 
     Accelerators (`Hardware.fusion`): XLA on TPU and GPU emits a scan's ys update as a
     dynamic-update-slice fused in place with the op producing the update, and fuses an
     xs dynamic-slice into its consumers as a producer, so the traffic is the producer's
     write and the consumer's read the fusion model already charges: these rows carry
-    `fused_bytes = lib_bytes = 0` (their zero-fills are not charged there either)."""
+    `fused_bytes = lib_bytes = 0` (their zero-fills are not charged there either). Not
+    checked against an accelerator compiler here; a slice feeding a GPU library matmul
+    (cuBLAS) or a library matmul's product stacked would be a copy of its own there."""
     body = eqn.params["jaxpr"].jaxpr
     length = eqn.params["length"]
     first = eqn.params["num_consts"] + eqn.params["num_carry"]
