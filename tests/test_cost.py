@@ -284,3 +284,67 @@ def test_audit_clean_pp(layout, microbatches, schedule):
     permutes = sum(n for k, n in result.matched.items() if k[0] == "collective-permute")
     ticks = Trainer(cfg, TCFG, lay, lay.abstract_mesh(), par).plan.ticks
     assert permutes == 2 * ticks
+
+
+def _scan_example():
+    """A scan over N stacked weights [N, D, D] whose body stacks two outputs: tanh(c @ w)
+    (also the carry, so XLA cannot fuse its producer into the stacking) and c @ w (a
+    dot's product), and a third, 2 * c, whose elementwise producer XLA writes straight
+    into the stacked buffer."""
+    import jax.numpy as jnp
+    from jax import lax
+
+    def f(x_BD, w_NDD):
+        def body(c_BD, w_DD):
+            y_BD = c_BD @ w_DD
+            h_BD = jnp.tanh(y_BD)
+            return h_BD, (h_BD, y_BD, 2.0 * c_BD)
+
+        return lax.scan(body, x_BD, w_NDD)
+
+    return f, jnp.ones((16, 32), jnp.float32), jnp.ones((4, 32, 32), jnp.float32)
+
+
+def test_scan_charges_its_stacking_and_slicing():
+    """The rows XLA adds to a scan, against the scan's own inputs and outputs: per
+    iteration one slice of each stacked input a dot reads (read + written out) and one
+    slice of each stacked output not made by a fusible op alone (update read, slice
+    written), and each stacked output's buffer zero-filled once; on a fusion profile
+    they move nothing. The compiled XLA:CPU loop holds as many dynamic-update-slice
+    fusions as the ledger's update rows, and a dynamic-slice for the dot's operand."""
+    import jax
+
+    from engine.cost import hlo
+    from engine.cost.ledger import ledger
+    from engine.cost.price import moved_bytes
+
+    f, x, w = _scan_example()
+    rows = ledger(jax.make_jaxpr(f)(x, w), Layout.parse("single"))
+    n = w.shape[0]
+    _, ys = jax.eval_shape(f, x, w)
+    slices = [y.size // n * y.dtype.itemsize for y in ys]
+
+    def charged(primitive):
+        return sorted(r.bytes for r in rows if r.primitive == primitive
+                      for _ in range(r.count))
+
+    # h and y are stacked by a dynamic-update-slice; 2c is written by its own multiply
+    assert charged("dynamic_update_slice") == sorted(2 * b for b in slices[:2] for _ in range(n))
+    assert charged("broadcast_in_dim") == sorted(b * n for b in slices)
+    assert charged("dynamic_slice") == [2 * w[0].nbytes] * n
+    added = [r for r in rows if r.primitive in ("dynamic_update_slice", "dynamic_slice")
+             or (r.primitive == "broadcast_in_dim" and r.count == 1)]
+    assert all((r.scope, r.phase) == ("other", "fwd") for r in added)
+    assert all(moved_bytes(r, hardware.get("h100")) == 0 for r in added)
+
+    module = hlo.parse(jax.jit(f).lower(x, w).compile().as_text())
+    loop = [c for c, m in module.multiplicity.items() if m == n and any(
+        i.opcode == "fusion" for i in module.computations[c])]
+    fused_ops = lambda i: {j.opcode for j in module.computations.get(i.callee, [])}
+    body = [i for c in loop for i in module.computations[c] if i.opcode == "fusion"]
+    updates = [i for i in body if "dynamic-update-slice" in fused_ops(i)]
+    assert len(updates) == len(ys) == 3
+    # the multiply of 2c is inside its update's fusion; the others only stack
+    assert sum("multiply" in fused_ops(i) for i in updates) == 1
+    assert sum("dynamic-slice" in fused_ops(i) and "dynamic-update-slice" not in fused_ops(i)
+               for i in body) == 1

@@ -13,6 +13,7 @@ the `reduce_grads` / `optimizer` scopes -> "update", anything else -> "fwd".
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 
@@ -280,6 +281,67 @@ def _kernel_row(eqn, phase, scope, count, body_rows, pp=()) -> Row:
                (eqn.params["length"], block), flops, float(moved), count, pp=pp)
 
 
+def _scan_copy_rows(eqn, phase, scope, count, pp=()) -> list[Row]:
+    """What XLA adds when it lowers a `lax.scan` to a while loop, which the scan's jaxpr
+    does not show, in the scan's own scope and phase:
+
+    - each stacked output (ys) is a buffer filled with zeros before the loop (one write
+      of the whole [N, ...] buffer per execution of the scan: a `broadcast_in_dim` row),
+      into which each iteration writes its slice with a `dynamic_update_slice`;
+    - each stacked input (xs) is sliced once per iteration with a `dynamic_slice`.
+
+    Both slices are priced as `_io_bytes` prices the explicit ops: the update slice is
+    written in place (read the update, write the slice), the input slice is read and
+    written out, 2x the slice's bytes each. XLA:CPU fuses a slice with elementwise
+    neighbours: an xs read only by fusible ops (not bitcasts: `FREE`) is sliced inside
+    their loop fusion and a ys made by a fusible op used only there is written by it into
+    the buffer, so those cost nothing beyond the rows of the body's own ops (which already
+    read the slice or write the result). What `jax.jit(f).lower(...).compile().as_text()`
+    shows on XLA:CPU for a scan of `c @ w`, `tanh` of it and `2 * c`, each stacked
+    (tests/test_cost.py): a `dynamic-slice` fusion feeding the dot, one
+    `dynamic-update-slice` fusion per stacked output aliasing the loop's buffer (the
+    multiply inside its own), a `broadcast` of each stacked buffer in the entry.
+
+    Accelerators (`Hardware.fusion`): XLA on TPU and GPU emits a scan's ys update as a
+    dynamic-update-slice fused in place with the op producing the update, and fuses an
+    xs dynamic-slice into its consumers as a producer, so the traffic is the producer's
+    write and the consumer's read the fusion model already charges: these rows carry
+    `fused_bytes = lib_bytes = 0` (their zero-fills are not charged there either). Not
+    checked against an accelerator compiler here; a slice feeding a GPU library matmul
+    (cuBLAS) or a library matmul's product stacked would be a copy of its own there."""
+    body = eqn.params["jaxpr"].jaxpr
+    length = eqn.params["length"]
+    first = eqn.params["num_consts"] + eqn.params["num_carry"]
+    consumers, producer = {}, {}
+    for e in body.eqns:
+        for v in e.invars:
+            if not isinstance(v, jcore.Literal):
+                consumers.setdefault(v, []).append(e.primitive.name)
+        for v in e.outvars:
+            producer[v] = e
+    uses = collections.Counter(v for v in body.outvars if not isinstance(v, jcore.Literal))
+    rows = []
+
+    def row(primitive, aval, moved, n):
+        rows.append(Row(scope, phase, "memory", primitive, str(aval.dtype), tuple(aval.shape),
+                        0.0, float(moved), n, fused_bytes=0.0, lib_bytes=0.0, pp=pp))
+
+    for outer, inner in zip(eqn.invars[first:], body.invars[first:]):
+        names = consumers.get(inner, [])
+        if names and all(n in FUSIBLE and n not in FREE for n in names) and inner not in uses:
+            continue  # sliced inside its consumers' loop fusion
+        row("dynamic_slice", inner.aval, 2 * _nbytes(inner.aval), count * length)
+    n_carry = eqn.params["num_carry"]
+    for outer, inner in zip(eqn.outvars[n_carry:], body.outvars[n_carry:]):
+        row("broadcast_in_dim", outer.aval, _nbytes(outer.aval), count)
+        made = producer.get(inner)
+        fused = (made is not None and made.primitive.name in FUSIBLE - FREE and uses[inner] == 1
+                 and not consumers.get(inner))
+        if not fused:
+            row("dynamic_update_slice", inner.aval, 2 * _nbytes(inner.aval), count * length)
+    return rows
+
+
 def _walk(jaxpr, stack, count, mesh_shape, rows, domain=None, alias=None, site=0):
     """Rows of `jaxpr`'s equations into `rows`; compute rows join `domain` (a new one
     for the top call and for every loop body) for the accelerator fusion model."""
@@ -307,6 +369,8 @@ def _walk(jaxpr, stack, count, mesh_shape, rows, domain=None, alias=None, site=0
             start = len(rows)
             for sub, mult in subs:
                 _walk(sub, here, count * mult, mesh_shape, rows)
+            if name == "scan":
+                rows.extend(_scan_copy_rows(eqn, phase, scope, count, _pp_scopes(here)))
             body = rows[start:]
             if name == "scan" and scope == "attention" and all(
                     v.aval.dtype == jnp.bool_ for v in eqn.outvars):
