@@ -124,12 +124,16 @@ class Candidate:
                 out += [flag, str(value)]
         return out
 
+    def applied(self) -> dict:
+        """{switch name: value} for the switches that apply to this layout."""
+        return {s.name: v for s, v in zip(SWITCHES, self.flags.values())
+                if s.applies(self.layout, self.parallel)}
+
     def describe(self) -> str:
         """`fsdp4xtp2 zero 3 tp_comm ring remat full`: the layout and every switch that
         applies to it."""
-        shown = [f"{s.name} {v}" if not isinstance(v, bool) else s.name
-                 for s, v in zip(SWITCHES, self.flags.values())
-                 if s.applies(self.layout, self.parallel) and v is not False]
+        shown = [f"{k} {v}" if not isinstance(v, bool) else k
+                 for k, v in self.applied().items() if v is not False]
         return " ".join([str(self.layout), *shown])
 
 

@@ -43,7 +43,7 @@ def table(ranked: list, top: int) -> str:
     from tabulate import tabulate
 
     rows = [[i + 1, str(p.candidate.layout),
-             " ".join(f"{k}={v}" for k, v in p.candidate.flags.items()),
+             " ".join(f"{k}={v}" for k, v in p.candidate.applied().items()),
              f"{p.step_s:.4g}", f"{100 * p.mfu:.1f}%", gib(p.peak_bytes),
              f"{p.exposed_comm_s:.4g}"] for i, p in enumerate(ranked[:top])]
     return tabulate(rows, ["#", "layout", "switches", "step s", "MFU", "peak/device",
