@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from engine import checkpoint, pipeline, validate
-from engine.config import ConfigError, ParallelConfig, TrainConfig
+from engine.config import ConfigError, ParallelConfig
 from engine.data import synthetic_tokens
 from engine.layout import Layout
 from engine.step import Trainer

@@ -1,0 +1,213 @@
+"""The planner's candidate space: every layout of N devices with every switch.
+
+Candidates are every factorisation of N into the axes of the role registry
+(engine/roles.py; axes of size 1 left out) in every order, times every value of each
+switch in `SWITCHES` (each read from its own registry, offered only where it changes the
+program). `candidates` splits them into what `engine.validate` lets run and what it
+refuses; `neighbours` are the runnable ones a switch away; `accumulated` is a candidate
+with twice its microbatches. engine/plan.py prices them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from typing import Callable
+
+from collectives.ring import COMMS
+from engine import roles, validate
+from engine.config import ParallelConfig, TrainConfig
+from engine.layout import AXIS_ROLES, Layout
+from engine.pipeline import SCHEDULES
+from engine.zero import ZERO
+from layers.block import REMAT
+from layers.config import ModelConfig
+from layers.kernels.context import CP_COMMS
+
+
+def degree(layout: Layout, what: str) -> int:
+    """Product of the layout's sizes of the roles sharding `what` (roles.SHARDABLE)."""
+    return math.prod(layout.degree(r) for r in roles.roles_sharding(what))
+
+
+@dataclasses.dataclass(frozen=True)
+class Switch:
+    """One setting the plan chooses. name: the `ParallelConfig` (or, with model=True,
+    `ModelConfig`) field, whose flag is `--name` with `-` for `_`; values: from its
+    registry, or a function of the layout giving them; applies(layout, parallel):
+    whether it changes the step's program there (elsewhere the field keeps its
+    default). Switches are applied in order, so `applies` may read the ones before it."""
+
+    name: str
+    values: tuple | Callable[[Layout], tuple]
+    applies: Callable[[Layout, ParallelConfig], bool]
+    model: bool = False
+
+    def options(self, layout: Layout) -> tuple:
+        return self.values(layout) if callable(self.values) else self.values
+
+
+SWITCHES: tuple[Switch, ...] = (
+    Switch("zero", ZERO, lambda lay, par: degree(lay, "params") > 1),
+    Switch("prefetch", (False, True), lambda lay, par: par.zero == 3 and degree(lay, "params") > 1),
+    Switch("tp_comm", COMMS, lambda lay, par: degree(lay, "heads") > 1),
+    Switch("cp_comm", tuple(CP_COMMS), lambda lay, par: degree(lay, "sequence") > 1),
+    Switch("remat", REMAT, lambda lay, par: True, model=True),
+    Switch("pp_schedule", tuple(SCHEDULES), lambda lay, par: lay.degree("pp") > 1),
+    Switch("pp_virtual", (2,), lambda lay, par: par.pp_schedule == "interleaved"
+           and lay.degree("pp") > 1),
+    # a pipeline's bubble is (pp-1)/(M+pp-1): 4·pp microbatches keep it under 1/5 (one
+    # value: each M is a program of its own to trace)
+    # (without pp a step over memory is retried with more: `accumulated`)
+    Switch("microbatches", lambda lay: (4 * lay.degree("pp"),),
+           lambda lay, par: lay.degree("pp") > 1 or par.microbatches > 1),
+)
+
+
+# schedules whose steps have one ledger (`Candidate.program`)
+SHARED_TRACE = ("gpipe", "1f1b")
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """A layout with its switches; `cfg` is the model with the candidate's remat."""
+
+    layout: Layout
+    parallel: ParallelConfig
+    cfg: ModelConfig
+
+    @property
+    def flags(self) -> dict:
+        """{switch name: value} for every switch (defaults where it does not apply)."""
+        return {s.name: getattr(self.cfg if s.model else self.parallel, s.name)
+                for s in SWITCHES}
+
+    @property
+    def program(self) -> tuple:
+        """What the traced step's ledger depends on: axis sizes by role, the parallel
+        config and the model (not the order of the axes, which only picks link tiers in
+        pricing; nor the choice between the gpipe and 1f1b schedules: their ticks run
+        the same units and shifts, T = 2(M + pp - 1) of them, and only their tables,
+        which pricing walks, differ)."""
+        par = self.parallel
+        if par.pp_schedule in SHARED_TRACE:
+            par = dataclasses.replace(par, pp_schedule=SHARED_TRACE[0])
+        return (tuple(self.layout.degree(r) for r in AXIS_ROLES), par, self.cfg)
+
+    def argv(self) -> list[str]:
+        """The training CLI's flags for this candidate."""
+        out = ["--layout", str(self.layout)]
+        for name, value in self.flags.items():
+            flag = "--" + name.replace("_", "-")
+            if isinstance(value, bool):
+                out += [flag] if value else []
+            else:
+                out += [flag, str(value)]
+        return out
+
+    def applied(self) -> dict:
+        """{switch name: value} for the switches that apply to this layout."""
+        return {s.name: v for s, v in zip(SWITCHES, self.flags.values())
+                if s.applies(self.layout, self.parallel)}
+
+    def describe(self) -> str:
+        """`fsdp4xtp2 zero 3 tp_comm ring remat full`: the layout and every switch that
+        applies to it."""
+        shown = [f"{k} {v}" if not isinstance(v, bool) else k
+                 for k, v in self.applied().items() if v is not False]
+        return " ".join([str(self.layout), *shown])
+
+
+def factorisations(n: int, names: tuple[str, ...] = AXIS_ROLES) -> list[dict]:
+    """Every {role: size > 1} over `names` whose sizes multiply to n ({} for n = 1)."""
+    if not names:
+        return [{}] if n == 1 else []
+    out = []
+    for d in (d for d in range(1, n + 1) if n % d == 0):
+        for rest in factorisations(n // d, names[1:]):
+            out.append({names[0]: d, **rest} if d > 1 else rest)
+    return out
+
+
+def layouts(n: int, names: tuple[str, ...] = AXIS_ROLES, limits: dict | None = None
+            ) -> list[Layout]:
+    """Every factorisation of n devices over the roles `names` in every order of its
+    axes; limits: {role: largest size} leaves out factorisations past them."""
+    limits = limits or {}
+    return [Layout(tuple((r, f[r]) for r in order))
+            for f in factorisations(n, names)
+            if all(f.get(r, 1) <= m for r, m in limits.items())
+            for order in itertools.permutations(f)]
+
+
+def switch_settings(cfg: ModelConfig, layout: Layout, pinned: dict,
+                    base: ParallelConfig = ParallelConfig()) -> list[tuple]:
+    """Every (ParallelConfig, ModelConfig) of the switches for `layout`, the other
+    fields from `base`; a switch named in `pinned` keeps that value where it applies
+    (elsewhere its default)."""
+    settings = [(base, cfg)]
+    for s in SWITCHES:
+        grown = []
+        for par, c in settings:
+            values = (((pinned[s.name],) if s.name in pinned else s.options(layout))
+                      if s.applies(layout, par) else (None,))
+            for v in values:
+                if v is None and s.model:
+                    grown.append((par, c))
+                elif v is None:  # does not apply: the default
+                    grown.append((dataclasses.replace(
+                        par, **{s.name: getattr(ParallelConfig(), s.name)}), c))
+                elif s.model:
+                    grown.append((par, dataclasses.replace(c, **{s.name: v})))
+                else:
+                    grown.append((dataclasses.replace(par, **{s.name: v}), c))
+        settings = grown
+    return settings
+
+
+def candidates(cfg: ModelConfig, tcfg: TrainConfig, n: int, pinned: dict | None = None,
+               names: tuple[str, ...] = AXIS_ROLES, limits: dict | None = None,
+               base: ParallelConfig = ParallelConfig()):
+    """(runnable candidates, [(refused candidate, reason)]) of n devices over the roles
+    `names` (sizes up to `limits`, as `layouts`); ParallelConfig fields that are not
+    switches from `base`."""
+    ok, refused = [], []
+    for layout in layouts(n, names, limits):
+        for par, c in switch_settings(cfg, layout, pinned or {}, base):
+            cand = Candidate(layout, par, c)
+            if problems := validate.problems(c, tcfg, par, layout):
+                refused.append((cand, "; ".join(problems)))
+            else:
+                ok.append(cand)
+    return ok, refused
+
+
+def neighbours(cand: Candidate, tcfg: TrainConfig) -> list[Candidate]:
+    """The runnable candidates that differ from `cand` in one switch (in every order of
+    its axes): a switch that stops applying goes back to its default."""
+    out = []
+    for s in SWITCHES:
+        if not s.applies(cand.layout, cand.parallel):
+            continue
+        current = cand.flags[s.name]
+        for v in (v for v in s.options(cand.layout) if v != current):
+            pinned = {**cand.flags, s.name: v}
+            for order in itertools.permutations(cand.layout.axes):
+                layout = Layout(tuple(order))
+                for par, c in switch_settings(cand.cfg, layout, pinned, cand.parallel):
+                    if not validate.problems(c, tcfg, par, layout):
+                        out.append(Candidate(layout, par, c))
+    return out
+
+
+def accumulated(cand: Candidate, tcfg: TrainConfig) -> Candidate | None:
+    """`cand` without pp with twice its microbatches (gradient accumulation: the same
+    update from smaller steps, for a step over memory), or None where that cannot run
+    (M would not divide the per-device batch) or there is a pp axis (its microbatches
+    are a switch of their own)."""
+    if cand.layout.degree("pp") > 1:
+        return None
+    par = dataclasses.replace(cand.parallel, microbatches=2 * cand.parallel.microbatches)
+    if validate.problems(cand.cfg, tcfg, par, cand.layout):
+        return None
+    return Candidate(cand.layout, par, cand.cfg)
