@@ -151,6 +151,29 @@ def test_cli_greedy_with_stop(trained):
     assert "prefill: 20 tokens in" in out and "| decode: " in out and "tok/s" in out
 
 
+def test_cli_generates_from_a_checkpoint_a_pp_layout_saved(trained, tmp_path):
+    """The trained params as a pp2xfsdp4 trainer holds them (blocks sharded over the
+    stages), saved as that layout's checkpoint: decoding it on tp2 continues the
+    progression as the single-layout checkpoint does (test_cli_greedy_with_stop)."""
+    from engine.config import ParallelConfig
+
+    lay = Layout.parse("pp2xfsdp4")
+    t = Trainer(CFG, TCFG, lay, lay.mesh(), ParallelConfig(microbatches=2))
+    shard = lambda specs: jax.tree.map(lambda s: NamedSharding(t.mesh, s), specs)  # noqa: E731
+    params = jax.device_put(t.store(jax.device_put(trained[0], shard(t.specs))), shard(t.specs))
+    opt_state = jax.jit(t.tx.init, out_shardings=shard(t.opt_specs))(params)
+    assert "pp" in str(params["blocks"]["wq"].sharding.spec)
+    meta = dict(rng=dict(seed=TCFG.seed), model=dataclasses.asdict(CFG),
+                train=dataclasses.asdict(TCFG), layout="pp2xfsdp4",
+                data=dict(source="synthetic", dtype="uint16"))
+    checkpoint.save(str(tmp_path), TCFG.steps, t.unstore(params), opt_state, meta, keep=1)
+    r = run_cli("--checkpoint-dir", str(tmp_path), "--prompt", "ACEGIKMO", "--temperature",
+                "0", "--max-new-tokens", "8", "--layout", "tp2")
+    assert r.returncode == 0, r.stderr.decode()
+    out = r.stdout.decode()
+    assert "trained under pp2xfsdp4" in out and "\nACEGIKMOQSUWY[]_\n" in out, out
+
+
 @pytest.fixture(scope="module")
 def small_vocab_checkpoint(tmp_path_factory):
     cfg = dataclasses.replace(CFG, vocab=128)
