@@ -126,23 +126,47 @@ def pool(workers: int):
     return ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
 
 
-def _run(jobs: list, workers: int, executor=None) -> list:
+def _run(jobs: list, workers: int, executor=None, progress=None) -> list:
     """`_price_program` over jobs: in `executor` if given, else in a `pool` of
     `workers` (here when 1). Jobs go out in their order (programs of one layout's sizes
     next to each other), in chunks of consecutive ones: a worker tracing programs of the
     same shapes in a row reuses jax's tracing caches (a longest-first order without
-    chunks measured ~20% slower on the 8-device plan of `small`)."""
+    chunks measured ~20% slower on the 8-device plan of `small`). `progress(done,
+    total)` is called as results come in."""
+    progress = progress or (lambda done, total: None)
+
+    def collect(results):
+        out = []
+        for r in results:
+            out.append(r)
+            progress(len(out), len(jobs))
+        return out
+
     if executor is None and workers <= 1:
-        return [_price_program(j) for j in jobs]
+        return collect(_price_program(j) for j in jobs)
     chunk = max(1, len(jobs) // (8 * max(workers, 1)))
     if executor is None:
         with pool(workers) as ex:
-            return list(ex.map(_price_program, jobs, chunksize=chunk))
-    return list(executor.map(_price_program, jobs, chunksize=chunk))
+            return collect(ex.map(_price_program, jobs, chunksize=chunk))
+    return collect(executor.map(_price_program, jobs, chunksize=chunk))
+
+
+def progress_line(say, every_s: float = 15.0):
+    """A `progress` for `plan` that says how many programs are priced, at most once
+    every `every_s` seconds and never for a plan that takes less."""
+    start = last = time.perf_counter()
+
+    def report(done: int, total: int):
+        nonlocal last
+        now = time.perf_counter()
+        if now - last >= every_s:
+            last = now
+            say(f"planning: {done}/{total} programs priced ({now - start:.0f} s)")
+    return report
 
 
 def price(cands: list, tcfg: TrainConfig, hw, n: int, capacity: float | None,
-          workers: int = 1, executor=None) -> tuple[list, list, int, int, int]:
+          workers: int = 1, executor=None, progress=None) -> tuple[list, list, int, int, int]:
     """Price candidates of n devices: grouped by program, each program's memory checked
     and its ledger traced once (`_run`), every candidate priced. Returns (ranked:
     [Priced] fastest first, over: [(candidate, peak bytes)] over `capacity`, programs,
@@ -156,7 +180,7 @@ def price(cands: list, tcfg: TrainConfig, hw, n: int, capacity: float | None,
     if executor is None:
         workers = min(workers, max(1, len(jobs) // 8))  # a worker costs a jax import
     ranked, over, programs, cached = [], [], 0, 0
-    for (group, *_), (priced, hit, peaks) in zip(jobs, _run(jobs, workers, executor)):
+    for (group, *_), (priced, hit, peaks) in zip(jobs, _run(jobs, workers, executor, progress)):
         if all(p is None for p in priced):
             over.extend(zip(group, peaks))
             continue
@@ -179,7 +203,7 @@ def _rank(p: Priced) -> tuple:
 
 def plan(cfg: ModelConfig, tcfg: TrainConfig, n: int, hw, hbm_bytes: float | None = None,
          pinned: dict | None = None, workers: int = 1, names: tuple[str, ...] = AXIS_ROLES,
-         limits: dict | None = None, executor=None) -> Plan:
+         limits: dict | None = None, executor=None, progress=None) -> Plan:
     """Enumerate (`candidates`), validate, check memory, trace and price each program
     once (`price`), rank by predicted step. A candidate without pp over memory is
     retried with 2, 4, ... microbatches (`accumulated`) while they divide its batch."""
@@ -188,7 +212,8 @@ def plan(cfg: ModelConfig, tcfg: TrainConfig, n: int, hw, hbm_bytes: float | Non
     t0 = time.perf_counter()
     ok, refused = candidates(cfg, tcfg, n, pinned, names, limits)
     capacity = fit.capacity(hw, n, hbm_bytes)
-    ranked, over, programs, cached, used = price(ok, tcfg, hw, n, capacity, workers, executor)
+    ranked, over, programs, cached, used = price(ok, tcfg, hw, n, capacity, workers, executor,
+                                                 progress)
     # a step over memory may fit as microbatches: double M until it fits or cannot run
     retry, over = over, []
     while retry:
@@ -196,7 +221,7 @@ def plan(cfg: ModelConfig, tcfg: TrainConfig, n: int, hw, hbm_bytes: float | Non
         over += [(c, peak) for c, peak, g in grown if g is None]
         if not (more := [g for _, _, g in grown if g is not None]):
             break
-        fits, retry, p, k, w = price(more, tcfg, hw, n, capacity, workers, executor)
+        fits, retry, p, k, w = price(more, tcfg, hw, n, capacity, workers, executor, progress)
         ranked, programs, cached, used = ranked + fits, programs + p, cached + k, max(used, w)
     ranked.sort(key=_rank)
     workers = used
@@ -255,7 +280,8 @@ def auto(cfg: ModelConfig, tcfg: TrainConfig, say=print):
                           f"(known: cpu, {', '.join(sorted(set(DEVICE_KINDS.values())))}); "
                           f"name a layout")
     hw = hardware_profile(name, None, say)
-    result = plan(cfg, tcfg, len(devices), hw, workers=os.cpu_count() or 1)
+    result = plan(cfg, tcfg, len(devices), hw, workers=os.cpu_count() or 1,
+                  progress=progress_line(say))
     if not result.ranked:
         raise ConfigError(no_plan_message(result, len(devices)))
     best = result.ranked[0]
@@ -323,7 +349,8 @@ def main(argv=None) -> int:
             raise UsageError(str(e)) from None
         pinned = {"remat": mine.remat} if mine.remat else {}
         result = plan(cfg, tcfg, mine.devices, hw, mine.hbm_gib and mine.hbm_gib * 2**30,
-                      pinned, mine.workers)
+                      pinned, mine.workers,
+                      progress=progress_line(lambda m: print(m, file=sys.stderr, flush=True)))
         if not result.ranked:
             raise ConfigError(no_plan_message(result, mine.devices))
     except (UsageError, ConfigError) as e:

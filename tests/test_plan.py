@@ -200,6 +200,23 @@ def test_a_step_over_memory_is_retried_with_more_microbatches():
         assert over > cap and c.parallel.microbatches == 4
 
 
+def test_progress_is_said_only_for_slow_plans():
+    """A plan calls `progress` once per program priced; `progress_line` turns that
+    into a line at most every `every_s` seconds, none for a plan quicker than that."""
+    cfg, tcfg = model_config("tiny", remat="full"), TrainConfig(batch=4, seq=32)
+    calls, said = [], []
+    plan.plan(cfg, tcfg, 2, hardware.get("h100"), pinned={"remat": "full"},
+              progress=lambda done, total: calls.append((done, total)))
+    assert calls and calls[-1][0] == calls[-1][1] == len(calls)
+    quiet = plan.progress_line(said.append, every_s=3600)
+    for done, total in calls:
+        quiet(done, total)
+    assert said == []
+    chatty = plan.progress_line(said.append, every_s=0)
+    chatty(3, 7)
+    assert said and said[0].startswith("planning: 3/7 programs priced")
+
+
 @pytest.fixture(scope="module")
 def planned(tmp_path_factory):
     path = tmp_path_factory.mktemp("plan") / "plan.json"
