@@ -93,22 +93,48 @@ def unit_rows(rows: list[Row], kind: int, stage: int, pp: int,
     return [r for r in rows if UNITS[kind] in r.pp and not skip & set(r.pp)]
 
 
-def predict_pipeline(rows: list[Row], hw, mesh_axes, the_plan: pipeline.Plan,
-                     prefetch: bool = False) -> PipelinePrediction:
-    """Price `rows` (the ledger of a pp step) tick by tick along `the_plan` (module doc)."""
-    T, pp = the_plan.kind_TP.shape
-    M = int((the_plan.kind_TP == pipeline.FORWARD).sum(axis=0)[0])  # units: M x V
+# The planner prices many candidates of one ledger in a row (every axis order, gpipe and
+# 1f1b): what depends only on the ledger, the tick count, M and the pricing inputs is
+# kept for the last ledger (held here, so `is` identifies it).
+_LAST: dict = {}
+
+
+def _parts(rows: list[Row], T: int, M: int, pp: int, hw, mesh_axes, prefetch: bool,
+           uniform: bool):
+    """(unit_s [3, pp], shift_s, the rows outside the ticks' Prediction, the report's
+    flat Prediction) of `rows` priced with (hw, mesh_axes, prefetch), module doc."""
+    if _LAST.get("rows") is not rows or _LAST.get("hw") is not hw:
+        _LAST.clear()
+        _LAST.update(rows=rows, hw=hw)
+    key = (T, M, pp, tuple(mesh_axes), prefetch, uniform)
+    if key in _LAST:
+        return _LAST[key]
     inside = [r for r in rows if scopes.PP_TICK in r.pp]
     outside = [r for r in rows if scopes.PP_TICK not in r.pp]
     once = _once(inside, T)
     unit_s = np.zeros((3, pp))
     for kind in UNITS:
         for s in range(pp):
-            part = unit_rows(once, kind, s, pp, the_plan.uniform)
+            part = unit_rows(once, kind, s, pp, uniform)
             unit_s[kind, s] = predict(part, hw, mesh_axes, prefetch).step_s if part else 0.0
     shift = [r for r in once if not set(UNITS.values()) & set(r.pp)]
     shift_s = predict(shift, hw, mesh_axes, prefetch).step_s
     out = predict(outside, hw, mesh_axes, prefetch)
+    # the report's rows: every unit's rows M times, the rest as traced
+    shown = [dataclasses.replace(r, count=r.count * M) for r in once
+             if set(UNITS.values()) & set(r.pp)]
+    shown += [dataclasses.replace(r, count=r.count * T) for r in shift] + outside
+    _LAST[key] = unit_s, shift_s, out, predict(shown, hw, mesh_axes, prefetch)
+    return _LAST[key]
+
+
+def predict_pipeline(rows: list[Row], hw, mesh_axes, the_plan: pipeline.Plan,
+                     prefetch: bool = False) -> PipelinePrediction:
+    """Price `rows` (the ledger of a pp step) tick by tick along `the_plan` (module doc)."""
+    T, pp = the_plan.kind_TP.shape
+    M = int((the_plan.kind_TP == pipeline.FORWARD).sum(axis=0)[0])  # units: M x V
+    unit_s, shift_s, out, flat = _parts(rows, T, M, pp, hw, mesh_axes, prefetch,
+                                        the_plan.uniform)
     work_TP = unit_s[the_plan.kind_TP, np.arange(pp)[None, :]]  # [T, pp]
     if the_plan.uniform:  # every stage runs each kind of unit its tick's phase holds
         fwd, bwd = unit_s[pipeline.FORWARD].max(), unit_s[pipeline.BACKWARD].max()
@@ -122,11 +148,6 @@ def predict_pipeline(rows: list[Row], hw, mesh_axes, the_plan: pipeline.Plan,
     tick_s = units_T + shift_s
     bubble = 1.0 - work_TP.sum() / (pp * lockstep_T.sum()) if lockstep_T.sum() else 0.0
     step_s = float(tick_s.sum()) + out.step_s
-    # the report's rows: every unit's rows M times, the rest as traced
-    shown = [dataclasses.replace(r, count=r.count * M) for r in once
-             if set(UNITS.values()) & set(r.pp)]
-    shown += [dataclasses.replace(r, count=r.count * T) for r in shift] + outside
-    flat = predict(shown, hw, mesh_axes, prefetch)
     return PipelinePrediction(dataclasses.replace(flat, step_s=step_s), unit_s, tick_s,
                               shift_s, out.step_s, float(bubble), the_plan.bubble(),
                               the_plan.uniform)
