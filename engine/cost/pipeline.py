@@ -93,22 +93,10 @@ def unit_rows(rows: list[Row], kind: int, stage: int, pp: int,
     return [r for r in rows if UNITS[kind] in r.pp and not skip & set(r.pp)]
 
 
-# The planner prices many candidates of one ledger in a row (every axis order, gpipe and
-# 1f1b): what depends only on the ledger, the tick count, M and the pricing inputs is
-# kept for the last ledger (held here, so `is` identifies it).
-_LAST: dict = {}
-
-
 def _parts(rows: list[Row], T: int, M: int, pp: int, hw, mesh_axes, prefetch: bool,
            uniform: bool):
     """(unit_s [3, pp], shift_s, the rows outside the ticks' Prediction, the report's
     flat Prediction) of `rows` priced with (hw, mesh_axes, prefetch), module doc."""
-    if _LAST.get("rows") is not rows or _LAST.get("hw") is not hw:
-        _LAST.clear()
-        _LAST.update(rows=rows, hw=hw)
-    key = (T, M, pp, tuple(mesh_axes), prefetch, uniform)
-    if key in _LAST:
-        return _LAST[key]
     inside = [r for r in rows if scopes.PP_TICK in r.pp]
     outside = [r for r in rows if scopes.PP_TICK not in r.pp]
     once = _once(inside, T)
@@ -124,8 +112,7 @@ def _parts(rows: list[Row], T: int, M: int, pp: int, hw, mesh_axes, prefetch: bo
     shown = [dataclasses.replace(r, count=r.count * M) for r in once
              if set(UNITS.values()) & set(r.pp)]
     shown += [dataclasses.replace(r, count=r.count * T) for r in shift] + outside
-    _LAST[key] = unit_s, shift_s, out, predict(shown, hw, mesh_axes, prefetch)
-    return _LAST[key]
+    return unit_s, shift_s, out, predict(shown, hw, mesh_axes, prefetch)
 
 
 def predict_pipeline(rows: list[Row], hw, mesh_axes, the_plan: pipeline.Plan,
