@@ -274,13 +274,13 @@ def _like(x: jax.Array, axes) -> jax.Array:
 
 
 def run(stages: Stages, params, inputs_MBL, targets_MBL, x_shape, x_axes, axes: Axes,
-        the_plan: Plan, seen=lambda p: p):
+        the_plan: Plan, seen=lambda p: p, x_dtype=jnp.float32):
     """The pipelined loss (mean over the microbatches), and with a backward plan the
     grads of `params` (summed over pp for params the stages share).
 
     params: as differentiated (`seen` makes the model's params of them); inputs,
-    targets: [M, B, L] this device's microbatches; x_shape, x_axes: the residual
-    stream's local shape [B, L, D] and the axes it varies over."""
+    targets: [M, B, L] this device's microbatches; x_shape, x_axes, x_dtype: the
+    residual stream's local shape [B, L, D], the axes it varies over and its dtype."""
     M, V = inputs_MBL.shape[0], the_plan.virtual
     pp, n = axes.pp, axes.pp_size
     stage = collectives.axis_index(pp)
@@ -330,7 +330,7 @@ def run(stages: Stages, params, inputs_MBL, targets_MBL, x_shape, x_axes, axes: 
             return y_BLD, loss0
         return y_BLD, either(last, head, lambda: loss0)
 
-    zeros_x = _like(jnp.zeros(x_shape, jnp.float32), x_axes)
+    zeros_x = _like(jnp.zeros(x_shape, x_dtype), x_axes)
     buffer = lambda k: jnp.broadcast_to(zeros_x, (max(k, 1), *x_shape))
     loss0 = _like(jnp.float32(0), (pp,))
     carry = dict(x=buffer(the_plan.x_slots), loss=loss0)

@@ -85,6 +85,10 @@ def build_parser(prog: str = "python -m engine.train", description: str | None =
                         "sequence's tokens, the rest pass through (0: dropless, default)")
     m.add_argument("--dtype", default="bf16", choices=sorted(DTYPES),
                    help="compute dtype of matmuls (params and optimizer state are f32)")
+    m.add_argument("--activations", default="f32", choices=sorted(DTYPES),
+                   help="dtype of the activations between matmuls: matmul results, the "
+                        "residual stream and what the backward keeps (bf16 halves "
+                        "activation memory; norms, softmax and the loss compute in f32)")
     m.add_argument("--remat", default="full", choices=REMAT,
                    help="what the backward recomputes (see layers/block.py)")
     m.add_argument("--attention", default="auto", choices=validate.ATTENTIONS,
@@ -172,7 +176,8 @@ def parse(argv, parser: argparse.ArgumentParser | None = None, auto: bool = Fals
     cfg = model_config(args.model, **{k: getattr(args, k) for k in (
         "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "mlp_dim", "vocab",
         "experts", "top_k", "shared_experts", "capacity_factor")},
-        dtype=args.dtype, remat=args.remat, attention=args.attention)
+        dtype=args.dtype, activations=args.activations, remat=args.remat,
+        attention=args.attention)
     tcfg = TrainConfig(batch=args.batch, seq=args.seq, steps=args.steps, lr=args.lr,
                        warmup=args.warmup, seed=args.seed)
     parallel = ParallelConfig(zero=args.zero, prefetch=args.prefetch, tp_comm=args.tp_comm,
@@ -347,8 +352,9 @@ def setup(cfg, tcfg, parallel, layout, args, data, say):
     say(f"layout {layout} on {len(devices)} {devices[0].platform} device(s){procs}; "
         f"model {args.model} ({param_count(cfg) / 1e6:.2f}M params, D={cfg.d_model} "
         f"N={cfg.n_layers} H={cfg.n_heads} G={cfg.n_kv_heads} K={cfg.head_dim} "
-        f"F={cfg.mlp_dim} V={cfg.vocab}{moe_summary(cfg)}); {cfg.dtype} compute, remat {cfg.remat}, "
-        f"{kernel}; {tcfg.batch * tcfg.seq} tokens/step; peak {peak / 1e12:.2f} TFLOP/s ({peak_src})")
+        f"F={cfg.mlp_dim} V={cfg.vocab}{moe_summary(cfg)}); {cfg.dtype} compute, "
+        f"{cfg.activations} activations, remat {cfg.remat}, {kernel}; "
+        f"{tcfg.batch * tcfg.seq} tokens/step; peak {peak / 1e12:.2f} TFLOP/s ({peak_src})")
     say(f"data {data.describe()}")
     if kernel.startswith("pallas") and devices[0].platform == "cpu":
         say("note: no accelerator, so the Pallas kernels run in interpret mode: the same "

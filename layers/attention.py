@@ -65,16 +65,17 @@ def qkv_projections(x_BLD: jax.Array, p: dict, cfg: ModelConfig, axes: Axes):
     """Column-parallel Q, K, V before RoPE, over the whole sequence.
 
     x: [B, L, D] replicated over tp (tp_comm allreduce) or [B, L_tp, D] (sequence, ring)
-    -> q [B, L, H_tp, K], k and v [B, L, G_tp, K] (f32 results of compute-dtype matmuls).
+    -> q [B, L, H_tp, K], k and v [B, L, G_tp, K] (compute-dtype matmuls, results in the
+    activation dtype).
     p (gathered over fsdp): wq [D, H_tp, K], wk/wv [D, G_tp, K]."""
-    dt = cfg.compute_dtype
+    dt, at = cfg.compute_dtype, cfg.act_dtype
     wq_DHK = p["wq"]
     wk_DGK, wv_DGK = (kv_weights_for_rank(p[w], cfg, axes) for w in ("wk", "wv"))
 
     def qkv(x_BLD):  # the whole sequence, or (ring) one chunk of it at a time
-        return (einsum("BLD,DHK->BLHK", x_BLD, wq_DHK, dtype=dt),
-                einsum("BLD,DGK->BLGK", x_BLD, wk_DGK, dtype=dt),
-                einsum("BLD,DGK->BLGK", x_BLD, wv_DGK, dtype=dt))
+        return (einsum("BLD,DHK->BLHK", x_BLD, wq_DHK, dtype=dt, out=at),
+                einsum("BLD,DGK->BLGK", x_BLD, wk_DGK, dtype=dt, out=at),
+                einsum("BLD,DGK->BLGK", x_BLD, wv_DGK, dtype=dt, out=at))
 
     # allreduce: broadcast (bwd all-reduce dx); sequence: all-gather along L (bwd
     # reduce-scatter dx); ring: the gather as ppermutes interleaved with the matmuls
@@ -84,7 +85,8 @@ def qkv_projections(x_BLD: jax.Array, p: dict, cfg: ModelConfig, axes: Axes):
 def out_projection(o_BLHK: jax.Array, p: dict, cfg: ModelConfig, axes: Axes) -> jax.Array:
     """Row-parallel output. o: [B, L, H_tp, K], wo [H_tp, K, D] -> [B, L, D] replicated
     over tp (tp_comm allreduce) or [B, L_tp, D] (sequence, ring)."""
-    out = lambda o_BLHK: einsum("BLHK,HKD->BLD", o_BLHK, p["wo"], dtype=cfg.compute_dtype)
+    out = lambda o_BLHK: einsum("BLHK,HKD->BLD", o_BLHK, p["wo"], dtype=cfg.compute_dtype,
+                                out=cfg.act_dtype)
     # partial sums {U_tp}: all-reduce (allreduce), reduce-scatter along L (sequence),
     # or reduce-scatter as ppermutes interleaved with the matmuls (ring)
     return collectives.row_parallel(o_BLHK, out, axes.tp, dim=1, comm=axes.tp_comm)

@@ -21,7 +21,8 @@ from layers.norm import rms_norm
 # re-gathers each layer's weights over fsdp instead of holding them (ZeRO-3; with
 # prefetch the gathered weights are in the carry, so they are held, see `blocks`).
 # `dots`: also matmul outputs without batch dims (projections: QKV, out, MLP), so
-# only attention scores, norms and activations are recomputed.
+# only attention scores, norms and activations are recomputed. Under every policy
+# (and `none`) the norms and SwiGLU keep only their inputs (layers/norm.py).
 REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
     "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,

@@ -5,8 +5,11 @@ import jax
 import jax.numpy as jnp
 
 
-def einsum(eq: str, x: jax.Array, w: jax.Array, dtype=jnp.float32) -> jax.Array:
-    """`jnp.einsum(eq, x, w)` with both operands cast to `dtype` and an f32 result.
+def einsum(eq: str, x: jax.Array, w: jax.Array, dtype=jnp.float32,
+           out=jnp.float32) -> jax.Array:
+    """`jnp.einsum(eq, x, w)` with both operands cast to `dtype`, accumulated in f32 and
+    returned in `out` (the activation dtype: f32, or bf16 to halve what the activations
+    hold; the cast follows the f32 accumulation, so the sum is rounded once).
 
     bf16 x bf16 with `preferred_element_type=f32` is the fast native path on CPUs with
     AVX-512-bf16 and on accelerators; a plain bf16 result would round each product sum.
@@ -18,13 +21,14 @@ def einsum(eq: str, x: jax.Array, w: jax.Array, dtype=jnp.float32) -> jax.Array:
     output (a contraction, no reduction of one operand alone)."""
     if jnp.dtype(dtype) == jnp.float32:
         return jnp.einsum(eq, x.astype(dtype), w.astype(dtype),
-                          preferred_element_type=jnp.float32)
-    return _lowp_einsum(eq, jnp.dtype(dtype))(x, w)
+                          preferred_element_type=jnp.float32).astype(out)
+    return _lowp_einsum(eq, jnp.dtype(dtype), jnp.dtype(out))(x, w)
 
 
 @functools.cache
-def _lowp_einsum(eq: str, dtype):
-    """custom_vjp (x, w) -> f32 `eq` with operands and cotangent in `dtype`."""
+def _lowp_einsum(eq: str, dtype, out_dtype):
+    """custom_vjp (x, w) -> `eq` in `out_dtype` (f32 accumulation) with operands and
+    cotangent in `dtype`."""
     ins, out = eq.split("->")
     x_sub, w_sub = ins.split(",")
     for sub, other in ((x_sub, w_sub + out), (w_sub, x_sub + out)):
@@ -32,15 +36,18 @@ def _lowp_einsum(eq: str, dtype):
             raise ValueError(f"einsum {eq!r}: indices {set(sub) - set(other)} appear in one "
                              "operand only")
 
-    def dot(spec, a_lp, b_lp):  # both operands already in `dtype`
-        return jnp.einsum(spec, a_lp, b_lp, preferred_element_type=jnp.float32)
+    def dot(spec, a_lp, b_lp, out=jnp.float32):  # both operands already in `dtype`
+        return jnp.einsum(spec, a_lp, b_lp, preferred_element_type=out)
 
     def fwd(x, w):
         x_lp, w_lp = x.astype(dtype), w.astype(dtype)
         # the residuals carry the operands' dtypes as zero-size arrays (dtypes are not
         # pytree leaves), so each grad is returned in its operand's dtype
         tags = (jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype))
-        return dot(eq, x_lp, w_lp), (x_lp, w_lp, tags)
+        # the product is formed in `out_dtype` by the dot itself (f32 accumulation in the
+        # MXU / tensor cores; XLA:CPU computes it in f32 and rounds once), so what a
+        # remat policy saves as the dot's output is the activation, not an f32 copy
+        return dot(eq, x_lp, w_lp, out_dtype), (x_lp, w_lp, tags)
 
     def bwd(res, ct):
         x_lp, w_lp, (x_tag, w_tag) = res

@@ -29,6 +29,9 @@ class ModelConfig:
     mlp_dim: int = 768
     vocab: int = 256
     dtype: str = "bf16"  # compute dtype of matmuls; params and optimizer state stay f32
+    # dtype of the activations between matmuls: matmul results, the residual stream and
+    # what the forward saves for the backward (norms, softmax and the loss compute in f32)
+    activations: str = "f32"
     remat: str = "full"  # none | full | dots (layers/block.py REMAT)
     attention: str = "reference"  # auto | reference | chunked | blocked | pallas (layers/attention.py)
     rope_theta: float = 10_000.0
@@ -43,6 +46,10 @@ class ModelConfig:
     @property
     def compute_dtype(self):
         return DTYPES[self.dtype]
+
+    @property
+    def act_dtype(self):
+        return DTYPES[self.activations]
 
     @property
     def moe(self) -> bool:

@@ -5,6 +5,7 @@ import collectives
 from layers.axes import Axes
 from layers.common import einsum
 from layers.config import ModelConfig
+from layers.norm import swiglu
 
 
 def mlp(x_BLD: jax.Array, p: dict, cfg: ModelConfig, axes: Axes) -> jax.Array:
@@ -13,14 +14,14 @@ def mlp(x_BLD: jax.Array, p: dict, cfg: ModelConfig, axes: Axes) -> jax.Array:
 
     p (gathered over fsdp): wg, wu [D, F_tp], wd [F_tp, D].
     """
-    dt = cfg.compute_dtype
-    gate_up = lambda x_BLD: (einsum("BLD,DF->BLF", x_BLD, p["wg"], dtype=dt),
-                             einsum("BLD,DF->BLF", x_BLD, p["wu"], dtype=dt))
-    down = lambda h_BLF: einsum("BLF,FD->BLD", h_BLF, p["wd"], dtype=dt)  # [B, L, D]{U_tp}
+    dt, at = cfg.compute_dtype, cfg.act_dtype
+    gate_up = lambda x_BLD: (einsum("BLD,DF->BLF", x_BLD, p["wg"], dtype=dt, out=at),
+                             einsum("BLD,DF->BLF", x_BLD, p["wu"], dtype=dt, out=at))
+    down = lambda h_BLF: einsum("BLF,FD->BLD", h_BLF, p["wd"], dtype=dt, out=at)  # {U_tp}
     # allreduce: broadcast (bwd all-reduce dx); sequence: all-gather along L (bwd
     # reduce-scatter dx); ring: the gather as ppermutes interleaved with the matmuls
     g_BLF, u_BLF = collectives.column_parallel(x_BLD, gate_up, axes.tp, dim=1,
                                                comm=axes.tp_comm)
-    h_BLF = jax.nn.silu(g_BLF) * u_BLF
+    h_BLF = swiglu(g_BLF, u_BLF)
     # all-reduce (allreduce), reduce-scatter along L (sequence), or its ring (ring)
     return collectives.row_parallel(h_BLF, down, axes.tp, dim=1, comm=axes.tp_comm)

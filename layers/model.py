@@ -1,7 +1,7 @@
 """The whole model per shard as three stages, `embed` -> `blocks` -> `head`, and the
 training loss composed of them (vocab-parallel cross-entropy after the head).
 
-Between the stages the residual stream is x [B, L, D] (f32) replicated over tp
+Between the stages the residual stream is x [B, L, D] (`cfg.act_dtype`) replicated over tp
 (axes.tp_comm allreduce) or [B, L_tp, D] (sequence, ring). params: local shards as stored
 (see engine/params.py); fsdp_dims: for every param, the dim sharded over fsdp (None if
 replicated), in per-layer coordinates.
@@ -26,7 +26,7 @@ def embed(params: dict, inputs_BL: jax.Array, fsdp_dims: Mapping, cfg: ModelConf
     """Token ids [B, L] -> the residual stream x [B, L, D] (or [B, L_tp, D])."""
     with jax.named_scope(scopes.EMBED):
         embed_VD = collectives.gather(params["embed"], axes.fsdp, dim=fsdp_dims["embed"])
-        return vocab.embed(inputs_BL, embed_VD, axes, axes.tp_comm)
+        return vocab.embed(inputs_BL, embed_VD, axes, axes.tp_comm, cfg.act_dtype)
 
 
 def blocks(params: dict, x_BLD: jax.Array, fsdp_dims: Mapping, cfg: ModelConfig,
@@ -41,7 +41,7 @@ def head(params: dict, x_BLD: jax.Array, fsdp_dims: Mapping, cfg: ModelConfig,
          axes: Axes) -> tuple[jax.Array, jax.Array]:
     """The final norm and the unembedding: logits are h @ unembed.
 
-    x [B, L, D] (or [B, L_tp, D]) -> (h [B, L, D] f32, the same sharding as x; unembed
+    x [B, L, D] (or [B, L_tp, D]) -> (h [B, L, D] in x's dtype, the same sharding as x; unembed
     [D, V_tp] in the compute dtype, gathered over fsdp). The training loss feeds both
     to the vocab-parallel cross-entropy (full logits never built); the decoder
     (layers/cache.py) multiplies them for the last token's logits."""

@@ -48,6 +48,7 @@ from layers.axes import Axes
 from layers.common import einsum
 from layers.config import ModelConfig
 from layers.mlp import mlp
+from layers.norm import swiglu
 
 # The per-layer sums `moe` returns (local to this device, not yet reduced over the data
 # axes): `router_losses` turns them into the losses and metrics.
@@ -94,10 +95,10 @@ def _slots(dest_A: jax.Array, kept_A: jax.Array, n: int, size: int) -> jax.Array
 
 def experts(x_XMD: jax.Array, p: dict, cfg: ModelConfig) -> jax.Array:
     """The local experts on their padded buffers: [X, M, D] -> [X, M, D] {U_tp}."""
-    dt = cfg.compute_dtype
-    g_XMF = einsum("XMD,XDF->XMF", x_XMD, p["we_g"], dtype=dt)
-    u_XMF = einsum("XMD,XDF->XMF", x_XMD, p["we_u"], dtype=dt)
-    return einsum("XMF,XFD->XMD", jax.nn.silu(g_XMF) * u_XMF, p["we_d"], dtype=dt)
+    dt, at = cfg.compute_dtype, cfg.act_dtype
+    g_XMF = einsum("XMD,XDF->XMF", x_XMD, p["we_g"], dtype=dt, out=at)
+    u_XMF = einsum("XMD,XDF->XMF", x_XMD, p["we_u"], dtype=dt, out=at)
+    return einsum("XMF,XFD->XMD", swiglu(g_XMF, u_XMF), p["we_d"], dtype=dt, out=at)
 
 
 def moe(x_BLD: jax.Array, p: dict, cfg: ModelConfig, axes: Axes):
@@ -149,7 +150,7 @@ def moe(x_BLD: jax.Array, p: dict, cfg: ModelConfig, axes: Axes):
              "probs_E": jnp.sum(probs_TE, axis=0),
              "zsum": jnp.sum(jnp.square(jax.nn.logsumexp(logits_TE, axis=-1))),
              "dropped": jnp.sum(~kept_KT).astype(jnp.float32)}
-    return y_TD.reshape(B, L, D), stats
+    return y_TD.reshape(B, L, D).astype(x_BLD.dtype), stats
 
 
 def router_losses(stats: dict, n_tokens: int, cfg: ModelConfig, data_axes) -> tuple:

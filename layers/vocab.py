@@ -17,9 +17,9 @@ def _local_ids(ids_BL: jax.Array, v_local: int, axes: Axes):
 
 
 def embed(tokens_BL: jax.Array, embed_VD: jax.Array, axes: Axes,
-          comm: str = "allreduce") -> jax.Array:
-    """tokens [B, L] -> x (f32) [B, L, D] replicated over tp (comm allreduce) or
-    [B, L_tp, D] (sequence, ring).
+          comm: str = "allreduce", dtype=jnp.float32) -> jax.Array:
+    """tokens [B, L] -> x [B, L, D] in `dtype` (the activation dtype) replicated over tp
+    (comm allreduce) or [B, L_tp, D] (sequence, ring).
 
     embed_VD: [V_tp, D]. Each rank looks up the ids it owns, zeros elsewhere; the partial
     sums are all-reduced, or reduce-scattered along L (as a ring for comm ring)."""
@@ -27,7 +27,7 @@ def embed(tokens_BL: jax.Array, embed_VD: jax.Array, axes: Axes,
     def lookup(tokens_BL):  # the whole sequence, or (ring) one chunk of it at a time
         local_BL, mine_BL = _local_ids(tokens_BL, embed_VD.shape[0], axes)
         x_BLD = jnp.take(embed_VD, local_BL, axis=0) * mine_BL[..., None]  # [B, L, D]{U_tp}
-        return x_BLD.astype(jnp.float32)
+        return x_BLD.astype(dtype)
 
     return collectives.row_parallel(tokens_BL, lookup, axes.tp, dim=1, comm=comm)
 
