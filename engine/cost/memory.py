@@ -101,11 +101,15 @@ remat `dots` (also saves the outputs of matmuls without batch dims; of those the
 remat `none` (everything saved, nothing recomputed), per layer, N times:
     residuals  B·H_tp·Σ_TS·(4 + c) (p in f32 and the compute dtype; chunked: E and
                1/rowsum, B·H_tp·(Σ_TS·c + L·4))
-               + 5·B·L·F_tp·4 (g, u, sigmoid, silu, h) + B·L·F_tp·c (h cast)
-               + 6·B·L_x·D·4 (x, normalized x, norm output, for both norms)
+               + 3·B·L·F_tp·4 (g, u, h: SwiGLU keeps only its inputs, layers/norm.py)
+               + B·L·F_tp·c (h cast)
+               + 2·B·L_x·D·4 (x into each norm: the norms keep only their inputs)
                + 5·B·L·D·c (the norm outputs cast once per column-parallel matmul: q, k,
-               v, gate, up) + B·L·(2·H_tp + 2·G_tp)·K·c (q, o, k, v) + W·c (the
-               gathered weights)
+               v, gate, up; 2·B·L·D·a, the outputs themselves, when the activation
+               dtype is the compute dtype) + B·L·(2·H_tp + 2·G_tp)·K·c (q, o, k, v)
+               + W·c (the gathered weights)
+               (small fsdp4xtp2, L = 256, chunked: 0.79x of `measure`, 0.84x with bf16
+               activations)
     transient  `full`'s but g, u, sigmoid(g) + this layer's copies of the saved p and
                of four stream tensors (B·H_tp·Σ_TS·4 + 4·B·L_x·D·4)
 loss phase: 2·B·L·V_tp·4 (dlogits and a relayout) + D·V_tp·(c + 4) (the gathered
@@ -157,6 +161,16 @@ as "flash": it saves o and the f32 log-sum-exp B·H_tp·L·4 (no score tile outl
 block), and its backward holds f32 dq, dk, dv accumulators B·L·(H_tp + 2·G_tp)·K·4;
 every other item is XLA:CPU's (an upper bound on an accelerator, where XLA fuses the
 MLP's f32 intermediates instead of keeping them). Not checked against a compiler.
+
+Activation dtype (`cfg.activations`): the items written ·4 above that hold activations
+(the stream, the norm outputs, q/k/v and the MLP's g, u, h, dh) are ·a, a = bytes of
+the activation dtype, on an accelerator; casts of them to the compute dtype vanish when
+the two dtypes agree. On `cpu` a = 4 whatever the dtype: with bf16 activations
+XLA:CPU's measured peak fell by under 7% (small, L = 256: fsdp8 full prefetch 24.85
+MiB vs 26.63 f32; fsdp4xtp2 dots 44.40 vs 44.90; `none` 83.3 vs 95.6) because
+its buffers are shared with f32 temporaries of the same shapes (the upcasts of its bf16
+arithmetic), so the f32 items stand (0.98-0.99x under full and dots). The accelerator
+items are not checked against a compiler.
 
 Context parallelism (cp > 1): L above is this rank's seq / cp tokens (the residual
 stream, the MLP, the logits and the queries are sequence-sharded), so every activation
@@ -398,8 +412,15 @@ def predict(cfg: ModelConfig, tcfg: TrainConfig, layout: Layout, platform: str =
     c = jnp.dtype(cfg.compute_dtype).itemsize
     u = F32 if platform == "cpu" else c  # a compute-dtype operand of a mixed dot
 
-    x_stream, x_full = B * Lx * D * F32, B * L * D * F32  # [B, L_x, D], [B, L, D] f32
-    mlp = B * L * Ftp * F32                                 # [B, L, F_tp] f32
+    # a: bytes of the activation dtype (matmul results, the residual stream, the norms'
+    # outputs; f32 by default); cast: the norm outputs' and h's casts to the compute
+    # dtype are copies only where the two dtypes differ
+    # (on `cpu` 4 whatever the dtype: XLA:CPU's buffers for bf16 activations measured no
+    # smaller under remat full and dots, small fsdp8 / fsdp4xtp2, L = 256: module doc)
+    a = F32 if platform == "cpu" else jnp.dtype(cfg.act_dtype).itemsize
+    cast = 0 if jnp.dtype(cfg.act_dtype).itemsize == c else 1
+    x_stream, x_full = B * Lx * D * a, B * L * D * a  # [B, L_x, D], [B, L, D]
+    mlp = B * L * Ftp * a                              # [B, L, F_tp]
     q_c = B * L * Htp * K * c                               # [B, L, H_tp, K] compute dtype
     # the score tiles the kernel forms: [L, L] (reference) or, per 64-query chunk of T
     # queries, [T, S] against its causal key prefix S (chunked)
@@ -451,15 +472,16 @@ def predict(cfg: ModelConfig, tcfg: TrainConfig, layout: Layout, platform: str =
                     q_c // c * (F32 if len(chunks) > 1 else c),
                 "attention masks per chunk [T, S]": tiles}
     attn["attention o relaid out (for wo's grad)"] = q_c
-    mlp_items = {"mlp g, u, sigmoid(g), f32 (recomputed)": 3 * mlp,
+    mlp_items = {"mlp g, u, sigmoid(g) (recomputed)": 3 * mlp,
                  "mlp dg, du (compute dtype), h relaid out (for wd's grad)":
-                     3 * mlp // F32 * c}
-    stream = {"stream x, x + attn, 2 norm outputs (f32), dy": 5 * x_stream,
+                     3 * mlp // a * c}
+    stream = {"stream x, x + attn, 2 norm outputs, dy": 5 * x_stream,
               "stream dy (compute dtype, whole L), 2 norm outputs relaid out":
-                  3 * x_full // F32 * c,
+                  3 * x_full // a * c,
               "rope cos, sin [L, K/2]": L * K * F32}
     if B * Lx >= NORM_BROADCAST_ROWS:
-        stream["stream rsqrt(mean(x^2)) broadcast over D, 2 per norm (f32)"] = 4 * x_stream
+        stream["stream rsqrt(mean(x^2)) broadcast over D, 2 per norm (f32)"] = (
+            4 * x_stream // a * F32)
     weights = {"layer weights but wd (compute dtype)": (W_rank - D * Ftp) * c}
     embed = {"embed grad, whole over fsdp (replaces its shard)": Vtp * D * F32 - grad_embed}
     trans_full = {**attn, **mlp_items, **stream, **weights, **embed}
@@ -479,17 +501,18 @@ def predict(cfg: ModelConfig, tcfg: TrainConfig, layout: Layout, platform: str =
                      "this layer's and the next layer's weights, carried (compute dtype)":
                          2 * W * c}
     elif cfg.remat == "dots":
-        per = x_stream + B * L * (Htp + 2 * Gtp) * K * F32 + x_full + 2 * mlp
+        per = x_stream + B * L * (Htp + 2 * Gtp) * K * a + x_full + 2 * mlp
         res = {f"carry x, q, k, v, out projection, g, u ({n} layers)": n * per, **prefetched}
-        trans = {**trans_full, "mlp g, u, sigmoid(g), f32 (recomputed)": mlp}
+        trans = {**trans_full, "mlp g, u, sigmoid(g) (recomputed)": mlp}
     else:  # none
         saved = (B * Htp * L * F32 if kernel in ("flash", "ring")
                  else scores // F32 * c + B * Htp * L * F32 if kernel == "chunked"
                  else scores + scores // F32 * c)
         per = {"p (f32 and compute dtype; chunked: E and 1/rowsum)": saved,
-               "mlp g, u, sigmoid, silu, h (f32) and h cast": 5 * mlp + mlp // F32 * c,
-               "stream x, normalized, norm output (both norms)": 6 * x_stream,
-               "norm outputs cast for q, k, v, gate, up": 5 * x_full // F32 * c,
+               "mlp g, u, h and h cast": 3 * mlp + cast * mlp // a * c,
+               "stream x into each norm": 2 * x_stream,
+               "norm outputs (cast for q, k, v, gate, up)":
+                   (5 * x_full // a * c) if cast else 2 * x_full,
                "q, o, k, v (compute dtype)": (2 * Htp + 2 * Gtp) * B * L * K * c,
                "gathered weights": W * c}
         res = {f"{k} ({n} layers)": n * v for k, v in per.items()}
@@ -506,12 +529,12 @@ def predict(cfg: ModelConfig, tcfg: TrainConfig, layout: Layout, platform: str =
                 "last layer: its gathered weights (compute dtype)": W_rank * c,
                 **{f"last layer: {k}": v for k, v in attn.items()},
                 "last layer: rope cos, sin [L, K/2]": L * K * F32,
-                "last layer: mlp g, u, sigmoid(g), silu(g), f32": 4 * mlp,
-                "last layer: mlp h cast, relaid out (for wd's grad)": mlp // F32 * c,
+                "last layer: mlp g, u, sigmoid(g), silu(g)": 4 * mlp,
+                "last layer: mlp h cast, relaid out (for wd's grad)": mlp // a * c,
                 "last layer: stream 2 norm outputs, x + attn, x + attn + mlp, final "
-                "norm output (f32)": 5 * x_stream,
-                "last layer: stream 2 norm outputs cast, relaid out": 2 * x_full // F32 * c,
-                "loss: dh = dlogits unembed^T (f32) and its all-reduce over tp":
+                "norm output": 5 * x_stream,
+                "last layer: stream 2 norm outputs cast, relaid out": 2 * x_full // a * c,
+                "loss: dh = dlogits unembed^T and its all-reduce over tp":
                     x_full + x_stream,
                 "loss: unembed grad, f32": D * Vtp * F32,
                 "embed grad, whole over fsdp (replaces its shard)":

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax.numpy as jnp
 import numpy as np
 
 from engine import pipeline
@@ -171,17 +172,17 @@ def predict_memory(cfg, tcfg, layout, platform: str = "cpu", parallel=None):
     (`stage_problem`: N/pp layers, one microbatch, its params, optimizer state and
     grads as a stage stores them), plus what the pipeline's scan carries:
 
-        stash          2 x stash_slots x B_m·L_x·D·4   the stage inputs awaiting their
+        stash          2 x stash_slots x B_m·L_x·D·a   the stage inputs awaiting their
                        backward (M slots under GPipe, pp under 1F1B), held twice: the
                        switch's branches take the carry and return it (read off
                        XLA:CPU: gpipe - 1f1b = 2 (M - pp) slots exactly, tiny at pp2 and
                        pp4, M = 8 and 16)
-        shift buffers  2 x (x_slots + ct_slots) x B_m·L_x·D·4   arrived activations and
+        shift buffers  2 x (x_slots + ct_slots) x B_m·L_x·D·a   arrived activations and
                        cotangents, held the same way
         grads          the scan carry's grads accumulator, f32 as differentiated (one
                        more copy of the stage's grads beside the unit's)
 
-    B_m = this device's rows of one microbatch."""
+    B_m = this device's rows of one microbatch; a = bytes of the activation dtype."""
     from engine.cost import memory
     from engine.params import activation_spec
 
@@ -191,7 +192,7 @@ def predict_memory(cfg, tcfg, layout, platform: str = "cpu", parallel=None):
     B, Lx, D = memory._shard_shape((stcfg.batch, tcfg.seq, cfg.d_model),
                                    activation_spec("residual", slayout, spar.tp_comm),
                                    dict(slayout.mesh_axes()))
-    x_micro = B * Lx * D * memory.F32
+    x_micro = B * Lx * D * jnp.dtype(cfg.act_dtype).itemsize  # the activation dtype
     V = parallel.pp_virtual
     if V > 1:  # a unit runs one chunk: N/(pp·V) layers' residuals (every item is per layer)
         stage = dataclasses.replace(stage, residuals=stage.residuals // V, items={
