@@ -36,6 +36,17 @@ torchtitan's H100s are its Grand Teton hosts (96 GB of HBM2e at 2.4 TB/s, 500 W)
 FlashAttention (Dao et al. 2022): it formed the [s, s] scores in memory (QK^T GEMM, its
 fused scale-mask-softmax kernel, then the PV GEMM), which is what this engine's
 `reference` kernel does, so those rows run `--attention reference`.
+Activations are bf16 (`--activations bf16`) on every row, as every source ran them:
+MaxText's `dtype: bfloat16`, PyTorch autocast / FSDP mixed precision in bf16
+(llm-foundry, torchtitan), Megatron's fp16 (the same two bytes).
+Fusion is priced as the source's framework runs: XLA (MaxText) and torch.compile
+(torchtitan) fuse elementwise chains (the profiles' `fusion`); llm-foundry's benchmark
+runs are PyTorch eager (`submit_benchmarks.py` launches `composer train/train.py` on a
+`mosaicml/pytorch` image with no compile setting; only its flash attention and
+`low_precision_layernorm` are fused kernels), so every other elementwise op is a kernel
+of its own that reads and writes HBM: those rows are priced unfused (`Run.fused`), each
+op moving its own bytes as on the CPU. Megatron's 2021 runs used its fused kernels
+(bias-GeLU, scale-mask-softmax, layernorm), priced as fused.
 Gradient accumulation is modelled per microbatch (batch = microbatch x data-parallel
 ranks): the optimizer step, amortized over the microbatches in the source, is < 1% of a
 step here.
@@ -94,6 +105,9 @@ class Run:
     # the flash kernel the source called, where it is not the profile's own:
     # "flash2" = FlashAttention-2 (engine/cost/hardware.py FLASH_ATTENTION_2)
     kernel: str = ""
+    # False: the source ran eagerly (PyTorch without torch.compile), each elementwise
+    # op its own kernel with its own HBM round trip: priced unfused (Row.bytes)
+    fused: bool = True
 
     def argv(self) -> list[str]:
         # every source's FSDP issues the next layer's weight gather before the current
@@ -106,7 +120,8 @@ class Run:
                 "--head-dim", str(self.head_dim), "--mlp-dim", str(self.mlp_dim),
                 "--vocab", str(self.vocab), "--seq", str(self.seq), "--batch", str(self.batch),
                 "--layout", self.layout, "--remat", self.remat, "--zero", str(self.zero),
-                "--tp-comm", self.tp_comm, "--attention", self.attention]
+                "--tp-comm", self.tp_comm, "--attention", self.attention,
+                "--activations", "bf16"]
 
 
 def gelu_match(d: int, tp: int = 1) -> int:
@@ -117,7 +132,7 @@ def gelu_match(d: int, tp: int = 1) -> int:
 def _mpt(name, hw, chips, d, heads, layers, micro, remat, tps, mfu, zero=3, note=""):
     return Run(f"llm-foundry MPT-{name} {chips}x{hw}", hw, chips, layers, d, heads, heads,
                d // heads, gelu_match(d), 50368, 2048, micro * chips, f"fsdp{chips}", remat,
-               zero, tps, "tps", mfu, FOUNDRY, note, kernel="flash2")
+               zero, tps, "tps", mfu, FOUNDRY, note, kernel="flash2", fused=False)
 
 
 def _maxtext(name, hw, chips, scale_dims, micro, layout, remat, tflops, mfu, seq=2048,
@@ -217,13 +232,14 @@ def tokens_per_chip(r: Run) -> float:
 
 
 def profile(r: Run):
-    """The hardware profile `r` ran on, with the attention kernel its source called."""
+    """The hardware profile `r` ran on, with the attention kernel its source called and,
+    for an eager source, no fusion."""
     from engine.cost import hardware
 
     hw = hardware.get(r.hardware)
     if r.kernel == "flash2":
         hw = dataclasses.replace(hw, attention_eff=hardware.FLASH_ATTENTION_2[r.hardware])
-    return hw
+    return hw if r.fused else dataclasses.replace(hw, fusion=False)
 
 
 def evaluate(r: Run) -> dict:
