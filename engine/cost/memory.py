@@ -159,8 +159,9 @@ unchecked). Only the `reference` and `chunked` attention kernels are modelled on
 accelerator (`platform` not "cpu") those run the target's flash kernel and are modelled
 as "flash": it saves o and the f32 log-sum-exp B·H_tp·L·4 (no score tile outlives a
 block), and its backward holds f32 dq, dk, dv accumulators B·L·(H_tp + 2·G_tp)·K·4;
-every other item is XLA:CPU's (an upper bound on an accelerator, where XLA fuses the
-MLP's f32 intermediates instead of keeping them). Not checked against a compiler.
+every other item is XLA:CPU's but the elementwise intermediates an accelerator's XLA
+fuses into their consumers instead of keeping (silu's sigmoid(g) and silu(g), the
+norms' rsqrt broadcast over D). Not checked against a compiler.
 
 Activation dtype (`cfg.activations`): the items written ·4 above that hold activations
 (the stream, the norm outputs, q/k/v and the MLP's g, u, h, dh) are ·a, a = bytes of
@@ -472,14 +473,18 @@ def predict(cfg: ModelConfig, tcfg: TrainConfig, layout: Layout, platform: str =
                     q_c // c * (F32 if len(chunks) > 1 else c),
                 "attention masks per chunk [T, S]": tiles}
     attn["attention o relaid out (for wo's grad)"] = q_c
-    mlp_items = {"mlp g, u, sigmoid(g) (recomputed)": 3 * mlp,
+    # elementwise intermediates XLA:CPU keeps as buffers (silu's sigmoid(g), each norm's
+    # rsqrt broadcast over D); an accelerator's XLA fuses them into their consumers
+    cpu = platform == "cpu"
+    mlp_items = {"mlp g, u, sigmoid(g) (recomputed)" if cpu else "mlp g, u (recomputed)":
+                     (3 if cpu else 2) * mlp,
                  "mlp dg, du (compute dtype), h relaid out (for wd's grad)":
                      3 * mlp // a * c}
     stream = {"stream x, x + attn, 2 norm outputs, dy": 5 * x_stream,
               "stream dy (compute dtype, whole L), 2 norm outputs relaid out":
                   3 * x_full // a * c,
               "rope cos, sin [L, K/2]": L * K * F32}
-    if B * Lx >= NORM_BROADCAST_ROWS:
+    if cpu and B * Lx >= NORM_BROADCAST_ROWS:
         stream["stream rsqrt(mean(x^2)) broadcast over D, 2 per norm (f32)"] = (
             4 * x_stream // a * F32)
     weights = {"layer weights but wd (compute dtype)": (W_rank - D * Ftp) * c}
@@ -503,7 +508,8 @@ def predict(cfg: ModelConfig, tcfg: TrainConfig, layout: Layout, platform: str =
     elif cfg.remat == "dots":
         per = x_stream + B * L * (Htp + 2 * Gtp) * K * a + x_full + 2 * mlp
         res = {f"carry x, q, k, v, out projection, g, u ({n} layers)": n * per, **prefetched}
-        trans = {**trans_full, "mlp g, u, sigmoid(g) (recomputed)": mlp}
+        trans = {**{k: v for k, v in trans_full.items() if not k.startswith("mlp g")},
+                 **({"mlp sigmoid(g) (recomputed)": mlp} if cpu else {})}
     else:  # none
         saved = (B * Htp * L * F32 if kernel in ("flash", "ring")
                  else scores // F32 * c + B * Htp * L * F32 if kernel == "chunked"
@@ -529,7 +535,8 @@ def predict(cfg: ModelConfig, tcfg: TrainConfig, layout: Layout, platform: str =
                 "last layer: its gathered weights (compute dtype)": W_rank * c,
                 **{f"last layer: {k}": v for k, v in attn.items()},
                 "last layer: rope cos, sin [L, K/2]": L * K * F32,
-                "last layer: mlp g, u, sigmoid(g), silu(g)": 4 * mlp,
+                "last layer: mlp g, u" + (", sigmoid(g), silu(g)" if cpu else ""):
+                    (4 if cpu else 2) * mlp,
                 "last layer: mlp h cast, relaid out (for wd's grad)": mlp // a * c,
                 "last layer: stream 2 norm outputs, x + attn, x + attn + mlp, final "
                 "norm output": 5 * x_stream,
