@@ -87,10 +87,13 @@ def blocks(x_BLD: jax.Array, stacked: dict, fsdp_dims: Mapping[str, int | None],
     without prefetch. Under remat `full` (dense MLP) the backward is a scan of its own that
     prefetches too (`prefetched_full_remat`): only each layer's input is saved, and
     the weights are gathered again, one layer ahead, as the backward walks down. Under
-    `dots` and `none` the scan is differentiated as written: the carried weights are
-    saved for the backward (N layers' whole weights in the compute dtype, no re-gather),
-    and the last layer is not rematted (its backward follows its forward at once, and
-    XLA would merge the recompute into the forward, dropping its collectives)."""
+    `dots` and `none` (dense MLP, N > 1) the backward is hand-written too
+    (`prefetched_saving`): the forward saves what the policy keeps of each layer but its
+    weights, and the backward gathers them again, one layer ahead. With experts the
+    scan is differentiated as written: the carried weights are saved for the backward
+    (N layers' whole weights in the compute dtype), and the last layer is not rematted
+    (its backward follows its forward at once, and XLA would merge the recompute into
+    the forward, dropping its collectives)."""
 
     def gather(p_layer):
         with jax.named_scope(scopes.GATHER_PARAMS):
@@ -109,9 +112,13 @@ def blocks(x_BLD: jax.Array, stacked: dict, fsdp_dims: Mapping[str, int | None],
         body = remat(lambda x_BLD, p_layer: one(x_BLD, gather(p_layer)))
         return lax.scan(body, x_BLD, stacked)
 
-    if cfg.remat == "full" and not cfg.moe:  # the hand-written backward has no router sums
-        return prefetched_full_remat(lambda x_BLD, p: block(x_BLD, p, cfg, axes),
-                                     gather)(x_BLD, stacked), {}
+    n = jax.tree.leaves(stacked)[0].shape[0]
+    if not cfg.moe:  # the hand-written backwards have no router sums
+        dense = lambda x_BLD, p: block(x_BLD, p, cfg, axes)  # noqa: E731
+        if cfg.remat == "full":
+            return prefetched_full_remat(dense, gather)(x_BLD, stacked), {}
+        if n > 1:
+            return prefetched_saving(remat(dense), gather)(x_BLD, stacked), {}
 
     layer = remat(one)
 
@@ -126,6 +133,83 @@ def blocks(x_BLD: jax.Array, stacked: dict, fsdp_dims: Mapping[str, int | None],
     (x_BLD, p_last), stats = lax.scan(prefetch_body, (x_BLD, gather(first)), rest)
     x_BLD, last = one(x_BLD, p_last)
     return x_BLD, jax.tree.map(lambda s, l: jnp.concatenate([s, l[None]]), stats, last)
+
+
+def prefetched_saving(layer, gather):
+    """(x [B, L, D], stacked shards {name: [N, ...]}) -> x after N >= 2 layers, with a
+    hand-written backward that keeps each layer's residuals but not its weights.
+
+    `layer` (x, whole weights) -> x is the block as its remat policy (`none`, `dots`)
+    differentiates it. Forward: layer 0's weights gathered before a scan over layers
+    0..N-2 whose body gathers layer i+1 while it runs `jax.vjp` of layer i, stacking the
+    residuals that vjp keeps except the weights themselves ([N-1, ...] each); the last
+    layer after the scan. Backward, layers N-1 down to 0: the weights gathered again,
+    one layer ahead, put back into each layer's vjp, whose weight grads are
+    reduce-scattered (the gather's transpose) into the carried [N, ...] grads. So the
+    backward holds two layers' gathered weights, not N (ZeRO-3 as PyTorch FSDP reshards
+    after the forward), at the price of N more gathers; what the policy recomputes is
+    recomputed in the backward body."""
+    vjp_shape = {}  # the vjp's treedef, and which of its leaves are weights (at trace time)
+
+    def saved_of(x_BLD, p):
+        """(the layer's output, the leaves of its vjp that are not its weights)."""
+        y_BLD, vjp = jax.vjp(layer, x_BLD, p)
+        leaves, treedef = jax.tree.flatten(vjp)
+        weights = jax.tree.leaves(p)
+        where = tuple(next((k for k, w in enumerate(weights) if leaf is w), None)
+                      for leaf in leaves)
+        vjp_shape.update(treedef=treedef, where=where)
+        return y_BLD, [leaf for leaf, k in zip(leaves, where) if k is None]
+
+    def vjp_of(saved, p):
+        """The layer's vjp from its saved leaves and its weights gathered again."""
+        weights, rest = jax.tree.leaves(p), iter(saved)
+        leaves = [next(rest) if k is None else weights[k] for k in vjp_shape["where"]]
+        return jax.tree.unflatten(vjp_shape["treedef"], leaves)
+
+    def forward(x_BLD, stacked):
+        n = jax.tree.leaves(stacked)[0].shape[0]
+
+        def body(carry, i):
+            x_BLD, p = carry
+            p_next = gather(_layer(stacked, i + 1))  # for the next iteration
+            x_BLD, saved = saved_of(x_BLD, p)
+            return (x_BLD, p_next), saved
+
+        (x_BLD, p_last), saved_N = lax.scan(body, (x_BLD, gather(_layer(stacked, 0))),
+                                            jnp.arange(n - 1))
+        y_BLD, saved_last = saved_of(x_BLD, p_last)
+        return y_BLD, (saved_N, saved_last, stacked)
+
+    def backward(res, dy_BLD):
+        saved_N, saved_last, stacked = res
+        n = jax.tree.leaves(stacked)[0].shape[0]
+
+        def layer_grads(i, saved, p, dy_BLD, dstacked):
+            dx_BLD, dp = vjp_of(saved, p)(dy_BLD)
+            _, gather_vjp = jax.vjp(gather, _layer(stacked, i))
+            dstacked = jax.tree.map(lambda d, g: lax.dynamic_update_index_in_dim(d, g, i, 0),
+                                    dstacked, gather_vjp(dp)[0])
+            return dx_BLD, dstacked
+
+        def body(carry, i):
+            dy_BLD, p, dstacked = carry
+            p_prev = gather(_layer(stacked, i - 1))  # for the next iteration
+            saved = [lax.dynamic_index_in_dim(s, i, keepdims=False) for s in saved_N]
+            dy_BLD, dstacked = layer_grads(i, saved, p, dy_BLD, dstacked)
+            return (dy_BLD, p_prev, dstacked), None
+
+        p_last = gather(_layer(stacked, n - 1))
+        p_prev = gather(_layer(stacked, n - 2))
+        dstacked = jax.tree.map(jnp.zeros_like, stacked)
+        dy_BLD, dstacked = layer_grads(n - 1, saved_last, p_last, dy_BLD, dstacked)
+        (dy_BLD, p0, dstacked), _ = lax.scan(body, (dy_BLD, p_prev, dstacked),
+                                             jnp.arange(1, n - 1), reverse=True)
+        return layer_grads(0, [s[0] for s in saved_N], p0, dy_BLD, dstacked)
+
+    f = jax.custom_vjp(lambda x_BLD, stacked: forward(x_BLD, stacked)[0])
+    f.defvjp(forward, backward)
+    return f
 
 
 def _layer(stacked: dict, i) -> dict:

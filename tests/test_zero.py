@@ -172,10 +172,13 @@ def test_checkpoints_move_between_zero_levels(single, tmp_path):
     assert_tree_close(host(params), single["params"], atol=PARAM_ATOL, what="resumed params ")
 
 
-def test_prefetch_over_three_layers_matches_the_plain_model():
+@pytest.mark.parametrize("remat", ["full", "none", "dots"])
+def test_prefetch_over_three_layers_matches_the_plain_model(remat):
     """Three layers, so the scan body runs twice and hands a gathered layer through the
-    carry (with two it runs once): loss and grads equal the plain model's."""
-    cfg = dataclasses.replace(CFG, n_layers=3)
+    carry (with two it runs once): loss and grads equal the plain model's, under each
+    remat's hand-written backward (full: the layer recomputed; none / dots: the saved
+    residuals with the weights gathered again)."""
+    cfg = dataclasses.replace(CFG, n_layers=3, remat=remat)
     rng = np.random.default_rng(0)
     init = jax.tree.map(lambda s: (0.05 * rng.standard_normal(s.shape)).astype(np.float32),
                         param_shapes(cfg))
@@ -184,15 +187,15 @@ def test_prefetch_over_three_layers_matches_the_plain_model():
     t = trainer("fsdp4xtp2", cfg, ParallelConfig(prefetch=True))
     loss, grads, _ = loss_and_grads(t, place(t, init)[0])
     assert abs(loss - float(want_loss)) <= RTOL * abs(float(want_loss))
-    assert_tree_close(grads, host(want_grads), what="prefetch, 3 layers ")
+    assert_tree_close(grads, host(want_grads), what=f"prefetch, remat {remat}, 3 layers ")
 
 
 N = 3  # layers in the traced steps below: prefetch's scan then runs N - 1 = 2 times
 
 
-def collective_counts(zero, prefetch, layout="fsdp4xtp2"):
+def collective_counts(zero, prefetch, layout="fsdp4xtp2", remat="full"):
     """{(primitive, phase, scope): [executions per step of each op]} over fsdp alone."""
-    cfg = dataclasses.replace(CFG, n_layers=N)
+    cfg = dataclasses.replace(CFG, n_layers=N, remat=remat)
     parallel = ParallelConfig(zero=zero, prefetch=prefetch)
     out = {}
     for row in step_ledger(cfg, TCFG, Layout.parse(layout), parallel):
@@ -230,3 +233,15 @@ def test_each_level_places_the_collectives_it_should():
     assert len(z1[("psum_invariant", "update", "reduce_grads")]) == len(
         jax.tree.leaves(param_shapes(CFG)))
     assert z1[("all_gather_invariant", "update", "optimizer")] == [1] * (BLOCK_WEIGHTS + 2)
+
+
+@pytest.mark.parametrize("remat", ["none", "dots"])
+def test_prefetch_regathers_weights_in_the_backward_under_saving_remats(remat):
+    """Prefetch under remat none / dots keeps the layers' residuals but not their
+    weights: the backward gathers each layer again (N gathers, one layer ahead) and
+    reduce-scatters its grads once, with no recompute phase of the gathers."""
+    pre = collective_counts(3, True, remat=remat)
+    assert sorted(pre[("all_gather", "fwd", "gather_params")]) == [1, N - 1]
+    assert sum(pre[("all_gather", "bwd", "gather_params")]) == N
+    assert not any(k[0] == "all_gather" and k[1] == "recompute" for k in pre)
+    assert sum(pre[("reduce_scatter", "bwd", "gather_params")]) == N

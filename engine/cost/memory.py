@@ -96,8 +96,13 @@ remat `dots` (also saves the outputs of matmuls without batch dims; of those the
     backward uses q, k, v, g, u and the out projection, which it needs to recompute
     x + attn for the MLP's norm; down's output is saveable but unused):
     residuals  N · (B·L_x·D·4 + B·L·(H_tp + 2·G_tp)·K·4 + B·L·D·4 + 2·B·L·F_tp·4)
-               (+ prefetch's weights as above)
     transient  `full`'s, less g and u (read from the saved stacks, not recomputed)
+prefetch under `dots` / `none` (layers.block.prefetched_saving: the residuals above but
+    the gathered weights; the backward holds this layer's and the next layer's weights,
+    2·W·c, in place of the layer's weights item). Against `measure` (small, L = 256,
+    chunked: fsdp8 none / dots f32, fsdp4xtp2 dots bf16, fsdp4xtp2 none f32): 0.84-0.90x.
+    Known miss, with `full` alike: a weight-heavy model (D = 1024, F = 4096, 4 layers,
+    one row of 64 tokens per device on fsdp8) 0.69x.
 remat `none` (everything saved, nothing recomputed), per layer, N times:
     residuals  B·H_tp·Σ_TS·(4 + c) (p in f32 and the compute dtype; chunked: E and
                1/rowsum, B·H_tp·(Σ_TS·c + L·4))
@@ -115,7 +120,8 @@ remat `none` (everything saved, nothing recomputed), per layer, N times:
 loss phase: 2·B·L·V_tp·4 (dlogits and a relayout) + D·V_tp·(c + 4) (the gathered
     unembed and its f32 grad) + V_tp·D·4 (the embedding's grad, whole over fsdp before
     its reduce-scatter).
-last layer (prefetch under `dots` / `none`, whose scan is differentiated as written;
+last layer (prefetch under `dots` / `none` with one layer, whose scan is differentiated
+    as written;
     read off small and medium, fsdp4xtp2, L = 256, when `full` ran that way too,
     chunked): the peak falls in the loss's backward, while the last layer's forward
     (not rematted, so saved whole) waits for its backward. Live: the residuals above,
@@ -490,21 +496,19 @@ def predict(cfg: ModelConfig, tcfg: TrainConfig, layout: Layout, platform: str =
     weights = {"layer weights but wd (compute dtype)": (W_rank - D * Ftp) * c}
     embed = {"embed grad, whole over fsdp (replaces its shard)": Vtp * D * F32 - grad_embed}
     trans_full = {**attn, **mlp_items, **stream, **weights, **embed}
-    # prefetch under `dots` / `none`: the scan runs over layers 1..N-1 and saves each
-    # one's gathered weights (its carry); the last layer follows it, not rematted.
-    # Under `full` the backward is a scan of its own (layers.block.prefetched_full_remat)
-    # that saves only the N layer inputs and holds one more layer's gathered weights.
-    saves_weights = par.prefetch and cfg.remat != "full"
+    # prefetch: the backward is a scan of its own that gathers the weights again, one
+    # layer ahead, and holds two layers' gathered weights (layers.block.
+    # prefetched_full_remat under `full`, prefetched_saving under `dots` / `none`, which
+    # save what the policy keeps but the weights). With one layer under `dots` / `none`
+    # the scan is differentiated as written: it runs layers 1..N-1 and saves each one's
+    # gathered weights (its carry); the last layer follows it, not rematted.
+    saves_weights = par.prefetch and cfg.remat != "full" and N < 2
     n = N - 1 if saves_weights else N
     prefetched = ({f"prefetched weights saved by the scan ({n} layers, f32 on cpu)":
                        n * W * u} if saves_weights else {})
     if cfg.remat == "full":
         res = {f"scan carry x ({n} layers)": n * x_stream}
         trans = trans_full
-        if par.prefetch:  # the carry holds this layer's whole weights and the next's
-            trans = {**{k: v for k, v in trans.items() if not k.startswith("layer weights")},
-                     "this layer's and the next layer's weights, carried (compute dtype)":
-                         2 * W * c}
     elif cfg.remat == "dots":
         per = x_stream + B * L * (Htp + 2 * Gtp) * K * a + x_full + 2 * mlp
         res = {f"carry x, q, k, v, out projection, g, u ({n} layers)": n * per, **prefetched}
@@ -520,11 +524,15 @@ def predict(cfg: ModelConfig, tcfg: TrainConfig, layout: Layout, platform: str =
                "norm outputs (cast for q, k, v, gate, up)":
                    (5 * x_full // a * c) if cast else 2 * x_full,
                "q, o, k, v (compute dtype)": (2 * Htp + 2 * Gtp) * B * L * K * c,
-               "gathered weights": W * c}
+               **({} if par.prefetch else {"gathered weights": W * c})}
         res = {f"{k} ({n} layers)": n * v for k, v in per.items()}
         trans = {**{k: v for k, v in trans_full.items() if not k.startswith("mlp g")},
                  "copies of this layer's saved p and 4 stream tensors":
                      scores + 4 * x_stream}
+    if par.prefetch and not saves_weights:  # this layer's whole weights and the next's
+        trans = {**{k: v for k, v in trans.items() if not k.startswith("layer weights")},
+                 "this layer's and the next layer's weights, carried (compute dtype)":
+                     2 * W * c}
     loss = {"dlogits and a relayout": 2 * B * L * Vtp * F32,
             "unembed gathered and its f32 grad": D * Vtp * (c + F32),
             "embed grad, whole over fsdp": Vtp * D * F32}
