@@ -37,203 +37,8 @@ are cast to the compute dtype and all-gathered as one flat buffer
 (`collectives.gather_many`: 2-byte dtypes travel as uint32 pairs, u32[n, P/2], bitcast
 back after), so the gathered weights live in the compute dtype (the flat buffer itself
 is dead by the peak in every case read).
-Score tiles: reference forms one [L, L]; chunked, per chunk of T = 64 queries (the last
-may be shorter), a [T, S] tile against its causal key prefix S; Σ_TS = sum over chunks of
-T·S (L² for reference), Σ_S = sum of S, C = number of chunks.
-
-remat `full` (the scan saves only its carry):
-    residuals  N · B·L_x·D·4                 the carry x before each layer, f32
-               prefetch: the forward and backward scans are hand-written
-               (layers.block.prefetched_full_remat): the same N inputs are saved, and
-               the layer backward's transient holds this layer's whole weights and the
-               next one's (2 · W·c, in place of the weights item below). Against
-               `measure` of the compiled step (tiny L = 64 with 4 layers, small
-               L = 256; fsdp8, fsdp4xtp2; bf16, chunked / reference): 0.91-0.95x. Known miss: 2 layers (-31%: each scan runs
-               once, XLA inlines both and holds the forward's gathers to the backward).
-    transient  the layer recomputed plus its backward, live where the MLP's backward
-               starts (its dg, du and h relayout formed; the attention's backward
-               operands already prepared). Read off XLA:CPU's buffer assignment at the
-               peak (tiny: the test's six cases; small, medium at L = 256 on fsdp8,
-               fsdp4xtp2, single, tp8); every item is a tensor of the program:
-      attention  reference:
-                 B·H_tp·Σ_TS·4          exp(s - max), recomputed (the softmax's backward)
-                 + B·H_tp·Σ_TS·u        p in the compute dtype, upcast for dv's dot
-                 + B·L·(H_tp + 2·G_tp)·K·u   q, k, v upcast for dq, dk's dots
-                 + L·L                  the causal mask (bool)
-                 chunked (the backward reads the forward's residuals, recomputed with
-                 the layer; no score or exponential is formed in the backward):
-                 B·H_tp·Σ_TS·c          E = exp(s - max) per chunk, compute dtype
-                 + B·H_tp·L·4           1/rowsum per chunk, f32
-                 + B·L·H_tp·K·c         q, per chunk, relaid out for dk
-                 + 2·B·G_tp·K·Σ_S·c     k and v over each chunk's key prefix, relaid out
-                 + B·L·H_tp·K·(4 if C > 1 else c)   o per chunk (saved; upcast to f32
-                                        for delta = rowsum(do·o) when C > 1, kept in the
-                                        compute dtype with one chunk)
-                 + Σ_TS                 the chunks' masks (bool)
-                 both:
-                 + B·L·H_tp·K·c         o relaid out for wo's grad
-      MLP        3 · B·L·F_tp·4         gate g and up u (recomputed), silu's sigmoid(g)
-                 + 3 · B·L·F_tp·c       dg, du cast to the compute dtype; h relaid out
-                                        for wd's grad
-      stream     5 · B·L_x·D·4          the layer's input x (sliced from the saved
-                                        stack), attention norm output, x + attn, MLP
-                                        norm output, the incoming grad dy
-                 + 3 · B·L·D·c          dy cast to the compute dtype (sequence / ring:
-                                        gathered along L) and both norm outputs cast and
-                                        relaid out for the weight-grad dots
-                 + L·K·4                RoPE's cos and sin tables [L, K/2]
-                 + 4 · B·L_x·D·4        only from B·L_x >= 4096 rows
-                                        (NORM_BROADCAST_ROWS): each norm's rsqrt(mean
-                                        x²) (and its product with the scale) broadcast
-                                        over D, which XLA:CPU materializes there (seen at
-                                        4096 rows, not at 1024 or fewer)
-      weights    (W_r - D·F_tp)·c       this layer's gathered weights but wd (its last
-                                        use, dh = dy·wd^T, is done)
-      grads      V_tp·D·4 - its shard   the embedding's grad, whole over fsdp before its
-                                        reduce-scatter, live through the backward scan in
-                                        place of its `grad_specs` shard
-remat `dots` (also saves the outputs of matmuls without batch dims; of those the
-    backward uses q, k, v, g, u and the out projection, which it needs to recompute
-    x + attn for the MLP's norm; down's output is saveable but unused):
-    residuals  N · (B·L_x·D·4 + B·L·(H_tp + 2·G_tp)·K·4 + B·L·D·4 + 2·B·L·F_tp·4)
-    transient  `full`'s, less g and u (read from the saved stacks, not recomputed)
-prefetch under `dots` / `none` (layers.block.prefetched_saving: the residuals above but
-    the gathered weights; the backward holds this layer's and the next layer's weights,
-    2·W·c, in place of the layer's weights item). Against `measure` (small, L = 256,
-    chunked: fsdp8 none / dots f32, fsdp4xtp2 dots bf16, fsdp4xtp2 none f32): 0.84-0.90x.
-    Known miss, with `full` alike: a weight-heavy model (D = 1024, F = 4096, 4 layers,
-    one row of 64 tokens per device on fsdp8) 0.69x.
-remat `none` (everything saved, nothing recomputed), per layer, N times:
-    residuals  B·H_tp·Σ_TS·(4 + c) (p in f32 and the compute dtype; chunked: E and
-               1/rowsum, B·H_tp·(Σ_TS·c + L·4))
-               + 3·B·L·F_tp·4 (g, u, h: SwiGLU keeps only its inputs, layers/norm.py)
-               + B·L·F_tp·c (h cast)
-               + 2·B·L_x·D·4 (x into each norm: the norms keep only their inputs)
-               + 5·B·L·D·c (the norm outputs cast once per column-parallel matmul: q, k,
-               v, gate, up; 2·B·L·D·a, the outputs themselves, when the activation
-               dtype is the compute dtype) + B·L·(2·H_tp + 2·G_tp)·K·c (q, o, k, v)
-               + W·c (the gathered weights)
-               (small fsdp4xtp2, L = 256, chunked: 0.79x of `measure`, 0.84x with bf16
-               activations)
-    transient  `full`'s but g, u, sigmoid(g) + this layer's copies of the saved p and
-               of four stream tensors (B·H_tp·Σ_TS·4 + 4·B·L_x·D·4)
-loss phase: 2·B·L·V_tp·4 (dlogits and a relayout) + D·V_tp·(c + 4) (the gathered
-    unembed and its f32 grad) + V_tp·D·4 (the embedding's grad, whole over fsdp before
-    its reduce-scatter).
-last layer (prefetch under `dots` / `none` with one layer, whose scan is differentiated
-    as written;
-    read off small and medium, fsdp4xtp2, L = 256, when `full` ran that way too,
-    chunked): the peak falls in the loss's backward, while the last layer's forward
-    (not rematted, so saved whole) waits for its backward. Live: the residuals above,
-    the non-block grads and the scanned layers' stacked grads ((N-1)/N of the block
-    grads: allocated before the backward scan, the last layer's not yet), and
-            B·L_x·D·4                   the last layer's input x (the scan's output)
-            + W_r·c                     its gathered weights (the carry's; relaid out)
-            + chunked attention items as in `full` (E, 1/rowsum, q, k, v relaid out,
-              o per chunk, masks, o relaid out for wo's grad) + L·K·4 (RoPE)
-            + 4 · B·L·F_tp·4            g, u, sigmoid(g), silu(g) (f32)
-            + B·L·F_tp·c                h cast, relaid out for wd's grad
-            + 5 · B·L_x·D·4             both norm outputs, x + attn, the block output,
-                                        the final norm's output (f32)
-            + 2 · B·L·D·c               both norm outputs cast, relaid out
-            + 2 · B·L·D·4               dh = dlogits·unembed^T (f32) and its all-reduce
-                                        over tp (B·L_x·D·4 under sequence / ring)
-            + D·V_tp·4 + V_tp·D·4       the unembed's f32 grad; the embedding's grad
-                                        whole over fsdp (in place of its shard)
-    This is medium's moment (small's falls just before the all-reduce: dlogits, the
-    final norm's cast and the gathered unembed instead of dh's all-reduce and the
-    unembed grad, 1% less). Known miss: prefetch with only 2 layers (the scan runs one
-    layer, and XLA:CPU overlaps its rematted recompute with the last layer's saved
-    forward and the loss's backward): tiny -33%.
-
-The items add up to within 0.5% of the tensors XLA:CPU holds at its peak (tiny, small,
-medium; `full` and, under prefetch, "last layer" re-read after the chunked kernel kept
-E and 1/rowsum and gather_many moved bf16 as u32 pairs); `memory_analysis()`'s temp is
-1-7% above that (the heap's packing of those buffers, not a tensor), so the prediction
-runs that much under the measured peak. Across more configurations (`python
-bench/memory.py`: remat full, reference attention, tiny L = 64 and small L = 256 on
-fsdp8, fsdp4xtp2, single, f32 and bf16) it is 0.82-0.98x of the measured peak, lowest on
-one device (0.82-0.88x); engine/cost/liveness.py's walk of the traced program bounds the
-same rows from above (1.00-1.33x). `none`, `dots` and the loss phase were refitted
-only for dtypes (c for the gathered weights and the einsum backward; E and 1/rowsum for
-chunked `none`'s saved probabilities); their items were not re-read from the compiler.
-Spot checks (tiny, fsdp4xtp2, zero 3, chunked): `dots` -5%, `none` -15% (under: its peak was
-not re-read since the kernel change). Prefetch is read for `full` and
-chunked only (`dots` / `none` / reference with prefetch use the same structure,
-unchecked). Only the `reference` and `chunked` attention kernels are modelled on `cpu`:
-`blocked` / `pallas` (and `auto` from 1024 tokens) raise `Unsupported` there. On an
-accelerator (`platform` not "cpu") those run the target's flash kernel and are modelled
-as "flash": it saves o and the f32 log-sum-exp B·H_tp·L·4 (no score tile outlives a
-block), and its backward holds f32 dq, dk, dv accumulators B·L·(H_tp + 2·G_tp)·K·4;
-every other item is XLA:CPU's but the elementwise intermediates an accelerator's XLA
-fuses into their consumers instead of keeping (silu's sigmoid(g) and silu(g), the
-norms' rsqrt broadcast over D). Not checked against a compiler.
-
-Activation dtype (`cfg.activations`): the items written ·4 above that hold activations
-(the stream, the norm outputs, q/k/v and the MLP's g, u, h, dh) are ·a, a = bytes of
-the activation dtype, on an accelerator; casts of them to the compute dtype vanish when
-the two dtypes agree. On `cpu` a = 4 whatever the dtype: with bf16 activations
-XLA:CPU's measured peak fell by under 7% (small, L = 256: fsdp8 full prefetch 24.85
-MiB vs 26.63 f32; fsdp4xtp2 dots 44.40 vs 44.90; `none` 83.3 vs 95.6) because
-its buffers are shared with f32 temporaries of the same shapes (the upcasts of its bf16
-arithmetic), so the f32 items stand (0.98-0.99x under full and dots). The accelerator
-items are not checked against a compiler.
-
-Context parallelism (cp > 1): L above is this rank's seq / cp tokens (the residual
-stream, the MLP, the logits and the queries are sequence-sharded), so every activation
-term falls as 1/cp. The keys one attention call sees differ by `--cp-comm`:
-    allgather  the reference kernel per local chunk of c = L/2 queries: the first against
-               the first S/2 keys, the second against all S = seq (Σ_TS = 3/4·L·S);
-               q, k, v upcast are
-               B·(L·H_tp + 2·S·G_tp)·K·u, plus this layer's
-               2·B·S·G_tp·K·c                 k, v gathered over cp
-               + 2·B·S·G_tp·K·4               dk, dv over the whole sequence (f32,
-                                              before their reduce-scatter)
-    ring       the diagonal block's backward ([L, L], the largest tile):
-               3·B·H_tp·L²·4                  p, dp, ds (f32)
-               + B·L·(H_tp + 4·G_tp)·K·4      dq, this block's dk, dv and the arriving
-                                              accumulators (f32)
-               + 2·B·L·G_tp·K·c               the arriving k, v
-               + L²                           the diagonal mask
-               (remat none saves only the log-sum-exp, as the flash kernel)
-A third candidate (remat full; reference kernel, cp's allgather or the ring), "attention
-backward": at long sequences the peak moves into the softmax's backward, after the
-MLP's: the layer-backward transient without its MLP items, plus
-    reference  2·B·H_tp·T·S·4    dp and ds (f32) of the largest single call's tile
-                                 ([L, L] on one device; [c, S] under cp's allgather,
-                                 whose two calls run one after the other)
-    ring       B·H_tp·L²·4       the diagonal block's scores s (f32) beside p, dp, ds
-The larger candidate is the prediction. Against `memory_analysis()`
-(tests/test_memory_cp.py: tiny, bf16, remat full, batch 16, seq 64 on cp2, cp4, cp8,
-cp4xfsdp2, cp2xfsdp2xtp2): allgather 0 to +6%, ring -6 to +1%. At seq 512 (tiny, batch 4,
-single and cp2..cp8, f32 and bf16, `memory.predict` vs `memory.measure`)
--2 to +11%, one device within 0.3% (it was -32 to -35% without this candidate).
-
-Pipeline parallelism (pp > 1): engine/cost/pipeline.py's `predict_memory`: one stage's
-backward unit on one microbatch, as the step without pp it equals, plus the pipeline's
-stash (GPipe's M stage inputs, 1F1B's pp), shift buffers and grads accumulator.
-
-Gradient accumulation without pp (`--microbatches M`, `_accumulated`): one microbatch's
-step (the global batch / M) plus the scan carry's grads accumulator, held twice as the
-pipeline's carry is. Against `memory.measure` (LLVM -O0, bf16, remat full, seq 128,
-batch 32 unless said): tiny fsdp8 (seq 64) 0.93 / 0.89x at M = 2 / 4, small fsdp8 0.98 /
-0.89x, small fsdp4xtp2 1.01 / 1.03x, small dp2xfsdp2xtp2 1.08 / 1.11x (0.95-0.97x at
-M = 1); tests/test_memory.py checks tiny fsdp4xtp2 at M = 1, 2, 4.
-
-`measure(compiled)` reads the compiled step's `memory_analysis()` and defines the
-measured peak as
-
-    peak = argument_size_in_bytes + temp_size_in_bytes
-           + output_size_in_bytes - alias_size_in_bytes
-
-every argument (params, optimizer state, tokens, live throughout), plus XLA's one
-preallocated temp buffer (its size is the heap simulation's maximum over the step of
-all live intermediates, while-loop carries included, as laid out: packing adds about
-1 MiB at medium), plus the outputs that alias no argument (loss, grad norm and the
-output tuple's index table, a few hundred bytes; the new params and optimizer state
-alias the donated ones). On the CPU backend, jax 0.10's `peak_memory_in_bytes` is
-arguments + outputs - aliases without the temp buffer, so it is not the step's peak and
-is not used.
+Each remat policy's, kernel's, cp's, pp's and accumulation's items, what each was read
+off and how close the sum lands against `measure`: docs/memory_model.md.
 """
 from __future__ import annotations
 
@@ -346,7 +151,7 @@ def _accumulated(cfg, tcfg, layout, platform, par) -> MemoryPrediction:
 
 def predict(cfg: ModelConfig, tcfg: TrainConfig, layout: Layout, platform: str = "cpu",
             trainer=None, parallel=None) -> MemoryPrediction:
-    """The step's predicted per-device peak (module doc). `platform`: "cpu" (XLA:CPU,
+    """The step's predicted per-device peak (docs/memory_model.md). `platform`: "cpu" (XLA:CPU,
     what the item list was read from: compute-dtype operands of mixed dots are upcast to
     f32), anything else keeps them in the compute dtype. `trainer`: a `Trainer` for (cfg,
     tcfg, layout) to take the specs from; by default one on the layout's abstract mesh."""
@@ -423,7 +228,7 @@ def predict(cfg: ModelConfig, tcfg: TrainConfig, layout: Layout, platform: str =
     # outputs; f32 by default); cast: the norm outputs' and h's casts to the compute
     # dtype are copies only where the two dtypes differ
     # (on `cpu` 4 whatever the dtype: XLA:CPU's buffers for bf16 activations measured no
-    # smaller under remat full and dots, small fsdp8 / fsdp4xtp2, L = 256: module doc)
+    # smaller under remat full and dots, small fsdp8 / fsdp4xtp2, L = 256: docs/memory_model.md)
     a = F32 if platform == "cpu" else jnp.dtype(cfg.act_dtype).itemsize
     cast = 0 if jnp.dtype(cfg.act_dtype).itemsize == c else 1
     x_stream, x_full = B * Lx * D * a, B * L * D * a  # [B, L_x, D], [B, L, D]
@@ -448,7 +253,7 @@ def predict(cfg: ModelConfig, tcfg: TrainConfig, layout: Layout, platform: str =
     scores = B * Htp * tiles * F32                          # f32 scores of all tiles
 
     # the layer's recompute and backward (remat `full`), live where the MLP's backward
-    # starts (module doc)
+    # starts (docs/memory_model.md)
     if kernel == "flash":
         attn = {"attention lse, f32 (forward residual)": B * Htp * L * F32,
                 "attention o (forward residual)": q_c,
@@ -538,7 +343,7 @@ def predict(cfg: ModelConfig, tcfg: TrainConfig, layout: Layout, platform: str =
             "embed grad, whole over fsdp": Vtp * D * F32}
     if saves_weights:
         # the loss's backward with the last (not rematted) layer's forward saved
-        # (module doc); the scanned layers' stacked grads are already allocated
+        # (docs/memory_model.md); the scanned layers' stacked grads are already allocated
         last = {"last layer: its input x (the scan's output)": x_stream,
                 "last layer: its gathered weights (compute dtype)": W_rank * c,
                 **{f"last layer: {k}": v for k, v in attn.items()},
@@ -565,7 +370,7 @@ def predict(cfg: ModelConfig, tcfg: TrainConfig, layout: Layout, platform: str =
     phase, transient, live = (("layer backward", trans, grads) if layer_peak >= loss_peak
                               else (phase_loss, last, grads_loss))
     if kernel in ("reference", "ring") and cfg.remat == "full":
-        # long sequences: the softmax's backward, the MLP's done (module doc)
+        # long sequences: the softmax's backward, the MLP's done (docs/memory_model.md)
         attn_bwd = {**{k: v for k, v in trans.items() if not k.startswith("mlp ")},
                     "attention dp, ds of the largest tile (f32)" if kernel == "reference"
                     else "attention s of the diagonal block (f32)":
@@ -601,7 +406,7 @@ def compile_step(trainer, compiler_options: dict | None = None):
 
 def measure(compiled) -> dict:
     """The compiled step's per-device bytes from `memory_analysis()`: argument, output,
-    alias, temp and peak (module doc)."""
+    alias, temp and peak (docs/memory_model.md)."""
     m = compiled.memory_analysis()
     out = dict(argument=m.argument_size_in_bytes, output=m.output_size_in_bytes,
                alias=m.alias_size_in_bytes, temp=m.temp_size_in_bytes)
