@@ -184,32 +184,45 @@ def prefetched_saving(layer, gather):
     def backward(res, dy_BLD):
         saved_N, saved_last, stacked = res
         n = jax.tree.leaves(stacked)[0].shape[0]
-
-        def layer_grads(i, saved, p, dy_BLD, dstacked):
-            dx_BLD, dp = vjp_of(saved, p)(dy_BLD)
-            _, gather_vjp = jax.vjp(gather, _layer(stacked, i))
-            dstacked = jax.tree.map(lambda d, g: lax.dynamic_update_index_in_dim(d, g, i, 0),
-                                    dstacked, gather_vjp(dp)[0])
-            return dx_BLD, dstacked
-
-        def body(carry, i):
-            dy_BLD, p, dstacked = carry
-            p_prev = gather(_layer(stacked, i - 1))  # for the next iteration
-            saved = [lax.dynamic_index_in_dim(s, i, keepdims=False) for s in saved_N]
-            dy_BLD, dstacked = layer_grads(i, saved, p, dy_BLD, dstacked)
-            return (dy_BLD, p_prev, dstacked), None
-
+        last_vjp = lambda i, p: vjp_of(saved_last, p)  # noqa: E731
+        layer_vjp = lambda i, p: vjp_of(  # noqa: E731
+            [lax.dynamic_index_in_dim(s, i, keepdims=False) for s in saved_N], p)
         p_last = gather(_layer(stacked, n - 1))
-        p_prev = gather(_layer(stacked, n - 2))
-        dstacked = jax.tree.map(jnp.zeros_like, stacked)
-        dy_BLD, dstacked = layer_grads(n - 1, saved_last, p_last, dy_BLD, dstacked)
-        (dy_BLD, p0, dstacked), _ = lax.scan(body, (dy_BLD, p_prev, dstacked),
-                                             jnp.arange(1, n - 1), reverse=True)
-        return layer_grads(0, [s[0] for s in saved_N], p0, dy_BLD, dstacked)
+        p_prev = gather(_layer(stacked, n - 2))  # for the scan's first iteration
+        dy_BLD, dstacked = _layer_grads(last_vjp, gather, stacked, n - 1, p_last, dy_BLD,
+                                        jax.tree.map(jnp.zeros_like, stacked))
+        return _backward_from(n - 2, p_prev, dy_BLD, dstacked, layer_vjp, gather, stacked)
 
     f = jax.custom_vjp(lambda x_BLD, stacked: forward(x_BLD, stacked)[0])
     f.defvjp(forward, backward)
     return f
+
+
+def _layer_grads(layer_vjp, gather, stacked, i, p, dy_BLD, dstacked):
+    """Layer i's backward: (dx [B, L, D], `dstacked` with layer i's weight grads
+    reduce-scattered into row i). layer_vjp(i, whole weights) -> layer i's vjp; p:
+    layer i's whole weights."""
+    dx_BLD, dp = layer_vjp(i, p)(dy_BLD)
+    _, gather_vjp = jax.vjp(gather, _layer(stacked, i))
+    return dx_BLD, jax.tree.map(lambda d, g: lax.dynamic_update_index_in_dim(d, g, i, 0),
+                                dstacked, gather_vjp(dp)[0])
+
+
+def _backward_from(top, p_top, dy_BLD, dstacked, layer_vjp, gather, stacked):
+    """Layers `top` down to 0 of a prefetching backward: a reverse scan whose body
+    gathers layer i-1's weights for the next iteration while it runs layer i's backward
+    (`_layer_grads`), then layer 0 after it. p_top: layer top's whole weights. Returns
+    (dx [B, L, D], the stacked shards' grads)."""
+
+    def body(carry, i):
+        dy_BLD, p, dstacked = carry
+        p_prev = gather(_layer(stacked, i - 1))  # for the next iteration
+        dy_BLD, dstacked = _layer_grads(layer_vjp, gather, stacked, i, p, dy_BLD, dstacked)
+        return (dy_BLD, p_prev, dstacked), None
+
+    (dy_BLD, p0, dstacked), _ = lax.scan(body, (dy_BLD, p_top, dstacked),
+                                         jnp.arange(1, top + 1), reverse=True)
+    return _layer_grads(layer_vjp, gather, stacked, 0, p0, dy_BLD, dstacked)
 
 
 def _layer(stacked: dict, i) -> dict:
@@ -263,27 +276,10 @@ def prefetched_full_remat(layer, gather):
     def backward(res, dy_BLD):
         xs_NBLD, stacked = res
         n = xs_NBLD.shape[0]
-
-        def layer_grads(i, p, dy_BLD, dstacked):
-            x_BLD, shard = xs_NBLD[i], _layer(stacked, i)
-            _, layer_vjp = jax.vjp(layer, x_BLD, p)
-            dx_BLD, dp = layer_vjp(dy_BLD)
-            _, gather_vjp = jax.vjp(gather, shard)
-            dstacked = jax.tree.map(lambda d, g: lax.dynamic_update_index_in_dim(d, g, i, 0),
-                                    dstacked, gather_vjp(dp)[0])
-            return dx_BLD, dstacked
-
-        def body(carry, i):
-            dy_BLD, p, dstacked = carry
-            p_prev = gather(_layer(stacked, i - 1))  # for the next iteration
-            dx_BLD, dstacked = layer_grads(i, p, dy_BLD, dstacked)
-            return (dx_BLD, p_prev, dstacked), None
-
-        dstacked = jax.tree.map(jnp.zeros_like, stacked)
-        (dy_BLD, p0, dstacked), _ = lax.scan(
-            body, (dy_BLD, gather(_layer(stacked, n - 1)), dstacked), jnp.arange(1, n),
-            reverse=True)
-        return layer_grads(0, p0, dy_BLD, dstacked)
+        layer_vjp = lambda i, p: jax.vjp(layer, xs_NBLD[i], p)[1]  # noqa: E731
+        return _backward_from(n - 1, gather(_layer(stacked, n - 1)), dy_BLD,
+                              jax.tree.map(jnp.zeros_like, stacked), layer_vjp, gather,
+                              stacked)
 
     f = jax.custom_vjp(lambda x_BLD, stacked: forward(x_BLD, stacked)[0])
     f.defvjp(forward, backward)
