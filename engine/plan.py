@@ -157,7 +157,7 @@ def _run(jobs: list, workers: int, executor=None, progress=None) -> list:
     next to each other), in `chunks` of consecutive ones, largest first: a worker tracing
     programs of the same shapes in a row reuses jax's tracing caches (a longest-first
     order without chunks measured ~20% slower on the 8-device plan of `small`), and the
-    single jobs at the end keep both cores busy to the last. `progress(done, total)` is
+    single jobs at the end keep every worker busy to the last. `progress(done, total)` is
     called as results come in."""
     progress = progress or (lambda done, total: None)
 
@@ -176,7 +176,7 @@ def _run(jobs: list, workers: int, executor=None, progress=None) -> list:
         return out
 
     def submit(ex):
-        n = getattr(ex, "_max_workers", workers)
+        n = getattr(ex, "_max_workers", workers)  # an executor's own process count
         return [ex.submit(_price_programs, jobs[r.start:r.stop]) for r in chunks(len(jobs), n)]
 
     if executor is None:
