@@ -348,3 +348,22 @@ def test_scan_charges_its_stacking_and_slicing():
     assert sum("multiply" in fused_ops(i) for i in updates) == 1
     assert sum("dynamic-slice" in fused_ops(i) and "dynamic-update-slice" not in fused_ops(i)
                for i in body) == 1
+
+
+def test_paused_gc_restores_the_collector():
+    """`ledger.paused_gc` turns the collector off for its block and back to what it was
+    after it, nested or not, on an error too."""
+    import gc
+
+    from engine.cost.ledger import paused_gc
+
+    assert gc.isenabled()
+    with paused_gc():
+        assert not gc.isenabled()
+        with paused_gc():
+            assert not gc.isenabled()
+        assert not gc.isenabled()  # the inner block found it off
+    assert gc.isenabled()
+    with pytest.raises(ValueError), paused_gc():
+        raise ValueError
+    assert gc.isenabled()
