@@ -367,3 +367,17 @@ def test_paused_gc_restores_the_collector():
     with pytest.raises(ValueError), paused_gc():
         raise ValueError
     assert gc.isenabled()
+
+
+def test_row_replace_is_dataclasses_replace():
+    """`Row.replace` (the walk's and pipeline pricing's cheap copy) gives the Row
+    `dataclasses.replace` gives, and leaves the original and frozenness alone."""
+    row = Row("mlp", "fwd", "matmul", "dot_general", "float32", (4, 8), 64.0, 96.0, 2,
+              dot=((4, 2), (2, 8), "float32", "float32", (((1,), (0,)), ((), ())), "float32"))
+    for changes in ({"count": 6}, {"fused_bytes": 0.0, "lib_bytes": 0.0},
+                    {"kernel": "blocked", "fusion": 3}):
+        got, want = row.replace(**changes), dataclasses.replace(row, **changes)
+        assert got == want and hash(got) == hash(want) and repr(got) == repr(want)
+        assert got is not row and row.count == 2 and row.kernel == ""
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            got.count = 1

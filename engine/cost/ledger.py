@@ -104,6 +104,14 @@ class Row:
     # first: which tick unit of engine/pipeline.py runs it (engine/cost/pipeline.py)
     pp: tuple = ()
 
+    def replace(self, **changes) -> Row:
+        """`dataclasses.replace(self, **changes)` without its per-field loop (the walk
+        makes one per compute row, pipeline pricing one per row of a pp ledger); the
+        same Row."""
+        new = object.__new__(Row)
+        new.__dict__.update(self.__dict__, **changes)
+        return new
+
     @property
     def total_flops(self) -> float:
         return self.flops * self.count
@@ -111,14 +119,6 @@ class Row:
     @property
     def total_bytes(self) -> float:
         return self.bytes * self.count
-
-
-def _with(row: Row, **changes) -> Row:
-    """`dataclasses.replace(row, **changes)` without its per-field loop (the walk makes
-    one per compute row); the same Row."""
-    new = object.__new__(Row)
-    new.__dict__.update(row.__dict__, **changes)
-    return new
 
 
 def _shape_dtype_specs(cfg, tcfg, trainer):
@@ -423,11 +423,11 @@ def _walk(jaxpr, stack, count, mesh_shape, rows, domain=None, alias=None, site=0
                     v.aval.dtype == jnp.bool_ for v in eqn.outvars):
                 # the causal masks per key block, split off the forward scan by partial
                 # evaluation: formed inside the target's kernel
-                rows[start:] = [_with(r, kernel="blocked") for r in body]
+                rows[start:] = [r.replace(kernel="blocked") for r in body]
             elif name == "scan" and scope == "attention" and any(
                     r.kind == "matmul" and len(r.shape) == 5 for r in body):
                 # the key-block scan: its score tiles are [B, G, R, L, T]
-                rows[start:] = [_with(r, kernel="blocked") for r in body]
+                rows[start:] = [r.replace(kernel="blocked") for r in body]
                 rows.append(_kernel_row(eqn, phase, scope, count, body, pp))
             continue
         if name in COLLECTIVES:
@@ -442,7 +442,7 @@ def _walk(jaxpr, stack, count, mesh_shape, rows, domain=None, alias=None, site=0
             if twin is not None:  # XLA's CSE: the same op on the same operands, done once
                 for v, key in zip(eqn.outvars, twin):
                     alias[v] = key
-                rows[-1] = _with(rows[-1], fused_bytes=0.0, lib_bytes=0.0)
+                rows[-1] = rows[-1].replace(fused_bytes=0.0, lib_bytes=0.0)
                 continue
             outs = [(canon(v, alias, site), b) for v, b in zip(eqn.outvars, out_b)]
             if name in FUSIBLE:  # only these are merged (`twin`)
@@ -454,8 +454,8 @@ def _walk(jaxpr, stack, count, mesh_shape, rows, domain=None, alias=None, site=0
         gid, moved = domain.groups(FUSIBLE, REDUCTIONS, FREE)
         lib_gid, lib_moved = domain.groups(FUSIBLE, REDUCTIONS, FREE, epilogue=False)
         for (i, *_), g, b, lg, lb in zip(domain.entries, gid, moved, lib_gid, lib_moved):
-            rows[i] = _with(rows[i], fused_bytes=float(b), fusion=domain.entries[g][0],
-                            lib_bytes=float(lb), lib_fusion=domain.entries[lg][0])
+            rows[i] = rows[i].replace(fused_bytes=float(b), fusion=domain.entries[g][0],
+                                      lib_bytes=float(lb), lib_fusion=domain.entries[lg][0])
 
 
 def ledger(closed: jcore.ClosedJaxpr, layout) -> list[Row]:
