@@ -133,29 +133,56 @@ def pool(workers: int):
     return ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
 
 
+def _price_programs(jobs: list) -> list:
+    """`_price_program` of each job in turn (one chunk, in one worker)."""
+    return [_price_program(j) for j in jobs]
+
+
+def chunks(n: int, workers: int) -> list[range]:
+    """Jobs 0..n-1 cut into runs of consecutive ones for `workers` processes, largest
+    first: each run is the jobs left over 2·workers (at least 1), so the runs at the
+    end are single jobs and no worker waits long for the last (guided scheduling).
+    Consecutive jobs in one worker reuse jax's tracing caches."""
+    out, start = [], 0
+    while start < n:
+        size = max(1, (n - start) // (2 * max(workers, 1)))
+        out.append(range(start, start + size))
+        start += size
+    return out
+
+
 def _run(jobs: list, workers: int, executor=None, progress=None) -> list:
     """`_price_program` over jobs: in `executor` if given, else in a `pool` of
     `workers` (here when 1). Jobs go out in their order (programs of one layout's sizes
-    next to each other), in chunks of consecutive ones: a worker tracing programs of the
-    same shapes in a row reuses jax's tracing caches (a longest-first order without
-    chunks measured ~20% slower on the 8-device plan of `small`). `progress(done,
-    total)` is called as results come in."""
+    next to each other), in `chunks` of consecutive ones, largest first: a worker tracing
+    programs of the same shapes in a row reuses jax's tracing caches (a longest-first
+    order without chunks measured ~20% slower on the 8-device plan of `small`), and the
+    single jobs at the end keep every worker busy to the last. `progress(done, total)` is
+    called as results come in."""
     progress = progress or (lambda done, total: None)
 
-    def collect(results):
+    def collect(futures):
         out = []
-        for r in results:
-            out.append(r)
+        for f in futures:
+            out.extend(f.result())
             progress(len(out), len(jobs))
         return out
 
     if executor is None and workers <= 1:
-        return collect(_price_program(j) for j in jobs)
-    chunk = max(1, len(jobs) // (8 * max(workers, 1)))
+        out = []
+        for j in jobs:
+            out.append(_price_program(j))
+            progress(len(out), len(jobs))
+        return out
+
+    def submit(ex):
+        n = getattr(ex, "_max_workers", workers)  # an executor's own process count
+        return [ex.submit(_price_programs, jobs[r.start:r.stop]) for r in chunks(len(jobs), n)]
+
     if executor is None:
         with pool(workers) as ex:
-            return collect(ex.map(_price_program, jobs, chunksize=chunk))
-    return collect(executor.map(_price_program, jobs, chunksize=chunk))
+            return collect(submit(ex))
+    return collect(submit(executor))
 
 
 def progress_line(say, every_s: float = 15.0):

@@ -348,3 +348,36 @@ def test_scan_charges_its_stacking_and_slicing():
     assert sum("multiply" in fused_ops(i) for i in updates) == 1
     assert sum("dynamic-slice" in fused_ops(i) and "dynamic-update-slice" not in fused_ops(i)
                for i in body) == 1
+
+
+def test_paused_gc_restores_the_collector():
+    """`ledger.paused_gc` turns the collector off for its block and back to what it was
+    after it, nested or not, on an error too."""
+    import gc
+
+    from engine.cost.ledger import paused_gc
+
+    assert gc.isenabled()
+    with paused_gc():
+        assert not gc.isenabled()
+        with paused_gc():
+            assert not gc.isenabled()
+        assert not gc.isenabled()  # the inner block found it off
+    assert gc.isenabled()
+    with pytest.raises(ValueError), paused_gc():
+        raise ValueError
+    assert gc.isenabled()
+
+
+def test_row_replace_is_dataclasses_replace():
+    """`Row.replace` (the walk's and pipeline pricing's cheap copy) gives the Row
+    `dataclasses.replace` gives, and leaves the original and frozenness alone."""
+    row = Row("mlp", "fwd", "matmul", "dot_general", "float32", (4, 8), 64.0, 96.0, 2,
+              dot=((4, 2), (2, 8), "float32", "float32", (((1,), (0,)), ((), ())), "float32"))
+    for changes in ({"count": 6}, {"fused_bytes": 0.0, "lib_bytes": 0.0},
+                    {"kernel": "blocked", "fusion": 3}):
+        got, want = row.replace(**changes), dataclasses.replace(row, **changes)
+        assert got == want and hash(got) == hash(want) and repr(got) == repr(want)
+        assert got is not row and row.count == 2 and row.kernel == ""
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            got.count = 1

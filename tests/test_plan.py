@@ -237,6 +237,17 @@ def test_json_holds_the_ranked_candidates(planned):
     assert steps == sorted(steps) and all(s > 0 for s in steps)
 
 
+def test_chunks_cover_the_jobs_in_order_largest_first():
+    """The pool's runs of consecutive jobs: every job once, in order, runs never
+    growing, the last ones single jobs."""
+    for n, workers in [(0, 2), (1, 2), (7, 1), (621, 2), (1000, 8)]:
+        runs = plan.chunks(n, workers)
+        assert [i for r in runs for i in r] == list(range(n))
+        sizes = [len(r) for r in runs]
+        assert sizes == sorted(sizes, reverse=True)
+        assert not runs or sizes[-1] == 1
+
+
 def test_worker_processes_price_as_this_process_does():
     """The pool's workers (spawned processes) rank and price the
     candidates exactly as pricing in this process does."""

@@ -14,7 +14,10 @@ the `reduce_grads` / `optimizer` scopes -> "update", anything else -> "fwd".
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
+import functools
+import gc
 import math
 
 import jax
@@ -101,6 +104,14 @@ class Row:
     # first: which tick unit of engine/pipeline.py runs it (engine/cost/pipeline.py)
     pp: tuple = ()
 
+    def replace(self, **changes) -> Row:
+        """`dataclasses.replace(self, **changes)` without its per-field loop (the walk
+        makes one per compute row, pipeline pricing one per row of a pp ledger); the
+        same Row."""
+        new = object.__new__(Row)
+        new.__dict__.update(self.__dict__, **changes)
+        return new
+
     @property
     def total_flops(self) -> float:
         return self.flops * self.count
@@ -119,6 +130,22 @@ def _shape_dtype_specs(cfg, tcfg, trainer):
     return params, opt_state, tokens_BL
 
 
+@contextlib.contextmanager
+def paused_gc():
+    """Python's cyclic garbage collector off for the block (back on after it, if it was
+    on). A trace or a walk of the step allocates hundreds of thousands of objects that
+    live till its end; the collector's passes over them, and over the heap jax's caches
+    grow, took ~25% of a plan's tracing CPU time (8-device plan of `small`). What the
+    block leaves unreachable is collected by the next pass after it."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
 def trace_step(cfg, tcfg, layout, parallel=None) -> jcore.ClosedJaxpr:
     """The jaxpr of `Trainer.train_step` (the CLI's step) on `layout.abstract_mesh()`,
     with dead code removed as XLA removes it (e.g. the forward a `jax.vjp` traces only
@@ -126,14 +153,27 @@ def trace_step(cfg, tcfg, layout, parallel=None) -> jcore.ClosedJaxpr:
     from engine.config import ParallelConfig
     from engine.step import Trainer
 
-    trainer = Trainer(cfg, tcfg, layout, layout.abstract_mesh(), parallel or ParallelConfig())
-    closed = jax.make_jaxpr(trainer.train_step)(*_shape_dtype_specs(cfg, tcfg, trainer))
-    live, _ = pe.dce_jaxpr(closed.jaxpr, [True] * len(closed.jaxpr.outvars))
+    with paused_gc():
+        trainer = Trainer(cfg, tcfg, layout, layout.abstract_mesh(),
+                          parallel or ParallelConfig())
+        closed = jax.make_jaxpr(trainer.train_step)(*_shape_dtype_specs(cfg, tcfg, trainer))
+        live, _ = pe.dce_jaxpr(closed.jaxpr, [True] * len(closed.jaxpr.outvars))
     return jcore.ClosedJaxpr(live, closed.consts)
 
 
+@functools.cache
+def _itemsize(dtype) -> int:
+    return jnp.dtype(dtype).itemsize
+
+
+@functools.cache
+def _dtype_name(dtype) -> str:
+    """str(dtype), looked up: numpy formats a dtype's name anew each time."""
+    return str(dtype)
+
+
 def _nbytes(aval) -> int:
-    return math.prod(aval.shape) * jnp.dtype(aval.dtype).itemsize
+    return math.prod(aval.shape) * _itemsize(aval.dtype)
 
 
 def _phase_scope(stack: source_info_util.NameStack) -> tuple[str, str]:
@@ -169,7 +209,7 @@ def _collective_rows(eqn, phase, scope, count, mesh_shape, pp=()) -> list[Row]:
     for var_in, var_out in zip(eqn.invars, eqn.outvars):
         buf = var_out.aval if eqn.primitive.name.startswith("all_gather") else var_in.aval
         moved = 0 if kind is None or size == 1 else _nbytes(buf)
-        rows.append(Row(scope, phase, "collective", eqn.primitive.name, str(buf.dtype),
+        rows.append(Row(scope, phase, "collective", eqn.primitive.name, _dtype_name(buf.dtype),
                         tuple(buf.shape), 0.0, float(moved), count, axes, size, pp=pp))
     return rows
 
@@ -230,13 +270,13 @@ def _compute_row(eqn, phase, scope, count, moved: float, pp=()) -> Row:
     if name == "dot_general":
         dims = eqn.params["dimension_numbers"]
         k = math.prod(ins[0].shape[d] for d in dims[0][0])
-        flops, kind, dtype = 2.0 * math.prod(out.shape) * k, "matmul", str(ins[0].dtype)
-        dot = (tuple(ins[0].shape), tuple(ins[1].shape), str(ins[0].dtype), str(ins[1].dtype),
-               tuple(tuple(map(tuple, pair)) for pair in dims), str(out.dtype))
+        flops, kind, dtype = 2.0 * math.prod(out.shape) * k, "matmul", _dtype_name(ins[0].dtype)
+        dot = (tuple(ins[0].shape), tuple(ins[1].shape), dtype, _dtype_name(ins[1].dtype),
+               tuple(tuple(map(tuple, pair)) for pair in dims), _dtype_name(out.dtype))
     else:
         elems = max([math.prod(a.shape) for a in ins + outs] or [0])
         flops = float(elems) if name in ARITH else 0.0
-        kind, dtype = "memory", str(out.dtype)
+        kind, dtype = "memory", _dtype_name(out.dtype)
     return Row(scope, phase, kind, name, dtype, tuple(out.shape), flops, float(moved), count,
                dot=dot, pp=pp)
 
@@ -323,8 +363,9 @@ def _scan_copy_rows(eqn, phase, scope, count, pp=()) -> list[Row]:
     rows = []
 
     def row(primitive, aval, moved, n):
-        rows.append(Row(scope, phase, "memory", primitive, str(aval.dtype), tuple(aval.shape),
-                        0.0, float(moved), n, fused_bytes=0.0, lib_bytes=0.0, pp=pp))
+        rows.append(Row(scope, phase, "memory", primitive, _dtype_name(aval.dtype),
+                        tuple(aval.shape), 0.0, float(moved), n, fused_bytes=0.0,
+                        lib_bytes=0.0, pp=pp))
 
     for outer, inner in zip(eqn.invars[first:], body.invars[first:]):
         names = consumers.get(inner, [])
@@ -349,8 +390,15 @@ def _walk(jaxpr, stack, count, mesh_shape, rows, domain=None, alias=None, site=0
     if own:
         domain, alias = Domain(), {}
     fused, spilled = _fusion_sets(jaxpr)
+    labels = {}  # id of an equation's name stack -> (stack, phase, scope, pp scopes)
     for eqn in jaxpr.eqns:
-        here = stack + eqn.source_info.name_stack
+        # equations share a few name stacks (objects the jaxpr keeps alive, so ids hold)
+        got = labels.get(id(eqn.source_info.name_stack))
+        if got is None:
+            here = stack + eqn.source_info.name_stack
+            got = labels[id(eqn.source_info.name_stack)] = (here, *_phase_scope(here),
+                                                           _pp_scopes(here))
+        here, phase, scope, pp = got
         subs = list(_sub_jaxprs(eqn))
         name = eqn.primitive.name
         if subs and name in INLINED and len(subs) == 1:
@@ -365,31 +413,28 @@ def _walk(jaxpr, stack, count, mesh_shape, rows, domain=None, alias=None, site=0
                     alias[ov] = key
             continue
         if subs:
-            phase, scope = _phase_scope(here)
             start = len(rows)
             for sub, mult in subs:
                 _walk(sub, here, count * mult, mesh_shape, rows)
             if name == "scan":
-                rows.extend(_scan_copy_rows(eqn, phase, scope, count, _pp_scopes(here)))
+                rows.extend(_scan_copy_rows(eqn, phase, scope, count, pp))
             body = rows[start:]
             if name == "scan" and scope == "attention" and all(
                     v.aval.dtype == jnp.bool_ for v in eqn.outvars):
                 # the causal masks per key block, split off the forward scan by partial
                 # evaluation: formed inside the target's kernel
-                rows[start:] = [dataclasses.replace(r, kernel="blocked") for r in body]
+                rows[start:] = [r.replace(kernel="blocked") for r in body]
             elif name == "scan" and scope == "attention" and any(
                     r.kind == "matmul" and len(r.shape) == 5 for r in body):
                 # the key-block scan: its score tiles are [B, G, R, L, T]
-                rows[start:] = [dataclasses.replace(r, kernel="blocked") for r in body]
-                rows.append(_kernel_row(eqn, phase, scope, count, body, _pp_scopes(here)))
+                rows[start:] = [r.replace(kernel="blocked") for r in body]
+                rows.append(_kernel_row(eqn, phase, scope, count, body, pp))
             continue
-        phase, scope = _phase_scope(here)
         if name in COLLECTIVES:
-            rows.extend(_collective_rows(eqn, phase, scope, count, mesh_shape,
-                                         _pp_scopes(here)))
+            rows.extend(_collective_rows(eqn, phase, scope, count, mesh_shape, pp))
         else:
             rows.append(_compute_row(eqn, phase, scope, count,
-                                     _fusion_bytes(eqn, fused, spilled), _pp_scopes(here)))
+                                     _fusion_bytes(eqn, fused, spilled), pp))
             in_b, out_b = _io_bytes(eqn)
             ins = [(canon(v, alias, site), b) for v, b in zip(eqn.invars, in_b)]
             twin = domain.twin(name, eqn.params, [k for k, _ in ins]) if name in FUSIBLE \
@@ -397,10 +442,11 @@ def _walk(jaxpr, stack, count, mesh_shape, rows, domain=None, alias=None, site=0
             if twin is not None:  # XLA's CSE: the same op on the same operands, done once
                 for v, key in zip(eqn.outvars, twin):
                     alias[v] = key
-                rows[-1] = dataclasses.replace(rows[-1], fused_bytes=0.0, lib_bytes=0.0)
+                rows[-1] = rows[-1].replace(fused_bytes=0.0, lib_bytes=0.0)
                 continue
             outs = [(canon(v, alias, site), b) for v, b in zip(eqn.outvars, out_b)]
-            domain.remember(name, eqn.params, [k for k, _ in ins], [k for k, _ in outs])
+            if name in FUSIBLE:  # only these are merged (`twin`)
+                domain.remember(name, eqn.params, [k for k, _ in ins], [k for k, _ in outs])
             domain.add(len(rows) - 1, name, [x for x in ins if x[0] is not None],
                        [x for x in outs if x[0] is not None])
     if own:
@@ -408,9 +454,8 @@ def _walk(jaxpr, stack, count, mesh_shape, rows, domain=None, alias=None, site=0
         gid, moved = domain.groups(FUSIBLE, REDUCTIONS, FREE)
         lib_gid, lib_moved = domain.groups(FUSIBLE, REDUCTIONS, FREE, epilogue=False)
         for (i, *_), g, b, lg, lb in zip(domain.entries, gid, moved, lib_gid, lib_moved):
-            rows[i] = dataclasses.replace(rows[i], fused_bytes=float(b),
-                                          fusion=domain.entries[g][0], lib_bytes=float(lb),
-                                          lib_fusion=domain.entries[lg][0])
+            rows[i] = rows[i].replace(fused_bytes=float(b), fusion=domain.entries[g][0],
+                                      lib_bytes=float(lb), lib_fusion=domain.entries[lg][0])
 
 
 def ledger(closed: jcore.ClosedJaxpr, layout) -> list[Row]:
@@ -421,10 +466,13 @@ def ledger(closed: jcore.ClosedJaxpr, layout) -> list[Row]:
     (engine/pipeline.py) is a switch over units and conds on the stage: its rows carry
     the pipeline scopes (`Row.pp`) that engine/cost/pipeline.py prices per unit."""
     rows: list[Row] = []
-    _walk(closed.jaxpr, source_info_util.NameStack(), 1, dict(layout.mesh_axes()), rows)
+    with paused_gc():
+        _walk(closed.jaxpr, source_info_util.NameStack(), 1, dict(layout.mesh_axes()), rows)
     return rows
 
 
 def step_ledger(cfg, tcfg, layout, parallel=None) -> list[Row]:
-    """`ledger(trace_step(...))`: the plan of one training step."""
-    return ledger(trace_step(cfg, tcfg, layout, parallel), layout)
+    """`ledger(trace_step(...))`: the plan of one training step (one pause of the
+    garbage collector for both)."""
+    with paused_gc():
+        return ledger(trace_step(cfg, tcfg, layout, parallel), layout)

@@ -79,7 +79,7 @@ def _once(rows: list[Row], ticks: int) -> list[Row]:
     """The rows with the tick scan's trip count taken out (one execution per tick; the
     ledger prices the buffers' slots read and written in place)."""
     assert all(r.count % ticks == 0 for r in rows), "a row inside the tick scan runs T times"
-    return [dataclasses.replace(r, count=r.count // ticks) for r in rows]
+    return [r.replace(count=r.count // ticks) for r in rows]
 
 
 def unit_rows(rows: list[Row], kind: int, stage: int, pp: int,
@@ -110,9 +110,8 @@ def _parts(rows: list[Row], T: int, M: int, pp: int, hw, mesh_axes, prefetch: bo
     shift_s = predict(shift, hw, mesh_axes, prefetch).step_s
     out = predict(outside, hw, mesh_axes, prefetch)
     # the report's rows: every unit's rows M times, the rest as traced
-    shown = [dataclasses.replace(r, count=r.count * M) for r in once
-             if set(UNITS.values()) & set(r.pp)]
-    shown += [dataclasses.replace(r, count=r.count * T) for r in shift] + outside
+    shown = [r.replace(count=r.count * M) for r in once if set(UNITS.values()) & set(r.pp)]
+    shown += [r.replace(count=r.count * T) for r in shift] + outside
     return unit_s, shift_s, out, predict(shown, hw, mesh_axes, prefetch)
 
 
