@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import pytest
 
 from engine.config import ParallelConfig, model_config
+from engine.cost.ledger import scan_counts
 from test_step import CFG, assert_tree_close, host, tokens, trainer
 
 BF16 = model_config("tiny", n_heads=8, n_kv_heads=2, head_dim=8, dtype="bf16",
@@ -68,8 +69,7 @@ def _scan_carries(jaxpr):
     """The avals of every scan's carry, in `jaxpr` and the jaxprs inside it."""
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == "scan":
-            n = eqn.params["num_carry"]
-            yield [v.aval for v in eqn.outvars[:n]]
+            yield [v.aval for v in eqn.outvars[:scan_counts(eqn)[1]]]
         for sub in jex.jaxprs_in_params(eqn.params):
             yield from _scan_carries(sub)
 

@@ -293,19 +293,30 @@ def _sub_jaxprs(eqn):
                 yield item, mult
 
 
+def scan_counts(eqn) -> tuple[int, int]:
+    """(consts, carry) operand counts of a `scan` equation: jax 0.10 names them in its
+    params; newer jax keeps one flat tree of (consts, carry, xs) (`ft_in`)."""
+    p = eqn.params
+    if "num_carry" in p:
+        return p["num_consts"], p["num_carry"]
+    consts, carry, _ = p["ft_in"].update(list(eqn.invars)).unpack()
+    return len(list(consts)), len(list(carry))
+
+
 def _kernel_row(eqn, phase, scope, count, body_rows, pp=()) -> Row:
     """The flash kernel an accelerator runs in place of the jnp key-block scan `eqn`:
     the scan's matmul FLOPs (every [L, T] tile of every key block), its operands and
     results as traffic, shape (J key blocks, T keys per block)."""
     flops = sum(r.flops * r.count for r in body_rows if r.kind == "matmul") / count
     # the scanned operands: key / value blocks [J, B, T, G, K]
-    first = eqn.params["num_consts"] + eqn.params["num_carry"]
+    n_consts, n_carry = scan_counts(eqn)
+    first = n_consts + n_carry
     blocks = [v.aval.shape for v in eqn.invars[first:] if len(getattr(v.aval, "shape", ())) == 5]
     block = blocks[0][2] if blocks else 1
     # what a flash kernel reads and writes: q, k, v, o (and lse, dO, dq, dk, dv); not
     # the causal masks (bool, formed in the kernel) nor loop-invariant score-shaped
     # constants [..., L, T] the jnp scan hoists out of its body
-    consts = eqn.invars[:eqn.params["num_consts"]]
+    consts = eqn.invars[:n_consts]
     length = max((v.aval.shape[-2] for v in consts if len(getattr(v.aval, "shape", ())) == 5),
                  default=0)
 
@@ -351,7 +362,8 @@ def _scan_copy_rows(eqn, phase, scope, count, pp=()) -> list[Row]:
     (cuBLAS) or a library matmul's product stacked would be a copy of its own there."""
     body = eqn.params["jaxpr"].jaxpr
     length = eqn.params["length"]
-    first = eqn.params["num_consts"] + eqn.params["num_carry"]
+    n_consts, n_carry = scan_counts(eqn)
+    first = n_consts + n_carry
     consumers, producer = {}, {}
     for e in body.eqns:
         for v in e.invars:
@@ -372,7 +384,6 @@ def _scan_copy_rows(eqn, phase, scope, count, pp=()) -> list[Row]:
         if names and all(n in FUSIBLE and n not in FREE for n in names) and inner not in uses:
             continue  # sliced inside its consumers' loop fusion
         row("dynamic_slice", inner.aval, 2 * _nbytes(inner.aval), count * length)
-    n_carry = eqn.params["num_carry"]
     for outer, inner in zip(eqn.outvars[n_carry:], body.outvars[n_carry:]):
         row("broadcast_in_dim", outer.aval, _nbytes(outer.aval), count)
         made = producer.get(inner)

@@ -73,7 +73,7 @@ from collections import Counter
 from jax.extend import core as jcore
 
 from engine.cost.fusion import nbytes
-from engine.cost.ledger import FUSIBLE, REDUCTIONS
+from engine.cost.ledger import FUSIBLE, REDUCTIONS, scan_counts
 
 # ops XLA turns into bitcasts of their operand (or that only mark it): no new buffer
 ALIASES = {"reshape", "squeeze", "expand_dims", "pvary", "stop_gradient",
@@ -213,7 +213,7 @@ class _Walk:
     def _scan(self, eqn):
         p = eqn.params
         body = _jaxpr(p["jaxpr"])
-        nc, nk = p["num_consts"], p["num_carry"]
+        nc, nk = scan_counts(eqn)
         carry = sum(nbytes(v.aval) for v in eqn.outvars[:nk])
         stacked = sum(nbytes(v.aval) for v in eqn.outvars[nk:])
         slices = sum(nbytes(v.aval) for v in body.invars[nc + nk:])
