@@ -10,7 +10,7 @@ prediction is 4-8% under `memory_analysis()`'s peak for these six when last re-f
 (the heap's packing, not a tensor). 15% is the goal; what the tolerance alone
 would not catch (zero 1's whole grads move tiny's peak by +21%, sequence parallelism by
 -13%, chunked attention by -11%) the ordering test does: the predicted peaks must rank the six
-cases as the compiler does.
+cases as the compiler does wherever its peaks are more than 5% apart.
 """
 import dataclasses
 import functools
@@ -33,6 +33,7 @@ CASES = {"zero1": (dict(), dict(zero=1)), "zero2": (dict(), dict(zero=2)),
          "zero3 sequence chunked": (dict(attention="chunked"), dict(zero=3, tp_comm="sequence"))}
 FAST = {"xla_backend_optimization_level": 0}
 TOLERANCE = 0.15
+RESOLUTION = 0.05  # peaks closer than this are ties for the ordering test
 
 
 @functools.lru_cache(maxsize=None)
@@ -60,10 +61,13 @@ def test_orders_configs_as_measured():
     meas = {name: case(name)[1] for name in CASES}
     # what the ZeRO level decides (params + grads + optimizer state): 1 > 2 > 3
     assert preds["zero1"].states > preds["zero2"].states > preds["zero3"].states
-    # and the peaks, in the compiler's order (ties in the compiler stay ties)
-    by_pred = sorted(CASES, key=lambda n: preds[n].peak)
-    by_meas = sorted(CASES, key=lambda n: meas[n]["peak"])
-    assert by_pred == by_meas, (by_pred, by_meas)
+    # and the peaks, in the compiler's order wherever its peaks differ by more than
+    # RESOLUTION (jax 0.12's XLA:CPU puts "zero3 chunked" 1.5% under "zero3 sequence",
+    # jax 0.10's 2.0% over: closer than the items' own accuracy)
+    for a in CASES:
+        for b in CASES:
+            if meas[a]["peak"] > (1 + RESOLUTION) * meas[b]["peak"]:
+                assert preds[a].peak > preds[b].peak, (a, b, preds[a].peak, preds[b].peak)
     assert meas["zero1"]["peak"] > meas["zero2"]["peak"] > meas["zero3"]["peak"] \
         > meas["zero3 sequence"]["peak"]
     # chunked attention (flash backward: no softmax grad, no f32 upcasts) below reference
