@@ -185,8 +185,7 @@ def prefetched_saving(layer, gather):
         saved_N, saved_last, stacked = res
         n = jax.tree.leaves(stacked)[0].shape[0]
         last_vjp = lambda i, p: vjp_of(saved_last, p)  # noqa: E731
-        layer_vjp = lambda i, p: vjp_of(  # noqa: E731
-            [lax.dynamic_index_in_dim(s, i, keepdims=False) for s in saved_N], p)
+        layer_vjp = lambda i, p: vjp_of([_row(s, i) for s in saved_N], p)  # noqa: E731
         p_last = gather(_layer(stacked, n - 1))
         p_prev = gather(_layer(stacked, n - 2))  # for the scan's first iteration
         dy_BLD, dstacked = _layer_grads(last_vjp, gather, stacked, n - 1, p_last, dy_BLD,
@@ -223,6 +222,13 @@ def _backward_from(top, p_top, dy_BLD, dstacked, layer_vjp, gather, stacked):
     (dy_BLD, p0, dstacked), _ = lax.scan(body, (dy_BLD, p_top, dstacked),
                                          jnp.arange(1, top + 1), reverse=True)
     return _layer_grads(layer_vjp, gather, stacked, 0, p0, dy_BLD, dstacked)
+
+
+def _row(stacked_N, i):
+    """Row i of a stacked array: a static slice for a Python int (layer 0 after the
+    backward scan), a dynamic one for a traced index (inside it)."""
+    return stacked_N[i] if isinstance(i, int) else lax.dynamic_index_in_dim(
+        stacked_N, i, keepdims=False)
 
 
 def _layer(stacked: dict, i) -> dict:
