@@ -230,7 +230,7 @@ def predict(cfg: ModelConfig, tcfg: TrainConfig, layout: Layout, platform: str =
     # (on `cpu` 4 whatever the dtype: XLA:CPU's buffers for bf16 activations measured no
     # smaller under remat full and dots, small fsdp8 / fsdp4xtp2, L = 256: docs/memory_model.md)
     a = F32 if platform == "cpu" else jnp.dtype(cfg.act_dtype).itemsize
-    cast = 0 if jnp.dtype(cfg.act_dtype).itemsize == c else 1
+    cast = int(cfg.activations != cfg.dtype)
     x_stream, x_full = B * Lx * D * a, B * L * D * a  # [B, L_x, D], [B, L, D]
     mlp = B * L * Ftp * a                              # [B, L, F_tp]
     q_c = B * L * Htp * K * c                               # [B, L, H_tp, K] compute dtype
