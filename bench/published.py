@@ -31,11 +31,11 @@ installed with its `gpu-flash2` extra) and torchtitan (PyTorch's
 `scaled_dot_product_attention`, whose flash backend is FlashAttention-2) call
 FlashAttention-2, priced at its own H100 / A100 rate (engine/cost/hardware.py
 `FLASH_ATTENTION_2`); MaxText calls the Pallas splash kernel (the TPU profiles' rate).
-torchtitan's H100s are its Grand Teton hosts (96 GB of HBM2e at 2.4 TB/s, 500 W): the
-`h100-gt` profile. Megatron-LM in 2021 predates
-FlashAttention (Dao et al. 2022): it formed the [s, s] scores in memory (QK^T GEMM, its
-fused scale-mask-softmax kernel, then the PV GEMM), which is what this engine's
-`reference` kernel does, so those rows run `--attention reference`.
+torchtitan's H100s are its Grand Teton hosts (96 GB of HBM2e at 2.4 TB/s, 500 W, a
+tensor-core peak "between SXM and NVL" in its page's words): the `h100-gt` profile.
+Megatron-LM in 2021 predates FlashAttention (Dao et al. 2022): it formed the [s, s]
+scores in memory (QK^T GEMM, its fused scale-mask-softmax kernel, then the PV GEMM),
+which is what this engine's `reference` kernel does, so those rows run `--attention reference`.
 Activations are bf16 (`--activations bf16`) on every row, as every source ran them:
 MaxText's `dtype: bfloat16`, PyTorch autocast / FSDP mixed precision in bf16
 (llm-foundry, torchtitan), Megatron's fp16 (the same two bytes).

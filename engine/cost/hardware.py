@@ -153,11 +153,18 @@ PROFILES = {
 FLASH_ATTENTION_2 = {"h100": 0.32, "h100-gt": 0.32, "a100": 0.55}
 
 # H100 as torchtitan's benchmark pages describe their Grand Teton hosts: "96GB HBM2e with
-# 2.4 TB/sec peak memory bandwidth", run at a 500 W power limit (the SXM5 datasheet's is
-# 700 W). The tensor-core peak is the SXM5 figure: no published GEMM rate at 500 W, so
-# the lower clock the cap may force is not priced.
+# 2.4 TB/sec peak memory bandwidth", run at "the default 500W power limit" (the SXM5
+# datasheet's is 700 W). Its tensor-core peak, in the same page's footnote: "the actual
+# peak TFLOPs number is between SXM and NVL, and we don't know its exact value". NVIDIA's
+# H100 datasheet gives dense bf16 989 (SXM) and 835.5 TFLOP/s (NVL, 350-400 W; half
+# its 1,671 with sparsity), TF32 494.7 and 417.5: priced at the middle of that stated
+# interval (912 / 456; the ends move the profile's matmul time by -8% / +9%). The MFU
+# denominator stays the SXM peak, as torchtitan's own MFU figures use it.
+_SXM = PROFILES["h100"].peak_flops
+_NVL = {"bfloat16": 835.5e12, "float32": 417.5e12}
 PROFILES["h100-gt"] = dataclasses.replace(
-    PROFILES["h100"], name="H100 96GB HBM2e (Grand Teton)", hbm=2.4e12, hbm_capacity=96e9)
+    PROFILES["h100"], name="H100 96GB HBM2e (Grand Teton)", hbm=2.4e12, hbm_capacity=96e9,
+    peak_flops={k: (_SXM[k] + _NVL[k]) / 2 for k in _SXM}, mfu_peak=dict(_SXM))
 
 # `python bench/calibrate.py` on this machine (2 Zen-5 cores, 8 forced devices, load
 # average ~5 from concurrent jobs) on 2026-11-22; used only when no calibration file
