@@ -305,6 +305,33 @@ def _scan_example():
     return f, jnp.ones((16, 32), jnp.float32), jnp.ones((4, 32, 32), jnp.float32)
 
 
+def test_static_and_dynamic_slice_of_one_row_move_the_same_bytes():
+    """Taking row 0 of a [N, B, D] buffer reads that row and writes it, whether the index
+    is static (`slice`) or traced (`dynamic_slice`): 2x the row's bytes each, not the
+    whole buffer's; the squeeze between the slice and the dot does not hide the write."""
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+
+    from engine.cost.ledger import ledger
+
+    x = jnp.ones((4, 16, 32), jnp.float32)
+    row_bytes = x[0].nbytes
+
+    def static(x):
+        return x[0] @ jnp.ones((32, 32))  # the slice feeds a dot: it reaches memory
+
+    def dynamic(x, i):
+        return lax.dynamic_index_in_dim(x, i, keepdims=False) @ jnp.ones((32, 32))
+
+    rows_s = ledger(jax.make_jaxpr(static)(x), Layout.parse("single"))
+    rows_d = ledger(jax.make_jaxpr(dynamic)(x, 0), Layout.parse("single"))
+    [s] = [r.bytes for r in rows_s if r.primitive == "slice"]
+    [d] = [r.bytes for r in rows_d if r.primitive == "dynamic_slice"]
+    assert s == 2 * row_bytes
+    assert d == s + 3 * 4  # and its three int32 start indices
+
+
 def test_scan_charges_its_stacking_and_slicing():
     """The rows XLA adds to a scan, against the scan's own inputs and outputs: per
     iteration one slice of each stacked input a dot reads (read + written out) and one

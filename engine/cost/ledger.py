@@ -216,7 +216,8 @@ def _collective_rows(eqn, phase, scope, count, mesh_shape, pp=()) -> list[Row]:
 
 def _io_bytes(eqn) -> tuple[list[int], list[int]]:
     """Bytes of each operand read and each result written. A slice of a large buffer
-    touches only the slice: `dynamic_slice` reads its result's worth of its operand, and
+    touches only the slice: `slice` / `dynamic_slice` read their result's worth of their
+    operand, and
     `dynamic_update_slice` / `scatter` (`.at[i].set`) write their updates into the
     operand in place (XLA aliases the buffer with the result: the scans' stacked
     residuals and grads, the pipeline's stash, are never copied), so the buffer is
@@ -224,7 +225,7 @@ def _io_bytes(eqn) -> tuple[list[int], list[int]]:
     ins = [_nbytes(v.aval) if hasattr(v.aval, "shape") else 0 for v in eqn.invars]
     outs = [_nbytes(v.aval) for v in eqn.outvars]
     name = eqn.primitive.name
-    if name == "dynamic_slice":
+    if name in ("slice", "dynamic_slice"):
         ins[0] = outs[0]
     elif name == "dynamic_update_slice":  # operand, update, *start indices
         ins[0], outs[0] = 0, ins[1]
@@ -235,14 +236,16 @@ def _io_bytes(eqn) -> tuple[list[int], list[int]]:
 
 def _fusion_bytes(eqn, fused_vars: set, spilled_vars: set) -> float:
     """Bytes an equation moves under loop fusion: inputs produced inside a fused chain
-    are not re-read; outputs only consumed by fusible ops or reductions are not written.
-    Matmuls and everything else read and write all operands (`_io_bytes`)."""
+    are not re-read (a static `slice` reads only its result's worth of its operand, as
+    the loop indexes it); outputs only consumed by fusible ops or reductions are not
+    written. Matmuls and everything else read and write all operands (`_io_bytes`)."""
     name = eqn.primitive.name
     if name in FREE:
         return 0.0
     if name not in FUSIBLE and name not in REDUCTIONS:
         return float(sum(sum(b) for b in _io_bytes(eqn)))
-    reads = sum(_nbytes(v.aval) for v in eqn.invars
+    reads = sum(_nbytes((eqn.outvars[0] if name == "slice" else v).aval)
+                for v in eqn.invars
                 if hasattr(v.aval, "shape") and not isinstance(v, jcore.Literal)
                 and v not in fused_vars)
     writes = sum(_nbytes(v.aval) for v in eqn.outvars
@@ -251,12 +254,17 @@ def _fusion_bytes(eqn, fused_vars: set, spilled_vars: set) -> float:
 
 
 def _fusion_sets(jaxpr) -> tuple[set, set]:
-    """(vars produced by fusible ops, fusible outputs that must reach memory)."""
+    """(vars produced by fusible ops, fusible outputs that must reach memory). A free op
+    (a reshape: a bitcast in XLA) between a fusible producer and a consumer that reads
+    memory passes the read on: the producer's output is written."""
     fused, spilled = set(), set(v for v in jaxpr.outvars if not isinstance(v, jcore.Literal))
     for eqn in jaxpr.eqns:
         if eqn.primitive.name in FUSIBLE:
             fused.update(eqn.outvars)
         elif eqn.primitive.name not in REDUCTIONS:
+            spilled.update(v for v in eqn.invars if not isinstance(v, jcore.Literal))
+    for eqn in reversed(jaxpr.eqns):
+        if eqn.primitive.name in FREE & FUSIBLE and any(v in spilled for v in eqn.outvars):
             spilled.update(v for v in eqn.invars if not isinstance(v, jcore.Literal))
     return fused, spilled & fused
 
