@@ -6,8 +6,9 @@ Compile only (no run), tiny model in bf16 with remat full on fsdp4xtp2, referenc
 chunked attention, LLVM at -O0 (the optimized HLO and its buffer assignment do not
 depend on it; half the compile time). The model's items were read off XLA:CPU's buffer
 assignment: they add up to within 0.5% of the tensors live at its peak, and the
-prediction is 4-8% under `memory_analysis()`'s peak for these six when last re-fitted
-(the heap's packing, not a tensor). 15% is the goal; what the tolerance alone
+prediction is 5% under `memory_analysis()`'s peak for zero 1 and 2 and 2-4% over it for
+the zero 3 cases, whose layer weight grads (whole until their reduce-scatter) are counted
+in full though not all of them are whole at the peak. 15% is the goal; what the tolerance alone
 would not catch (zero 1's whole grads move tiny's peak by +21%, sequence parallelism by
 -13%, chunked attention by -11%) the ordering test does: the predicted peaks must rank the six
 cases as the compiler does wherever its peaks are more than 5% apart.
@@ -102,3 +103,19 @@ def test_microbatches_peak_falls_as_the_compiler_s():
         peaks.append((pred.peak, measured["peak"]))
     assert peaks[0][0] > peaks[1][0] > peaks[2][0]
     assert peaks[0][1] > peaks[1][1] > peaks[2][1]
+
+
+def test_weight_heavy_peak_holds_the_layer_grads_before_their_reduce_scatter():
+    """Where one layer's weights outweigh its activations (D = 1024, F = 4096, 64 tokens
+    per device on fsdp8), the peak is the layer's weight grads, whole until the
+    reduce-scatter ends its backward (in bf16 and XLA:CPU's f32 copy for the collective):
+    without that item the prediction was 0.62x of the compiler's peak."""
+    cfg = model_config("tiny", dtype="bf16", remat="full", attention="chunked", d_model=1024,
+                       mlp_dim=4096, n_layers=4, n_heads=8, n_kv_heads=8, head_dim=128)
+    tcfg, layout = TrainConfig(batch=8, seq=64), Layout.parse("fsdp8")
+    trainer = Trainer(cfg, tcfg, layout, layout.mesh(), ParallelConfig())
+    measured = memory.measure(memory.compile_step(trainer, FAST))
+    pred = memory.predict(cfg, tcfg, layout, "cpu", trainer=trainer)
+    grads = [v for k, v in pred.items.items() if "weight grads" in k]
+    assert grads and grads[0] > pred.peak / 3  # the largest term here
+    assert abs(memory.error(pred, measured)) < TOLERANCE, (pred.peak, pred.items, measured)

@@ -299,6 +299,19 @@ def predict(cfg: ModelConfig, tcfg: TrainConfig, layout: Layout, platform: str =
         stream["stream rsqrt(mean(x^2)) broadcast over D, 2 per norm (f32)"] = (
             4 * x_stream // a * F32)
     weights = {"layer weights but wd (compute dtype)": (W_rank - D * Ftp) * c}
+    if par.zero == 3 and layout.degree("fsdp") > 1:
+        # weight grads whole over fsdp until their reduce-scatter (the gather's transpose).
+        # XLA:CPU combines the layer's reduce-scatters into one at the end of its backward,
+        # run in f32 for bf16: all of them, in the compute dtype and an f32 concatenated
+        # copy (read off its buffer assignment). An accelerator's XLA issues each as its
+        # grad is ready (async collectives, combined only up to a byte threshold): at
+        # least the largest, one [D, F_tp] in the compute dtype (not checked there).
+        if cpu:
+            weights["layer weight grads, whole before their combined reduce-scatter" +
+                    (" (compute dtype and f32)" if c < F32 else "")] = (
+                W_rank * (c + F32 if c < F32 else c))
+        else:
+            weights["mlp weight grad [D, F_tp], whole before its reduce-scatter"] = D * Ftp * c
     embed = {"embed grad, whole over fsdp (replaces its shard)": Vtp * D * F32 - grad_embed}
     trans_full = {**attn, **mlp_items, **stream, **weights, **embed}
     # prefetch: the backward is a scan of its own that gathers the weights again, one
