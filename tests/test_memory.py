@@ -105,17 +105,20 @@ def test_microbatches_peak_falls_as_the_compiler_s():
     assert peaks[0][1] > peaks[1][1] > peaks[2][1]
 
 
-def test_weight_heavy_peak_holds_the_layer_grads_before_their_reduce_scatter():
+@pytest.mark.parametrize("remat", ["full", "none"])
+def test_weight_heavy_peak_holds_the_layer_grads_before_their_reduce_scatter(remat):
     """Where one layer's weights outweigh its activations (D = 1024, F = 4096, 64 tokens
     per device on fsdp8), the peak is the layer's weight grads, whole until the
     reduce-scatter ends its backward (in bf16 and XLA:CPU's f32 copy for the collective):
-    without that item the prediction was 0.62x of the compiler's peak."""
-    cfg = model_config("tiny", dtype="bf16", remat="full", attention="chunked", d_model=1024,
+    without that item the prediction was 0.62x of the compiler's peak under remat full.
+    Under none every layer's gathered weights are saved, as XLA:CPU keeps them: in f32
+    for the backward's dots (0.75x with them in bf16)."""
+    cfg = model_config("tiny", dtype="bf16", remat=remat, attention="chunked", d_model=1024,
                        mlp_dim=4096, n_layers=4, n_heads=8, n_kv_heads=8, head_dim=128)
     tcfg, layout = TrainConfig(batch=8, seq=64), Layout.parse("fsdp8")
     trainer = Trainer(cfg, tcfg, layout, layout.mesh(), ParallelConfig())
     measured = memory.measure(memory.compile_step(trainer, FAST))
     pred = memory.predict(cfg, tcfg, layout, "cpu", trainer=trainer)
     grads = [v for k, v in pred.items.items() if "weight grads" in k]
-    assert grads and grads[0] > pred.peak / 3  # the largest term here
+    assert grads and (remat != "full" or grads[0] > pred.peak / 3)  # full: its largest term
     assert abs(memory.error(pred, measured)) < TOLERANCE, (pred.peak, pred.items, measured)

@@ -342,7 +342,7 @@ def predict(cfg: ModelConfig, tcfg: TrainConfig, layout: Layout, platform: str =
                "norm outputs (cast for q, k, v, gate, up)":
                    (5 * x_full // a * c) if cast else 2 * x_full,
                "q, o, k, v (compute dtype)": (2 * Htp + 2 * Gtp) * B * L * K * c,
-               **({} if par.prefetch else {"gathered weights": W * c})}
+               **({} if par.prefetch else {"gathered weights (f32 on cpu)": W * u})}
         res = {f"{k} ({n} layers)": n * v for k, v in per.items()}
         trans = {**{k: v for k, v in trans_full.items() if not k.startswith("mlp g")},
                  "copies of this layer's saved p and 4 stream tensors":
