@@ -19,7 +19,9 @@ the model's shapes (nothing is traced or compiled):
 A second candidate is the loss phase, before the backward scan (block grads not yet
 allocated): arguments + residuals + non-block grads + the loss's transient; the larger of
 the two is the prediction (`phase`). Under prefetch the second candidate is "last layer"
-instead (below).
+instead (below). Under zero 3 over fsdp a third, "layer backward end": the layer's weight
+grads whole until their reduce-scatter, beside its weights and the stream (weight-heavy
+models peak there).
 
 Shapes per device, read off the specs (engine/params.py): B, L_x = this device's shard of
 the residual stream [B, L, D] under the activation table (B = batch / (dp·fsdp); L_x =
@@ -299,20 +301,22 @@ def predict(cfg: ModelConfig, tcfg: TrainConfig, layout: Layout, platform: str =
         stream["stream rsqrt(mean(x^2)) broadcast over D, 2 per norm (f32)"] = (
             4 * x_stream // a * F32)
     weights = {"layer weights but wd (compute dtype)": (W_rank - D * Ftp) * c}
-    if par.zero == 3 and layout.degree("fsdp") > 1:
-        # weight grads whole over fsdp until their reduce-scatter (the gather's transpose).
-        # XLA:CPU combines the layer's reduce-scatters into one at the end of its backward,
-        # run in f32 for bf16: all of them, in the compute dtype and an f32 concatenated
-        # copy (read off its buffer assignment). An accelerator's XLA issues each as its
-        # grad is ready (async collectives, combined only up to a byte threshold): at
-        # least the largest, one [D, F_tp] in the compute dtype (not checked there).
-        if cpu:
-            weights["layer weight grads, whole before their combined reduce-scatter" +
-                    (" (compute dtype and f32)" if c < F32 else "")] = (
-                W_rank * (c + F32 if c < F32 else c))
-        else:
-            weights["mlp weight grad [D, F_tp], whole before its reduce-scatter"] = D * Ftp * c
     embed = {"embed grad, whole over fsdp (replaces its shard)": Vtp * D * F32 - grad_embed}
+    # the end of the layer's backward (zero 3 over fsdp): its weight grads whole until
+    # their reduce-scatter (the gather's transpose), beside its gathered weights and the
+    # stream. XLA:CPU combines the layer's reduce-scatters into one there, run in f32 for
+    # bf16: all of them, in the compute dtype and an f32 concatenated copy (read off its
+    # buffer assignment). An accelerator's XLA issues each as its grad is ready (async
+    # collectives, combined only up to a byte threshold): at least the largest, one
+    # [D, F_tp] in the compute dtype (not checked there).
+    grads_end = {}
+    if par.zero == 3 and layout.degree("fsdp") > 1:
+        grads_end = {**stream, **embed,
+                     "layer weights (compute dtype)": W_rank * c,
+                     ("layer weight grads, whole before their combined reduce-scatter" +
+                      (" (compute dtype and f32)" if c < F32 else "") if cpu else
+                      "mlp weight grad [D, F_tp], whole before its reduce-scatter"):
+                         W_rank * (c + F32 if c < F32 else c) if cpu else D * Ftp * c}
     trans_full = {**attn, **mlp_items, **stream, **weights, **embed}
     # prefetch: the backward is a scan of its own that gathers the weights again, one
     # layer ahead, and holds two layers' gathered weights (layers.block.
@@ -348,9 +352,13 @@ def predict(cfg: ModelConfig, tcfg: TrainConfig, layout: Layout, platform: str =
                  "copies of this layer's saved p and 4 stream tensors":
                      scores + 4 * x_stream}
     if par.prefetch and not saves_weights:  # this layer's whole weights and the next's
+        carried = {"this layer's and the next layer's weights, carried (compute dtype)":
+                       2 * W * c}
         trans = {**{k: v for k, v in trans.items() if not k.startswith("layer weights")},
-                 "this layer's and the next layer's weights, carried (compute dtype)":
-                     2 * W * c}
+                 **carried}
+        if grads_end:
+            grads_end = {**{k: v for k, v in grads_end.items()
+                            if not k.startswith("layer weights")}, **carried}
     loss = {"dlogits and a relayout": 2 * B * L * Vtp * F32,
             "unembed gathered and its f32 grad": D * Vtp * (c + F32),
             "embed grad, whole over fsdp": Vtp * D * F32}
@@ -382,6 +390,8 @@ def predict(cfg: ModelConfig, tcfg: TrainConfig, layout: Layout, platform: str =
     loss_peak = grads_loss + residuals + sum(last.values())
     phase, transient, live = (("layer backward", trans, grads) if layer_peak >= loss_peak
                               else (phase_loss, last, grads_loss))
+    if grads_end and grads + residuals + sum(grads_end.values()) > max(layer_peak, loss_peak):
+        phase, transient, live = "layer backward end", grads_end, grads
     if kernel in ("reference", "ring") and cfg.remat == "full":
         # long sequences: the softmax's backward, the MLP's done (docs/memory_model.md)
         attn_bwd = {**{k: v for k, v in trans.items() if not k.startswith("mlp ")},
