@@ -338,14 +338,14 @@ def predict(cfg: ModelConfig, tcfg: TrainConfig, layout: Layout, platform: str =
                  **({"mlp sigmoid(g) (recomputed)": mlp} if cpu else {})}
     else:  # none
         saved = (B * Htp * L * F32 if kernel in ("flash", "ring")
-                 else scores // F32 * c + B * Htp * L * F32 if kernel == "chunked"
-                 else scores + scores // F32 * c)
+                 else scores // F32 * u + B * Htp * L * F32 if kernel == "chunked"
+                 else scores + scores // F32 * u)
         per = {"p (f32 and compute dtype; chunked: E and 1/rowsum)": saved,
-               "mlp g, u, h and h cast": 3 * mlp + cast * mlp // a * c,
+               "mlp g, u, h and h cast": 3 * mlp + cast * mlp // a * u,
                "stream x into each norm": 2 * x_stream,
                "norm outputs (cast for q, k, v, gate, up)":
-                   (5 * x_full // a * c) if cast else 2 * x_full,
-               "q, o, k, v (compute dtype)": (2 * Htp + 2 * Gtp) * B * L * K * c,
+                   (5 * x_full // a * u) if cast else 2 * x_full,
+               "q, o, k, v (compute dtype)": (2 * Htp + 2 * Gtp) * B * L * K * u,
                **({} if par.prefetch else {"gathered weights (f32 on cpu)": W * u})}
         res = {f"{k} ({n} layers)": n * v for k, v in per.items()}
         trans = {**{k: v for k, v in trans_full.items() if not k.startswith("mlp g")},
