@@ -311,12 +311,15 @@ def predict(cfg: ModelConfig, tcfg: TrainConfig, layout: Layout, platform: str =
     # [D, F_tp] in the compute dtype (not checked there).
     grads_end = {}
     if par.zero == 3 and layout.degree("fsdp") > 1:
-        grads_end = {**stream, **embed,
-                     "layer weights (compute dtype)": W_rank * c,
-                     ("layer weight grads, whole before their combined reduce-scatter" +
-                      (" (compute dtype and f32)" if c < F32 else "") if cpu else
-                      "mlp weight grad [D, F_tp], whole before its reduce-scatter"):
-                         W_rank * (c + F32 if c < F32 else c) if cpu else D * Ftp * c}
+        if cpu and c < F32:
+            whole = {"layer weight grads, whole before their combined reduce-scatter "
+                     "(compute dtype and f32)": W_rank * (c + F32)}
+        elif cpu:
+            whole = {"layer weight grads, whole before their combined reduce-scatter":
+                         W_rank * c}
+        else:
+            whole = {"mlp weight grad [D, F_tp], whole before its reduce-scatter": D * Ftp * c}
+        grads_end = {**stream, **embed, "layer weights (compute dtype)": W_rank * c, **whole}
     trans_full = {**attn, **mlp_items, **stream, **weights, **embed}
     # prefetch: the backward is a scan of its own that gathers the weights again, one
     # layer ahead, and holds two layers' gathered weights (layers.block.
@@ -336,17 +339,17 @@ def predict(cfg: ModelConfig, tcfg: TrainConfig, layout: Layout, platform: str =
         res = {f"carry x, q, k, v, out projection, g, u ({n} layers)": n * per, **prefetched}
         trans = {**{k: v for k, v in trans_full.items() if not k.startswith("mlp g")},
                  **({"mlp sigmoid(g) (recomputed)": mlp} if cpu else {})}
-    else:  # none
+    else:  # none: the saved dot operands in u (XLA:CPU converts them for the backward)
         saved = (B * Htp * L * F32 if kernel in ("flash", "ring")
                  else scores // F32 * u + B * Htp * L * F32 if kernel == "chunked"
                  else scores + scores // F32 * u)
-        per = {"p (f32 and compute dtype; chunked: E and 1/rowsum)": saved,
-               "mlp g, u, h and h cast": 3 * mlp + cast * mlp // a * u,
+        per = {"p (f32 and compute dtype; chunked: E and 1/rowsum; f32 on cpu)": saved,
+               "mlp g, u, h and h cast (f32 on cpu)": 3 * mlp + cast * mlp // a * u,
                "stream x into each norm": 2 * x_stream,
-               "norm outputs (cast for q, k, v, gate, up)":
+               "norm outputs (cast for q, k, v, gate, up; f32 on cpu)":
                    (5 * x_full // a * u) if cast else 2 * x_full,
-               "q, o, k, v (compute dtype)": (2 * Htp + 2 * Gtp) * B * L * K * u,
-               **({} if par.prefetch else {"gathered weights (f32 on cpu)": W * u})}
+               "q, o, k, v (compute dtype; f32 on cpu)": (2 * Htp + 2 * Gtp) * B * L * K * u,
+               **({} if par.prefetch else {"gathered weights (compute dtype; f32 on cpu)": W * u})}
         res = {f"{k} ({n} layers)": n * v for k, v in per.items()}
         trans = {**{k: v for k, v in trans_full.items() if not k.startswith("mlp g")},
                  "copies of this layer's saved p and 4 stream tensors":
