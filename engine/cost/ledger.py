@@ -217,9 +217,8 @@ def _collective_rows(eqn, phase, scope, count, mesh_shape, pp=()) -> list[Row]:
 def _io_bytes(eqn) -> tuple[list[int], list[int]]:
     """Bytes of each operand read and each result written. A slice of a large buffer
     touches only the slice: `slice` / `dynamic_slice` read their result's worth of their
-    operand, and
-    `dynamic_update_slice` / `scatter` (`.at[i].set`) write their updates into the
-    operand in place (XLA aliases the buffer with the result: the scans' stacked
+    operand, and `dynamic_update_slice` / `scatter` (`.at[i].set`) write their updates
+    into the operand in place (XLA aliases the buffer with the result: the scans' stacked
     residuals and grads, the pipeline's stash, are never copied), so the buffer is
     neither read nor written whole."""
     ins = [_nbytes(v.aval) if hasattr(v.aval, "shape") else 0 for v in eqn.invars]
