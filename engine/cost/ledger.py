@@ -235,18 +235,17 @@ def _io_bytes(eqn) -> tuple[list[int], list[int]]:
 
 def _fusion_bytes(eqn, fused_vars: set, spilled_vars: set) -> float:
     """Bytes an equation moves under loop fusion: inputs produced inside a fused chain
-    are not re-read (a static `slice` reads only its result's worth of its operand, as
-    the loop indexes it); outputs only consumed by fusible ops or reductions are not
-    written. Matmuls and everything else read and write all operands (`_io_bytes`)."""
+    are not re-read, the others are read as `_io_bytes` counts them (a `slice` only its
+    result's worth of its operand, as the loop indexes it); outputs only consumed by
+    fusible ops or reductions are not written. Matmuls and everything else read and
+    write all operands (`_io_bytes`)."""
     name = eqn.primitive.name
     if name in FREE:
         return 0.0
     if name not in FUSIBLE and name not in REDUCTIONS:
         return float(sum(sum(b) for b in _io_bytes(eqn)))
-    reads = sum(_nbytes((eqn.outvars[0] if name == "slice" else v).aval)
-                for v in eqn.invars
-                if hasattr(v.aval, "shape") and not isinstance(v, jcore.Literal)
-                and v not in fused_vars)
+    reads = sum(b for v, b in zip(eqn.invars, _io_bytes(eqn)[0])
+                if not isinstance(v, jcore.Literal) and v not in fused_vars)
     writes = sum(_nbytes(v.aval) for v in eqn.outvars
                  if name in REDUCTIONS or v in spilled_vars)
     return float(reads + writes)
