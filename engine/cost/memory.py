@@ -309,17 +309,16 @@ def predict(cfg: ModelConfig, tcfg: TrainConfig, layout: Layout, platform: str =
     # buffer assignment). An accelerator's XLA issues each as its grad is ready (async
     # collectives, combined only up to a byte threshold): at least the largest, one
     # [D, F_tp] in the compute dtype (not checked there).
-    grads_end = {}
-    if par.zero == 3 and layout.degree("fsdp") > 1:
-        if cpu and c < F32:
-            whole = {"layer weight grads, whole before their combined reduce-scatter "
-                     "(compute dtype and f32)": W_rank * (c + F32)}
-        elif cpu:
-            whole = {"layer weight grads, whole before their combined reduce-scatter":
-                         W_rank * c}
-        else:
-            whole = {"mlp weight grad [D, F_tp], whole before its reduce-scatter": D * Ftp * c}
-        grads_end = {**stream, **embed, "layer weights (compute dtype)": W_rank * c, **whole}
+    if cpu and c < F32:
+        grads_whole = {"layer weight grads, whole before their combined reduce-scatter "
+                       "(compute dtype and f32)": W_rank * (c + F32)}
+    elif cpu:
+        grads_whole = {"layer weight grads, whole before their combined reduce-scatter":
+                           W_rank * c}
+    else:
+        grads_whole = {"mlp weight grad [D, F_tp], whole before its reduce-scatter":
+                           D * Ftp * c}
+    layer_weights = {"layer weights (compute dtype)": W_rank * c}
     trans_full = {**attn, **mlp_items, **stream, **weights, **embed}
     # prefetch: the backward is a scan of its own that gathers the weights again, one
     # layer ahead, and holds two layers' gathered weights (layers.block.
@@ -359,9 +358,9 @@ def predict(cfg: ModelConfig, tcfg: TrainConfig, layout: Layout, platform: str =
                        2 * W * c}
         trans = {**{k: v for k, v in trans.items() if not k.startswith("layer weights")},
                  **carried}
-        if grads_end:
-            grads_end = {**{k: v for k, v in grads_end.items()
-                            if not k.startswith("layer weights")}, **carried}
+        layer_weights = carried
+    grads_end = ({**stream, **embed, **layer_weights, **grads_whole}
+                 if par.zero == 3 and layout.degree("fsdp") > 1 else {})
     loss = {"dlogits and a relayout": 2 * B * L * Vtp * F32,
             "unembed gathered and its f32 grad": D * Vtp * (c + F32),
             "embed grad, whole over fsdp": Vtp * D * F32}
