@@ -161,19 +161,15 @@ def _run(jobs: list, workers: int, executor=None, progress=None) -> list:
     called as results come in."""
     progress = progress or (lambda done, total: None)
 
-    def collect(futures):
+    def collect(batches):  # lists of results, as they come in
         out = []
-        for f in futures:
-            out.extend(f.result())
+        for batch in batches:
+            out.extend(batch)
             progress(len(out), len(jobs))
         return out
 
     if executor is None and workers <= 1:
-        out = []
-        for j in jobs:
-            out.append(_price_program(j))
-            progress(len(out), len(jobs))
-        return out
+        return collect([_price_program(j)] for j in jobs)
 
     def submit(ex):
         n = getattr(ex, "_max_workers", workers)  # an executor's own process count
@@ -181,8 +177,8 @@ def _run(jobs: list, workers: int, executor=None, progress=None) -> list:
 
     if executor is None:
         with pool(workers) as ex:
-            return collect(submit(ex))
-    return collect(submit(executor))
+            return collect(f.result() for f in submit(ex))
+    return collect(f.result() for f in submit(executor))
 
 
 def progress_line(say, every_s: float = 15.0):
