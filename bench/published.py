@@ -48,8 +48,11 @@ of its own that reads and writes HBM: those rows are priced unfused (`Run.fused`
 op moving its own bytes as on the CPU. Megatron's 2021 runs used its fused kernels
 (bias-GeLU, scale-mask-softmax, layernorm), priced as fused.
 Gradient accumulation is modelled per microbatch (batch = microbatch x data-parallel
-ranks): the optimizer step, amortized over the microbatches in the source, is < 1% of a
-step here.
+ranks) where the source's grads are reduced on every microbatch (PyTorch FSDP) or its
+count is not given: the optimizer step, amortized over the microbatches in the source,
+is < 1% of a step here. Megatron's rows run the accumulation itself (`--microbatches`,
+from the micro-batch sizes of the paper's reproduction script), as its schedule
+all-reduces the grads once per step.
 """
 from __future__ import annotations
 
@@ -69,7 +72,8 @@ TITAN_2412 = ("https://github.com/pytorch/torchtitan/blob/main/benchmarks/"
 TITAN_ASYNC = ("https://github.com/pytorch/torchtitan/blob/main/benchmarks/"
                "asyncTP_llama3_h100_2025-06_torchtitan.md")
 MAXTEXT = "https://github.com/AI-Hypercomputer/maxtext/blob/main/src/maxtext/configs/tpu/{}/README.md"
-MEGATRON = "https://arxiv.org/abs/2104.04473 (Table 1)"
+MEGATRON = ("https://arxiv.org/abs/2104.04473 (Table 1); micro-batch sizes from "
+            "https://github.com/NVIDIA/Megatron-LM/blob/main/examples/sc21/run_table_1.sh")
 PEAK = {"h100": 989e12, "h100-gt": 989e12, "a100": 312e12, "v4": 275e12, "v5e": 197e12,
         "v5p": 459e12}
 
@@ -108,6 +112,8 @@ class Run:
     # False: the source ran eagerly (PyTorch without torch.compile), each elementwise
     # op its own kernel with its own HBM round trip: priced unfused (Row.bytes)
     fused: bool = True
+    # gradient accumulation the step runs itself (--microbatches), its grads reduced once
+    microbatches: int = 1
 
     def argv(self) -> list[str]:
         # every source's FSDP issues the next layer's weight gather before the current
@@ -121,7 +127,7 @@ class Run:
                 "--vocab", str(self.vocab), "--seq", str(self.seq), "--batch", str(self.batch),
                 "--layout", self.layout, "--remat", self.remat, "--zero", str(self.zero),
                 "--tp-comm", self.tp_comm, "--attention", self.attention,
-                "--activations", "bf16"]
+                "--activations", "bf16", "--microbatches", str(self.microbatches)]
 
 
 def gelu_match(d: int, tp: int = 1) -> int:
@@ -147,12 +153,19 @@ def _maxtext(name, hw, chips, scale_dims, micro, layout, remat, tflops, mfu, seq
                MAXTEXT.format(hw), tp_comm=tp_comm)
 
 
-def _megatron(name, layers, h, heads, tp, gpus, batch, tflops, mfu):
+def _megatron(name, layers, h, heads, tp, gpus, batch, micro, tflops, mfu):
+    """micro: the run's micro-batch size (`MBS` in the paper's reproduction script
+    run_table_1.sh; its `GBS` is the paper's batch). With more than one microbatch per
+    data-parallel rank the step accumulates their grads (`--microbatches`) and
+    all-reduces them once, as Megatron's no-pipelining schedule does (its DDP's
+    `no_sync` for all but the last microbatch)."""
+    dp = gpus // tp
     return Run(f"Megatron {name} {gpus}xa100", "a100", gpus, layers, h, heads, heads,
-               h // heads, gelu_match(h, tp), 51200, 2048, batch, f"dp{gpus // tp}xtp{tp}"
-               if tp > 1 else f"dp{gpus}", "full", 3, tflops, "megatron_tflops", mfu, MEGATRON,
+               h // heads, gelu_match(h, tp), 51200, 2048, batch,
+               f"dp{dp}xtp{tp}" if tp > 1 else f"dp{gpus}", "full", 3, tflops,
+               "megatron_tflops", mfu, MEGATRON,
                "plain data parallel (no ZeRO), full recomputation, unfused attention",
-               attention="reference")
+               attention="reference", microbatches=batch // (micro * dp))
 
 
 def _titan(name, chips, layers, d, heads, kv, mlp, batch, layout, remat, tps, source, note):
@@ -192,11 +205,12 @@ RUNS = (
     _maxtext("22B", "v4", 64, (48, 6144, 24, 24576), 13, "fsdp64", "full", 156, 56.7),
     _maxtext("32B", "v5p", 64, (32, 8192, 64, 28672), 6, "fsdp16xtp4", "dots", 328, 71.47,
              tp_comm="ring"),
-    # Megatron-LM, A100 80GB (Selene), Table 1 rows without pipeline parallelism
-    _megatron("1.7B", 24, 2304, 24, 1, 32, 512, 137, 44),
-    _megatron("3.6B", 30, 3072, 32, 2, 64, 512, 138, 44),
-    _megatron("7.5B", 36, 4096, 32, 4, 128, 512, 142, 46),
-    _megatron("18.4B", 40, 6144, 48, 8, 256, 1024, 135, 43),
+    # Megatron-LM, A100 80GB (Selene), Table 1 rows without pipeline parallelism: 32
+    # data-parallel ranks at micro-batch size 16, 16, 16, 8, so 1, 1, 1, 4 microbatches
+    _megatron("1.7B", 24, 2304, 24, 1, 32, 512, 16, 137, 44),
+    _megatron("3.6B", 30, 3072, 32, 2, 64, 512, 16, 138, 44),
+    _megatron("7.5B", 36, 4096, 32, 4, 128, 512, 16, 142, 46),
+    _megatron("18.4B", 40, 6144, 48, 8, 256, 1024, 8, 135, 43),
     # torchtitan, Llama 3.1 8B / 70B, bf16, torch.compile
     _titan("Llama3.1-8B fsdp8", 8, 32, 4096, 32, 8, 14336, 16, "fsdp8", "dots", 6667,
            TITAN_2412, TITAN_NOTE),
