@@ -12,8 +12,10 @@ from typing import NamedTuple
 
 import jax
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
 import collectives
+from layers import scopes
 from layers.axes import Axes
 from layers.common import einsum
 from layers.config import ModelConfig
@@ -79,7 +81,10 @@ def qkv_projections(x_BLD: jax.Array, p: dict, cfg: ModelConfig, axes: Axes):
 
     # allreduce: broadcast (bwd all-reduce dx); sequence: all-gather along L (bwd
     # reduce-scatter dx); ring: the gather as ppermutes interleaved with the matmuls
-    return collectives.column_parallel(x_BLD, qkv, axes.tp, dim=1, comm=axes.tp_comm)
+    q_BLHK, k_BLGK, v_BLGK = collectives.column_parallel(x_BLD, qkv, axes.tp, dim=1,
+                                                         comm=axes.tp_comm)
+    return (checkpoint_name(q_BLHK, scopes.Q), checkpoint_name(k_BLGK, scopes.K),
+            checkpoint_name(v_BLGK, scopes.V))
 
 
 def out_projection(o_BLHK: jax.Array, p: dict, cfg: ModelConfig, axes: Axes) -> jax.Array:
@@ -89,7 +94,8 @@ def out_projection(o_BLHK: jax.Array, p: dict, cfg: ModelConfig, axes: Axes) -> 
                                 out=cfg.act_dtype)
     # partial sums {U_tp}: all-reduce (allreduce), reduce-scatter along L (sequence),
     # or reduce-scatter as ppermutes interleaved with the matmuls (ring)
-    return collectives.row_parallel(o_BLHK, out, axes.tp, dim=1, comm=axes.tp_comm)
+    y_BLD = collectives.row_parallel(o_BLHK, out, axes.tp, dim=1, comm=axes.tp_comm)
+    return checkpoint_name(y_BLD, scopes.ATTN_OUT)
 
 
 def cp_kernel(name: str) -> str:

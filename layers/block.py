@@ -20,12 +20,14 @@ from layers.norm import rms_norm
 # `full`: only the scan carry (the residual stream between blocks), so the backward
 # re-gathers each layer's weights over fsdp instead of holding them (ZeRO-3; with
 # prefetch the gathered weights are in the carry, so they are held, see `blocks`).
-# `dots`: also matmul outputs without batch dims (projections: QKV, out, MLP), so
-# only attention scores, norms and activations are recomputed. Under every policy
-# (and `none`) the norms and SwiGLU keep only their inputs (layers/norm.py).
+# `dots`: also the projections' outputs (q, k, v, gate, up, the router's logits) and
+# the attention's output after its tp collective (`scopes.SAVED_BY_DOTS`), so only
+# attention scores, norms and activations are recomputed, and no tp collective of the
+# forward runs again in the backward. Under every policy (and `none`) the norms and
+# SwiGLU keep only their inputs (layers/norm.py).
 REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
-    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "dots": jax.checkpoint_policies.save_only_these_names(*scopes.SAVED_BY_DOTS),
 }
 REMAT = ("none", *REMAT_POLICIES)  # `ModelConfig.remat` values
 

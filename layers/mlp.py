@@ -1,7 +1,9 @@
 """Megatron SwiGLU MLP per shard: gate/up column-parallel, down row-parallel over tp."""
 import jax
+from jax.ad_checkpoint import checkpoint_name
 
 import collectives
+from layers import scopes
 from layers.axes import Axes
 from layers.common import einsum
 from layers.config import ModelConfig
@@ -22,6 +24,6 @@ def mlp(x_BLD: jax.Array, p: dict, cfg: ModelConfig, axes: Axes) -> jax.Array:
     # reduce-scatter dx); ring: the gather as ppermutes interleaved with the matmuls
     g_BLF, u_BLF = collectives.column_parallel(x_BLD, gate_up, axes.tp, dim=1,
                                                comm=axes.tp_comm)
-    h_BLF = swiglu(g_BLF, u_BLF)
+    h_BLF = swiglu(checkpoint_name(g_BLF, scopes.GATE), checkpoint_name(u_BLF, scopes.UP))
     # all-reduce (allreduce), reduce-scatter along L (sequence), or its ring (ring)
     return collectives.row_parallel(h_BLF, down, axes.tp, dim=1, comm=axes.tp_comm)

@@ -42,8 +42,10 @@ import math
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
 import collectives
+from layers import scopes
 from layers.axes import Axes
 from layers.common import einsum
 from layers.config import ModelConfig
@@ -65,7 +67,8 @@ def capacity(cfg: ModelConfig, L: int) -> int:
 
 def route(x_TD: jax.Array, router_DE: jax.Array, cfg: ModelConfig):
     """(probs [T, E] f32, logits [T, E] f32, weights [K, T], experts [K, T] int32)."""
-    logits_TE = einsum("TD,DE->TE", x_TD, router_DE, dtype=jnp.float32)
+    logits_TE = checkpoint_name(einsum("TD,DE->TE", x_TD, router_DE, dtype=jnp.float32),
+                                scopes.ROUTER_LOGITS)
     probs_TE = jax.nn.softmax(logits_TE, axis=-1)
     w_TK, e_TK = lax.top_k(probs_TE, cfg.top_k)
     return probs_TE, logits_TE, w_TK.T, e_TK.T

@@ -25,6 +25,16 @@ PP_FIRST = "pp_first_stage"
 PP_LAST = "pp_last_stage"
 PP_SCOPES = (PP_TICK, PP_FORWARD, PP_BACKWARD, PP_FIRST, PP_LAST)
 
+# The values remat `dots` saves for the backward (`jax.ad_checkpoint.checkpoint_name`,
+# named where they are made; layers/block.py `REMAT_POLICIES`): the column-parallel
+# projections' outputs, the router's logits, and the attention's output after its tp
+# collective, from which the backward rebuilds x + attn (the MLP norm's input) without
+# running that collective again. The row-parallel matmuls' own outputs (partial sums
+# over tp) are not saved.
+Q, K, V, GATE, UP = "q", "k", "v", "gate", "up"
+ATTN_OUT, ROUTER_LOGITS = "attn_out", "router_logits"
+SAVED_BY_DOTS = (Q, K, V, GATE, UP, ATTN_OUT, ROUTER_LOGITS)
+
 # Outermost first: the order a name stack is searched in.
 SCOPES = (EMBED, GATHER_PARAMS, ATTENTION, MLP, LOSS, REDUCE_GRADS, OPTIMIZER)
 # Scopes inside the scanned blocks (run once per layer).

@@ -72,3 +72,34 @@ def test_tp_comm_matches_single(tp_comm, layout, init, single):
         assert layout != "tp8" or not {"all-gather", "reduce-scatter"} & ops, ops
     else:
         assert "collective-permute" not in ops and {"all-gather", "reduce-scatter"} <= ops, ops
+
+
+@pytest.mark.parametrize("tp_comm", ["allreduce", "sequence", "ring"])
+def test_remat_dots_does_not_run_the_forwards_tp_reductions_again(tp_comm, init, single):
+    """Remat `dots` saves the attention's output after its tp collective
+    (`layers.scopes.SAVED_BY_DOTS`), so the backward rebuilds x + attn from it: the
+    recompute runs no all-reduce or reduce-scatter over tp, and of the ring's ppermutes
+    only the column-parallel gathers' (half the forward's), whose gathered inputs the
+    weight grads need. Loss and grads still equal the single-device step's."""
+    import dataclasses
+
+    from engine.cost.ledger import step_ledger
+    from engine.layout import Layout
+
+    cfg, par = dataclasses.replace(CFG, remat="dots"), ParallelConfig(tp_comm=tp_comm)
+    t = trainer("fsdp4xtp2", cfg, par)
+    loss, grads, gnorm, _ = compiled_loss_and_grads(t, init, t.put_batch(tokens()))
+    want_loss, want_grads, want_gnorm, _ = single
+    assert abs(loss - want_loss) <= RTOL * abs(want_loss)
+    assert abs(gnorm - want_gnorm) <= RTOL * want_gnorm
+    assert_tree_close(grads, want_grads, what=f"dots {tp_comm} grads ")
+
+    rows = step_ledger(cfg, TCFG, Layout.parse("fsdp4xtp2"), par)
+    tp_runs = lambda phase, prim: sum(  # noqa: E731  (in the blocks: attention and MLP)
+        r.count for r in rows if r.phase == phase and r.primitive == prim
+        and r.axes == ("tp",) and r.scope in ("attention", "mlp"))
+    for prim in ("psum_invariant", "psum", "reduce_scatter"):
+        assert tp_runs("recompute", prim) == 0, prim
+    assert 2 * tp_runs("recompute", "ppermute") == tp_runs("fwd", "ppermute")
+    if tp_comm == "ring":
+        assert tp_runs("fwd", "ppermute") > 0

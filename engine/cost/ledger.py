@@ -45,6 +45,9 @@ COLLECTIVES = {
 # zeros a scan's gradient accumulators start from, is written to memory.)
 FREE = {"reshape", "squeeze", "expand_dims", "stop_gradient", "axis_index", "iota",
         "copy_p", "optimization_barrier", "pjit", "closed_call"}
+# Ops that only mark their operand (`checkpoint_name` for a remat policy): no row, and
+# their output is their operand, for the fusion models too.
+MARKS = {"name"}
 # Ops XLA fuses into one loop with their elementwise neighbours (loop fusion).
 FUSIBLE = {"add", "add_any", "sub", "mul", "div", "neg", "max", "min", "exp", "exp2", "log",
            "log1p", "logistic", "rsqrt", "sqrt", "tanh", "pow", "integer_pow", "square", "abs",
@@ -257,12 +260,16 @@ def _fusion_sets(jaxpr) -> tuple[set, set]:
     memory passes the read on: the producer's output is written."""
     fused, spilled = set(), set(v for v in jaxpr.outvars if not isinstance(v, jcore.Literal))
     for eqn in jaxpr.eqns:
-        if eqn.primitive.name in FUSIBLE:
+        if eqn.primitive.name in MARKS:
+            if all(v in fused for v in eqn.invars):
+                fused.update(eqn.outvars)
+        elif eqn.primitive.name in FUSIBLE:
             fused.update(eqn.outvars)
         elif eqn.primitive.name not in REDUCTIONS:
             spilled.update(v for v in eqn.invars if not isinstance(v, jcore.Literal))
     for eqn in reversed(jaxpr.eqns):
-        if eqn.primitive.name in FREE & FUSIBLE and any(v in spilled for v in eqn.outvars):
+        if (eqn.primitive.name in FREE & FUSIBLE | MARKS
+                and any(v in spilled for v in eqn.outvars)):
             spilled.update(v for v in eqn.invars if not isinstance(v, jcore.Literal))
     return fused, spilled & fused
 
@@ -418,6 +425,10 @@ def _walk(jaxpr, stack, count, mesh_shape, rows, domain=None, alias=None, site=0
         here, phase, scope, pp = got
         subs = list(_sub_jaxprs(eqn))
         name = eqn.primitive.name
+        if name in MARKS:
+            for ov, iv in zip(eqn.outvars, eqn.invars):
+                alias[ov] = canon(iv, alias, site)
+            continue
         if subs and name in INLINED and len(subs) == 1:
             sub = subs[0][0]
             inner_site = object()

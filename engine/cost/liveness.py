@@ -77,7 +77,7 @@ from engine.cost.ledger import FUSIBLE, REDUCTIONS, scan_counts
 
 # ops XLA turns into bitcasts of their operand (or that only mark it): no new buffer
 ALIASES = {"reshape", "squeeze", "expand_dims", "pvary", "stop_gradient",
-           "optimization_barrier"}
+           "optimization_barrier", "name"}
 # primitives whose single body runs once per call with the call's operands as arguments
 CALLS = {"jit", "pjit", "closed_call", "core_call", "remat2", "checkpoint",
          "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr", "custom_lin",

@@ -334,8 +334,10 @@ def predict(cfg: ModelConfig, tcfg: TrainConfig, layout: Layout, platform: str =
         res = {f"scan carry x ({n} layers)": n * x_stream}
         trans = trans_full
     elif cfg.remat == "dots":
-        per = x_stream + B * L * (Htp + 2 * Gtp) * K * a + x_full + 2 * mlp
-        res = {f"carry x, q, k, v, out projection, g, u ({n} layers)": n * per, **prefetched}
+        # the attention's output is saved after its tp collective: [B, L_x, D]
+        per = x_stream + B * L * (Htp + 2 * Gtp) * K * a + x_stream + 2 * mlp
+        res = {f"carry x, q, k, v, attention output, g, u ({n} layers)": n * per,
+               **prefetched}
         trans = {**{k: v for k, v in trans_full.items() if not k.startswith("mlp g")},
                  **({"mlp sigmoid(g) (recomputed)": mlp} if cpu else {})}
     else:  # none: the saved dot operands in u (XLA:CPU converts them for the backward)
