@@ -161,6 +161,25 @@ def test_megatron_accumulates_its_microbatches_and_then_fits_the_a100():
     assert accumulated.peak < a100.hbm_capacity < whole.peak
 
 
+def test_flash_backward_buffers_follow_the_kernel_each_chip_runs():
+    """The flash kernel's backward writes dq, dk, dv in the compute dtype; a GPU's
+    FlashAttention adds an f32 dq accumulator in HBM [B, L, H, K], a TPU's Pallas kernel
+    accumulates on chip: the two peaks differ by exactly that buffer, where the layer
+    backward is the peak."""
+    assert hardware.get("v5p").memory_platform == "tpu"
+    assert hardware.get("h100").memory_platform == "accelerator"
+    cfg = model_config("llama3-8b", vocab=8192, dtype="bf16", activations="bf16",
+                       remat="full", attention="blocked")  # run as flash on a chip
+    tcfg = TrainConfig(seq=4096, batch=8)
+    gpu, tpu = (memory.predict(cfg, tcfg, Layout.parse("fsdp8"), platform=p,
+                               parallel=ParallelConfig()) for p in ("accelerator", "tpu"))
+    assert gpu.phase == tpu.phase == "layer backward"
+    B, L, H, K = 1, 4096, cfg.n_heads, cfg.head_dim
+    assert gpu.peak - tpu.peak == B * L * H * K * 4
+    dqkv = "transient: attention dq, dk, dv (compute dtype)"
+    assert tpu.items[dqkv] == gpu.items[dqkv] == B * L * (H + 2 * cfg.n_kv_heads) * K * 2
+
+
 def test_published_conventions():
     from bench.published import RUNS, gelu_match, megatron_flops_per_token, tokens_per_chip
 

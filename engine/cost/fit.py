@@ -1,8 +1,8 @@
 """Will a step fit: the predicted peak bytes per device against the memory it must fit in.
 
 The peak is the hand memory model's (engine/cost/memory.py): on an accelerator profile
-with the target's flash attention (`platform="accelerator"`), on the CPU as XLA:CPU
-runs the step (`platform="cpu"`). The capacity is the chip's HBM
+with the target's flash attention (`platform` "accelerator" on a GPU, "tpu"; the
+profile's `memory_platform`), on the CPU as XLA:CPU runs the step (`platform="cpu"`). The capacity is the chip's HBM
 (`Hardware.hbm_capacity`); a shared host's devices all live in its RAM, so there each
 device gets the host's available memory divided by the device count.
 """
@@ -14,7 +14,7 @@ def peak_bytes(cfg, tcfg, parallel, layout, hw, trainer=None) -> int | None:
     does not cover the configuration (`memory.Unsupported`)."""
     from engine.cost import memory
 
-    platform = "cpu" if hw.shared_host else "accelerator"
+    platform = "cpu" if hw.shared_host else hw.memory_platform
     try:
         return memory.predict(cfg, tcfg, layout, platform=platform, trainer=trainer,
                               parallel=parallel).peak

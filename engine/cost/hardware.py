@@ -73,6 +73,10 @@ class Hardware:
     attention_tile: int = 128
     # HBM per chip, bytes (what a step's peak must fit in); 0: unknown
     hbm_capacity: float = 0.0
+    # the memory model's platform for a chip (engine/cost/memory.py): "accelerator" (a
+    # GPU, whose FlashAttention backward accumulates dq in an f32 HBM buffer) or "tpu"
+    # (Pallas kernels, accumulating in VMEM); a shared host is "cpu" whatever this says
+    memory_platform: str = "accelerator"
     # the MFU denominator per operand dtype, when it is not `peak_flops`: on the CPU,
     # `peak_flops` is the rate the step's own matmul shapes reach (what pricing uses)
     # and this is the best rate a large matmul reaches (engine/mfu.py's measurement)
@@ -107,7 +111,8 @@ def _tpu(name, bf16, hbm, ici_one_way, fast_domain, capacity):
     return Hardware(name, {"bfloat16": bf16, "float32": bf16}, bf16 / 8, hbm,
                     Link(2 * ici_one_way, 1e-6), Link(6.25e9, 1e-5), fast_domain,
                     matmul_eff=0.85, mem_eff=0.9, link_eff=0.9, fusion=True,
-                    attention_eff=0.5, hbm_capacity=capacity, source="published specs")
+                    attention_eff=0.5, hbm_capacity=capacity, memory_platform="tpu",
+                    source="published specs")
 
 
 # GPUs: NVIDIA A100-SXM4-80GB / H100-SXM5 datasheets: bf16 dense tensor-core peak; f32

@@ -155,7 +155,8 @@ def predict(cfg: ModelConfig, tcfg: TrainConfig, layout: Layout, platform: str =
             trainer=None, parallel=None) -> MemoryPrediction:
     """The step's predicted per-device peak (docs/memory_model.md). `platform`: "cpu" (XLA:CPU,
     what the item list was read from: compute-dtype operands of mixed dots are upcast to
-    f32), anything else keeps them in the compute dtype. `trainer`: a `Trainer` for (cfg,
+    f32), anything else keeps them in the compute dtype and runs a flash kernel:
+    "accelerator" a GPU's (FlashAttention), "tpu" Pallas's. `trainer`: a `Trainer` for (cfg,
     tcfg, layout) to take the specs from; by default one on the layout's abstract mesh."""
     from engine.params import PARAMS_ROLE, activation_spec, param_shapes, param_specs
 
@@ -257,9 +258,16 @@ def predict(cfg: ModelConfig, tcfg: TrainConfig, layout: Layout, platform: str =
     # the layer's recompute and backward (remat `full`), live where the MLP's backward
     # starts (docs/memory_model.md)
     if kernel == "flash":
+        # the kernel accumulates in f32 on chip and writes dq, dk, dv in the compute
+        # dtype (jax's Pallas TPU flash / splash kernels: f32 VMEM scratch, outputs in
+        # q's and k's dtypes); FlashAttention-2/3 on a GPU accumulates dq in an f32 HBM
+        # buffer (`dq_accum`, flash_attn's mha_bwd) before converting it
         attn = {"attention lse, f32 (forward residual)": B * Htp * L * F32,
                 "attention o (forward residual)": q_c,
-                "attention dq, dk, dv accumulators, f32": B * L * (Htp + 2 * Gtp) * K * F32}
+                "attention dq, dk, dv (compute dtype)": B * L * (Htp + 2 * Gtp) * K * c,
+                **({} if platform == "tpu" else
+                   {"attention dq accumulator, f32 (FlashAttention's dq_accum)":
+                        B * L * Htp * K * F32})}
     elif kernel == "ring":
         attn = {"attention p, dp, ds of the diagonal block, f32": 3 * scores,
                 "attention dq, dk, dv (f32), dk, dv arriving": B * L * (Htp + 4 * Gtp) * K * F32,
