@@ -142,7 +142,7 @@ def main(argv=None) -> int:
 
     t0 = time.perf_counter()
     out = []
-    with plan.pool(args.workers) as executor:
+    with plan.Pool(args.workers) as executor:
         for r in runs:
             t = time.perf_counter()
             out.append(search(r, profile(r), executor, args.max_tp,

@@ -254,7 +254,7 @@ def test_worker_processes_price_as_this_process_does():
     cfg, tcfg = model_config("tiny"), TrainConfig(batch=4, seq=32)
     hw = plan.hardware_profile("cpu", say=lambda s: None)
     here = plan.plan(cfg, tcfg, 2, hw, None, {"remat": "full"})
-    with plan.pool(2) as ex:
+    with plan.Pool(2) as ex:
         there = plan.plan(cfg, tcfg, 2, hw, None, {"remat": "full"}, executor=ex)
     assert len(here.ranked) == 10
     assert [p.record() for p in there.ranked] == [p.record() for p in here.ranked]
