@@ -1,4 +1,5 @@
-"""The named scopes (`jax.named_scope`) the step opens, which the cost model reads back.
+"""The named scopes (`jax.named_scope`) the step opens, which the cost model reads back,
+and the names of the values remat `dots` saves (`SAVED_BY_DOTS`).
 
 The ledger (from the jaxpr's name stacks), the trace attribution (from HLO `op_name`
 metadata) and the pricing group rows by these names; layers/ and engine/step.py open
