@@ -1,10 +1,11 @@
 """Will a step fit: the predicted peak bytes per device against the memory it must fit in.
 
 The peak is the hand memory model's (engine/cost/memory.py): on an accelerator profile
-with the target's flash attention (`platform` "accelerator" on a GPU, "tpu"; the
-profile's `memory_platform`), on the CPU as XLA:CPU runs the step (`platform="cpu"`). The capacity is the chip's HBM
-(`Hardware.hbm_capacity`); a shared host's devices all live in its RAM, so there each
-device gets the host's available memory divided by the device count.
+with the target's flash attention (`platform` "accelerator" on a GPU, "tpu" on a TPU:
+the profile's `memory_platform`), on the CPU as XLA:CPU runs the step
+(`platform="cpu"`). The capacity is the chip's HBM (`Hardware.hbm_capacity`); a shared
+host's devices all live in its RAM, so there each device gets the host's available
+memory divided by the device count.
 """
 from __future__ import annotations
 
