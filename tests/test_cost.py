@@ -305,6 +305,26 @@ def _scan_example():
     return f, jnp.ones((16, 32), jnp.float32), jnp.ones((4, 32, 32), jnp.float32)
 
 
+def test_a_reshape_or_name_of_a_value_in_memory_does_not_hide_its_read():
+    """A matmul's product reaches memory; an elementwise op reading it through a reshape
+    (a bitcast) or a remat name (`checkpoint_name`) still reads it: the loop-fusion
+    bytes of `tanh` are its input's and its output's whatever stands between."""
+    import jax
+    import jax.numpy as jnp
+    from jax.ad_checkpoint import checkpoint_name
+
+    from engine.cost.ledger import ledger
+
+    a, b = jnp.ones((16, 32), jnp.float32), jnp.ones((32, 64), jnp.float32)
+    ways = {"direct": lambda a, b: jnp.tanh(a @ b),
+            "reshape": lambda a, b: jnp.tanh((a @ b).reshape(16, 8, 8)),
+            "name": lambda a, b: jnp.tanh(checkpoint_name(a @ b, "y"))}
+    for way, f in ways.items():
+        rows = ledger(jax.make_jaxpr(f)(a, b), Layout.parse("single"))
+        [moved] = [r.bytes for r in rows if r.primitive == "tanh"]
+        assert moved == 2 * 16 * 64 * 4, way
+
+
 def test_static_and_dynamic_slice_of_one_row_move_the_same_bytes():
     """Taking row 0 of a [N, B, D] buffer reads that row and writes it, whether the index
     is static (`slice`) or traced (`dynamic_slice`): 2x the row's bytes each, not the

@@ -256,12 +256,14 @@ def _fusion_bytes(eqn, fused_vars: set, spilled_vars: set) -> float:
 
 def _fusion_sets(jaxpr) -> tuple[set, set]:
     """(vars produced by fusible ops, fusible outputs that must reach memory). A free op
-    (a reshape: a bitcast in XLA) between a fusible producer and a consumer that reads
-    memory passes the read on: the producer's output is written."""
+    (a reshape: a bitcast in XLA) or a mark passes its operand on: its output is fused
+    only where its operand is (a reshaped matmul product is still read from memory), and
+    between a fusible producer and a consumer that reads memory the producer's output is
+    written."""
     fused, spilled = set(), set(v for v in jaxpr.outvars if not isinstance(v, jcore.Literal))
     for eqn in jaxpr.eqns:
-        if eqn.primitive.name in MARKS:
-            if all(v in fused for v in eqn.invars):
+        if eqn.primitive.name in MARKS | (FREE & FUSIBLE):
+            if all(isinstance(v, jcore.Literal) or v in fused for v in eqn.invars):
                 fused.update(eqn.outvars)
         elif eqn.primitive.name in FUSIBLE:
             fused.update(eqn.outvars)
