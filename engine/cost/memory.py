@@ -342,8 +342,8 @@ def predict(cfg: ModelConfig, tcfg: TrainConfig, layout: Layout, platform: str =
         res = {f"scan carry x ({n} layers)": n * x_stream}
         trans = trans_full
     elif cfg.remat == "dots":
-        # the attention's output is saved after its tp collective: [B, L_x, D]
-        per = x_stream + B * L * (Htp + 2 * Gtp) * K * a + x_stream + 2 * mlp
+        # x, and the attention's output saved after its tp collective: [B, L_x, D] each
+        per = 2 * x_stream + B * L * (Htp + 2 * Gtp) * K * a + 2 * mlp
         res = {f"carry x, q, k, v, attention output, g, u ({n} layers)": n * per,
                **prefetched}
         trans = {**{k: v for k, v in trans_full.items() if not k.startswith("mlp g")},
