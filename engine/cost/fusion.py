@@ -1,11 +1,13 @@
-"""Fusion groups as XLA forms them on an accelerator (GPU, TPU), and the bytes each moves.
+"""The two fusion models of the ledger's bytes, and the op sets they share.
 
-The ledger's per-equation `Row.bytes` is the XLA:CPU model (each jaxpr's loop-fusible
-chains read their inputs and write their outputs once, nothing crosses a call). On an
-accelerator XLA first inlines every call (`pjit`, `closed_call`, `remat`, custom_jvp /
-custom_vjp bodies), then fuses across what were call boundaries:
+`Row.bytes` is the XLA:CPU model (`loop_fusion_sets`, `loop_fusion_bytes`: each jaxpr's
+loop-fusible chains read their inputs and write their outputs once, nothing crosses a
+call). Fusion groups as XLA forms them on an accelerator (GPU, TPU), and the bytes each
+moves, give `Row.fused_bytes` (`Domain`). On an accelerator XLA first inlines every
+call (`pjit`, `closed_call`, `remat`, custom_jvp / custom_vjp bodies), then fuses across
+what were call boundaries:
 
-- loop fusion: elementwise / layout ops (`ledger.FUSIBLE`) join their fusible
+- loop fusion: elementwise / layout ops (`FUSIBLE`) join their fusible
   producers: one kernel reads the chain's inputs and writes what leaves it;
 - input fusion: a reduction joins the elementwise chain feeding it (the chain is
   never written; the reduced result is);
@@ -33,19 +35,104 @@ per projection) is merged into it, as XLA's CSE does, and moves nothing.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import jax.numpy as jnp
 from jax.extend import core as jcore
 
+# Ops XLA turns into bitcasts or folds away: no FLOPs, no bytes. (`broadcast_in_dim` is
+# not free: fused it costs nothing, but a broadcast feeding a loop or a dot, such as the
+# zeros a scan's gradient accumulators start from, is written to memory.)
+FREE = {"reshape", "squeeze", "expand_dims", "stop_gradient", "axis_index", "iota",
+        "copy_p", "optimization_barrier", "pjit", "closed_call"}
+# Ops that only mark their operand (`checkpoint_name` for a remat policy): no row, and
+# their output is their operand, for the fusion models too.
+MARKS = {"name"}
+# Ops XLA fuses into one loop with their elementwise neighbours (loop fusion).
+FUSIBLE = {"add", "add_any", "sub", "mul", "div", "neg", "max", "min", "exp", "exp2", "log",
+           "log1p", "logistic", "rsqrt", "sqrt", "tanh", "pow", "integer_pow", "square", "abs",
+           "sign", "select_n", "erf", "sin", "cos", "eq", "ne", "ge", "gt", "le", "lt", "and",
+           "or", "not", "clamp", "convert_element_type", "broadcast_in_dim", "reshape",
+           "squeeze", "expand_dims", "iota", "concatenate", "split", "slice", "transpose",
+           "stop_gradient", "pvary"}
+# Ops whose output is their operand under loop fusion (bitcasts and marks): fused only
+# where the operand is, and what needs their output in memory needs the operand there.
+PASS_THROUGH = MARKS | (FREE & FUSIBLE)
+REDUCTIONS = {"reduce_sum", "reduce_max", "reduce_min", "argmax", "argmin"}
 # Calls XLA inlines before fusing: their bodies join the caller's fusion scope.
 INLINED = {"jit", "pjit", "closed_call", "core_call", "remat2", "checkpoint", "custom_jvp_call",
            "custom_vjp_call", "custom_vjp_call_jaxpr", "custom_lin"}
 
 
-def nbytes(aval) -> int:
-    return math.prod(aval.shape) * jnp.dtype(aval.dtype).itemsize if hasattr(aval, "shape") else 0
+@functools.cache
+def _itemsize(dtype) -> int:
+    return jnp.dtype(dtype).itemsize
 
+
+def nbytes(aval) -> int:
+    return math.prod(aval.shape) * _itemsize(aval.dtype) if hasattr(aval, "shape") else 0
+
+
+# -- the XLA:CPU model: loop fusion inside one jaxpr (`Row.bytes`) --------------------
+
+
+def io_bytes(eqn) -> tuple[list[int], list[int]]:
+    """Bytes of each operand read and each result written. A slice of a large buffer
+    touches only the slice: `slice` / `dynamic_slice` read their result's worth of their
+    operand, and `dynamic_update_slice` / `scatter` (`.at[i].set`) write their updates
+    into the operand in place (XLA aliases the buffer with the result: the scans' stacked
+    residuals and grads, the pipeline's stash, are never copied), so the buffer is
+    neither read nor written whole."""
+    ins = [nbytes(v.aval) for v in eqn.invars]
+    outs = [nbytes(v.aval) for v in eqn.outvars]
+    name = eqn.primitive.name
+    if name in ("slice", "dynamic_slice"):
+        ins[0] = outs[0]
+    elif name == "dynamic_update_slice":  # operand, update, *start indices
+        ins[0], outs[0] = 0, ins[1]
+    elif name == "scatter":  # operand, indices, updates
+        ins[0], outs[0] = 0, ins[2]
+    return ins, outs
+
+
+def loop_fusion_bytes(eqn, fused_vars: set, spilled_vars: set) -> float:
+    """Bytes an equation moves under loop fusion: inputs produced inside a fused chain
+    are not re-read, the others are read as `io_bytes` counts them (a `slice` only its
+    result's worth of its operand, as the loop indexes it); outputs only consumed by
+    fusible ops or reductions are not written. Matmuls and everything else read and
+    write all operands (`io_bytes`)."""
+    name = eqn.primitive.name
+    if name in FREE:
+        return 0.0
+    if name not in FUSIBLE and name not in REDUCTIONS:
+        return float(sum(sum(b) for b in io_bytes(eqn)))
+    reads = sum(b for v, b in zip(eqn.invars, io_bytes(eqn)[0])
+                if not isinstance(v, jcore.Literal) and v not in fused_vars)
+    writes = sum(nbytes(v.aval) for v in eqn.outvars
+                 if name in REDUCTIONS or v in spilled_vars)
+    return float(reads + writes)
+
+
+def loop_fusion_sets(jaxpr) -> tuple[set, set]:
+    """(vars produced by fusible ops, fusible outputs that must reach memory). A free op
+    (a reshape: a bitcast in XLA) or a mark passes its operand on: its output is fused
+    only where its operand is (a reshaped matmul product is still read from memory), and
+    between a fusible producer and a consumer that reads memory the producer's output is
+    written."""
+    fused, spilled = set(), set(v for v in jaxpr.outvars if not isinstance(v, jcore.Literal))
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in PASS_THROUGH:
+            if all(isinstance(v, jcore.Literal) or v in fused for v in eqn.invars):
+                fused.update(eqn.outvars)
+        elif eqn.primitive.name in FUSIBLE:
+            fused.update(eqn.outvars)
+        elif eqn.primitive.name not in REDUCTIONS:
+            spilled.update(v for v in eqn.invars if not isinstance(v, jcore.Literal))
+    for eqn in reversed(jaxpr.eqns):
+        if eqn.primitive.name in PASS_THROUGH and any(v in spilled for v in eqn.outvars):
+            spilled.update(v for v in eqn.invars if not isinstance(v, jcore.Literal))
+    return fused, spilled & fused
 
 class Domain:
     """Compute entries of one fusion scope, in program order, on canonical var keys."""

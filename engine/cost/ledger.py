@@ -26,7 +26,10 @@ from jax._src import source_info_util
 from jax._src.interpreters import partial_eval as pe
 from jax.extend import core as jcore
 
-from engine.cost.fusion import INLINED, Domain, canon, nbytes
+from engine.cost.fusion import (  # noqa: F401  (the op sets, as the ledger's)
+    FREE, FUSIBLE, INLINED, MARKS, REDUCTIONS, Domain, canon, io_bytes, loop_fusion_bytes,
+    loop_fusion_sets, nbytes,
+)
 from layers.scopes import PP_SCOPES, SCOPES  # the named scopes, outermost first
 
 # jaxpr primitive -> HLO collective kind. pvary moves nothing (it only marks a value as
@@ -40,22 +43,6 @@ COLLECTIVES = {
     "all_to_all": "all-to-all",
     "pvary": None,
 }
-# Ops XLA turns into bitcasts or folds away: no FLOPs, no bytes. (`broadcast_in_dim` is
-# not free: fused it costs nothing, but a broadcast feeding a loop or a dot, such as the
-# zeros a scan's gradient accumulators start from, is written to memory.)
-FREE = {"reshape", "squeeze", "expand_dims", "stop_gradient", "axis_index", "iota",
-        "copy_p", "optimization_barrier", "pjit", "closed_call"}
-# Ops that only mark their operand (`checkpoint_name` for a remat policy): no row, and
-# their output is their operand, for the fusion models too.
-MARKS = {"name"}
-# Ops XLA fuses into one loop with their elementwise neighbours (loop fusion).
-FUSIBLE = {"add", "add_any", "sub", "mul", "div", "neg", "max", "min", "exp", "exp2", "log",
-           "log1p", "logistic", "rsqrt", "sqrt", "tanh", "pow", "integer_pow", "square", "abs",
-           "sign", "select_n", "erf", "sin", "cos", "eq", "ne", "ge", "gt", "le", "lt", "and",
-           "or", "not", "clamp", "convert_element_type", "broadcast_in_dim", "reshape",
-           "squeeze", "expand_dims", "iota", "concatenate", "split", "slice", "transpose",
-           "stop_gradient", "pvary"}
-REDUCTIONS = {"reduce_sum", "reduce_max", "reduce_min", "argmax", "argmin"}
 # Elementwise / reduction ops costing one FLOP per element (of the larger side).
 ARITH = {"add", "add_any", "sub", "mul", "div", "neg", "max", "min", "exp", "exp2", "log",
          "log1p", "logistic", "rsqrt", "sqrt", "tanh", "pow", "integer_pow", "square", "abs",
@@ -72,8 +59,8 @@ class Row:
     "collective", or "attention" (the flash kernel an accelerator runs in place of the
     jnp key-block scan, whose own rows carry `kernel="blocked"`; engine/cost/price.py
     prices one or the other). bytes: read + written for compute rows, under a loop-fusion model
-    (`_fusion_bytes`: a chain of elementwise ops reads its inputs and writes its
-    outputs once, as XLA's loop fusion does); for collectives the buffer
+    (`fusion.loop_fusion_bytes`: a chain of elementwise ops reads its inputs and writes
+    its outputs once, as XLA's loop fusion does); for collectives the buffer
     each device holds before reducing / after gathering (all-gather: output, others:
     input), the `bytes` of the ring formulas.
     """
@@ -165,18 +152,9 @@ def trace_step(cfg, tcfg, layout, parallel=None) -> jcore.ClosedJaxpr:
 
 
 @functools.cache
-def _itemsize(dtype) -> int:
-    return jnp.dtype(dtype).itemsize
-
-
-@functools.cache
 def _dtype_name(dtype) -> str:
     """str(dtype), looked up: numpy formats a dtype's name anew each time."""
     return str(dtype)
-
-
-def _nbytes(aval) -> int:
-    return math.prod(aval.shape) * _itemsize(aval.dtype)
 
 
 def _phase_scope(stack: source_info_util.NameStack) -> tuple[str, str]:
@@ -211,69 +189,10 @@ def _collective_rows(eqn, phase, scope, count, mesh_shape, pp=()) -> list[Row]:
     rows = []
     for var_in, var_out in zip(eqn.invars, eqn.outvars):
         buf = var_out.aval if eqn.primitive.name.startswith("all_gather") else var_in.aval
-        moved = 0 if kind is None or size == 1 else _nbytes(buf)
+        moved = 0 if kind is None or size == 1 else nbytes(buf)
         rows.append(Row(scope, phase, "collective", eqn.primitive.name, _dtype_name(buf.dtype),
                         tuple(buf.shape), 0.0, float(moved), count, axes, size, pp=pp))
     return rows
-
-
-def _io_bytes(eqn) -> tuple[list[int], list[int]]:
-    """Bytes of each operand read and each result written. A slice of a large buffer
-    touches only the slice: `slice` / `dynamic_slice` read their result's worth of their
-    operand, and `dynamic_update_slice` / `scatter` (`.at[i].set`) write their updates
-    into the operand in place (XLA aliases the buffer with the result: the scans' stacked
-    residuals and grads, the pipeline's stash, are never copied), so the buffer is
-    neither read nor written whole."""
-    ins = [_nbytes(v.aval) if hasattr(v.aval, "shape") else 0 for v in eqn.invars]
-    outs = [_nbytes(v.aval) for v in eqn.outvars]
-    name = eqn.primitive.name
-    if name in ("slice", "dynamic_slice"):
-        ins[0] = outs[0]
-    elif name == "dynamic_update_slice":  # operand, update, *start indices
-        ins[0], outs[0] = 0, ins[1]
-    elif name == "scatter":  # operand, indices, updates
-        ins[0], outs[0] = 0, ins[2]
-    return ins, outs
-
-
-def _fusion_bytes(eqn, fused_vars: set, spilled_vars: set) -> float:
-    """Bytes an equation moves under loop fusion: inputs produced inside a fused chain
-    are not re-read, the others are read as `_io_bytes` counts them (a `slice` only its
-    result's worth of its operand, as the loop indexes it); outputs only consumed by
-    fusible ops or reductions are not written. Matmuls and everything else read and
-    write all operands (`_io_bytes`)."""
-    name = eqn.primitive.name
-    if name in FREE:
-        return 0.0
-    if name not in FUSIBLE and name not in REDUCTIONS:
-        return float(sum(sum(b) for b in _io_bytes(eqn)))
-    reads = sum(b for v, b in zip(eqn.invars, _io_bytes(eqn)[0])
-                if not isinstance(v, jcore.Literal) and v not in fused_vars)
-    writes = sum(_nbytes(v.aval) for v in eqn.outvars
-                 if name in REDUCTIONS or v in spilled_vars)
-    return float(reads + writes)
-
-
-def _fusion_sets(jaxpr) -> tuple[set, set]:
-    """(vars produced by fusible ops, fusible outputs that must reach memory). A free op
-    (a reshape: a bitcast in XLA) or a mark passes its operand on: its output is fused
-    only where its operand is (a reshaped matmul product is still read from memory), and
-    between a fusible producer and a consumer that reads memory the producer's output is
-    written."""
-    fused, spilled = set(), set(v for v in jaxpr.outvars if not isinstance(v, jcore.Literal))
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name in MARKS | (FREE & FUSIBLE):
-            if all(isinstance(v, jcore.Literal) or v in fused for v in eqn.invars):
-                fused.update(eqn.outvars)
-        elif eqn.primitive.name in FUSIBLE:
-            fused.update(eqn.outvars)
-        elif eqn.primitive.name not in REDUCTIONS:
-            spilled.update(v for v in eqn.invars if not isinstance(v, jcore.Literal))
-    for eqn in reversed(jaxpr.eqns):
-        if (eqn.primitive.name in FREE & FUSIBLE | MARKS
-                and any(v in spilled for v in eqn.outvars)):
-            spilled.update(v for v in eqn.invars if not isinstance(v, jcore.Literal))
-    return fused, spilled & fused
 
 
 def _compute_row(eqn, phase, scope, count, moved: float, pp=()) -> Row:
@@ -356,7 +275,7 @@ def _scan_copy_rows(eqn, phase, scope, count, pp=()) -> list[Row]:
       into which each iteration writes its slice with a `dynamic_update_slice`;
     - each stacked input (xs) is sliced once per iteration with a `dynamic_slice`.
 
-    Both slices are priced as `_io_bytes` prices the explicit ops: the update slice is
+    Both slices are priced as `fusion.io_bytes` prices the explicit ops: the update slice is
     written in place (read the update, write the slice), the input slice is read and
     written out, 2x the slice's bytes each. XLA:CPU fuses a slice with elementwise
     neighbours: an xs read only by fusible ops (not bitcasts: `FREE`) is sliced inside
@@ -398,14 +317,14 @@ def _scan_copy_rows(eqn, phase, scope, count, pp=()) -> list[Row]:
         names = consumers.get(inner, [])
         if names and all(n in FUSIBLE and n not in FREE for n in names) and inner not in uses:
             continue  # sliced inside its consumers' loop fusion
-        row("dynamic_slice", inner.aval, 2 * _nbytes(inner.aval), count * length)
+        row("dynamic_slice", inner.aval, 2 * nbytes(inner.aval), count * length)
     for outer, inner in zip(eqn.outvars[n_carry:], body.outvars[n_carry:]):
-        row("broadcast_in_dim", outer.aval, _nbytes(outer.aval), count)
+        row("broadcast_in_dim", outer.aval, nbytes(outer.aval), count)
         made = producer.get(inner)
         fused = (made is not None and made.primitive.name in FUSIBLE - FREE and uses[inner] == 1
                  and not consumers.get(inner))
         if not fused:
-            row("dynamic_update_slice", inner.aval, 2 * _nbytes(inner.aval), count * length)
+            row("dynamic_update_slice", inner.aval, 2 * nbytes(inner.aval), count * length)
     return rows
 
 
@@ -415,7 +334,7 @@ def _walk(jaxpr, stack, count, mesh_shape, rows, domain=None, alias=None, site=0
     own = domain is None
     if own:
         domain, alias = Domain(), {}
-    fused, spilled = _fusion_sets(jaxpr)
+    fused, spilled = loop_fusion_sets(jaxpr)
     labels = {}  # id of an equation's name stack -> (stack, phase, scope, pp scopes)
     for eqn in jaxpr.eqns:
         # equations share a few name stacks (objects the jaxpr keeps alive, so ids hold)
@@ -464,8 +383,8 @@ def _walk(jaxpr, stack, count, mesh_shape, rows, domain=None, alias=None, site=0
             rows.extend(_collective_rows(eqn, phase, scope, count, mesh_shape, pp))
         else:
             rows.append(_compute_row(eqn, phase, scope, count,
-                                     _fusion_bytes(eqn, fused, spilled), pp))
-            in_b, out_b = _io_bytes(eqn)
+                                     loop_fusion_bytes(eqn, fused, spilled), pp))
+            in_b, out_b = io_bytes(eqn)
             ins = [(canon(v, alias, site), b) for v, b in zip(eqn.invars, in_b)]
             twin = domain.twin(name, eqn.params, [k for k, _ in ins]) if name in FUSIBLE \
                 else None

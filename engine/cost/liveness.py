@@ -22,7 +22,7 @@ unwraps both, so the walk runs on the per-device body (shapes per device; the ji
 donation mapped onto the body's arguments). An equation outside any shard_map would be
 counted at its global shape (exact on one device; the step has none).
 
-With `fuse=True`, an elementwise intermediate (`ledger.FUSIBLE`) whose every consumer is
+With `fuse=True`, an elementwise intermediate (`fusion.FUSIBLE`) whose every consumer is
 elementwise or a reduction in the same jaxpr is not materialised (XLA's loop and input
 fusion; the ledger's XLA:CPU byte model uses the same rule): only what leaves a fused
 chain (into a matmul, a collective, a loop, a call or out of the jaxpr) takes memory.
@@ -73,7 +73,8 @@ from collections import Counter
 from jax.extend import core as jcore
 
 from engine.cost.fusion import nbytes
-from engine.cost.ledger import FUSIBLE, REDUCTIONS, scan_counts
+from engine.cost.fusion import FUSIBLE, REDUCTIONS
+from engine.cost.ledger import scan_counts
 
 # ops XLA turns into bitcasts of their operand (or that only mark it): no new buffer
 ALIASES = {"reshape", "squeeze", "expand_dims", "pvary", "stop_gradient",
