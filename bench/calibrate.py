@@ -4,7 +4,12 @@
 
 Measures (median of repeated timed calls after a warm-up): matmul FLOP/s per operand
 dtype (f32; bf16 with f32 accumulation) on the shapes the `small` model runs (their
-median prices matmuls) and on 2048^3 (the best rate is the MFU peak); memory bandwidth (a fused `a * x + y` on 64 MiB arrays); elementwise FLOP/s (a
+median prices matmuls) and on 2048^3 (the best rate is the MFU peak); the host's memory
+bandwidth, as the sum over the 8 devices of a fused `1.5 * x + y` each streams at once
+(engine/cost/microbench.py `bandwidth`), on arrays the devices' caches hold together
+(`hbm`: 1/16 of the last-level cache per array and device) and on arrays half that
+cache's size (`hbm_cold`: the rate of a scan's stacked inputs and outputs), with freed
+memory kept in the process as the training step runs (engine/host.py); elementwise FLOP/s (a
 chain of exp/mul/add on a cache-resident array); and all-gather / reduce-scatter /
 all-reduce / ppermute time vs bytes on the forced 8-device mesh, fitted to
 `t = latency * hops + ring_fraction * bytes / bandwidth` (engine/cost/price.py).
@@ -31,7 +36,9 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
 from engine.cost.hardware import CALIBRATION_PATH  # noqa: E402
-from engine.cost.microbench import call_overhead, collective_times, fit, timed  # noqa: E402
+from engine.train import keep_freed_memory  # noqa: E402
+from engine.cost.microbench import (bandwidth, call_overhead, cold_elems,  # noqa: E402
+                                     collective_times, fit, last_level_cache, timed)
 
 
 def matmul_flops(m: int, k: int, n: int, dtype) -> float:
@@ -40,10 +47,11 @@ def matmul_flops(m: int, k: int, n: int, dtype) -> float:
     return 2 * m * k * n / timed(f, a, b, reps=7)
 
 
-def memory_bandwidth(n_bytes: int = 64 << 20) -> float:
-    x = jnp.ones(n_bytes // 4, jnp.float32)
-    f = jax.jit(lambda x, y: 1.5 * x + y)
-    return 3 * n_bytes / timed(f, x, x, reps=7)
+def host_bandwidth(mesh: Mesh, elems: int, k: int) -> float:
+    """Bytes/s of the host: the per-device rate with every device of `mesh` streaming
+    `elems`-element f32 arrays at once, times the device count (the profile's devices
+    then share it: engine/cost/price.py multiplies a shared host's per-device time)."""
+    return mesh.size * bandwidth(mesh, elems, k)
 
 
 def vector_flops(n: int = 1 << 18, depth: int = 16) -> float:
@@ -58,6 +66,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=str(CALIBRATION_PATH))
     args = p.parse_args(argv)
+    keep_freed_memory()
     shapes = {"small_mlp": (4096, 256, 768), "small_qkv": (4096, 256, 256), "cube": (2048,) * 3}
     measured = {f"{name}/{dt}": matmul_flops(*shape, dtype)
                 for name, shape in shapes.items()
@@ -69,18 +78,20 @@ def main(argv=None) -> int:
     mfu_peak = {dt: max(v for k, v in measured.items() if k.endswith(dt))
                 for dt in ("float32", "bfloat16")}
     mesh = Mesh(np.array(jax.devices()[:8]), ("d",))
+    warm = last_level_cache() // (16 * 4 * mesh.size)  # two arrays per device: 1/8 of it in all
     points = collective_times(mesh, [1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22],
                               overhead=call_overhead(mesh))
     profile = {
         "peak_flops": peak, "mfu_peak": mfu_peak, "matmul_measured": measured,
-        "hbm": memory_bandwidth(), "vector_flops": vector_flops(),
+        "hbm": host_bandwidth(mesh, warm, k=20),
+        "hbm_cold": host_bandwidth(mesh, cold_elems(), k=2), "vector_flops": vector_flops(),
         "collective_fit": {k: fit(k, v, mesh.size) for k, v in points.items()},
         "collective_points": points,
         "when": time.strftime("%Y-%m-%d %H:%M"), "load_avg": os.getloadavg(),
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(profile, indent=1))
-    print(json.dumps({k: profile[k] for k in ("peak_flops", "mfu_peak", "hbm", "vector_flops",
+    print(json.dumps({k: profile[k] for k in ("peak_flops", "mfu_peak", "hbm", "hbm_cold", "vector_flops",
                                               "collective_fit", "load_avg")}, indent=1))
     print(f"wrote {args.out}")
     return 0

@@ -397,6 +397,35 @@ def test_scan_charges_its_stacking_and_slicing():
                for i in body) == 1
 
 
+
+def test_a_scans_stacked_traffic_is_priced_out_of_cache():
+    """The rows a scan adds for its stacked inputs and outputs are `cold` (written an
+    iteration loop before they are read) and the body's own rows are not; a profile
+    with `cold_hbm` prices the cold rows' bytes at it and every other row as before,
+    one without it (the accelerators', an older calibration file) at `hbm`."""
+    import jax
+
+    from engine.cost.ledger import ledger
+    from engine.cost.price import compute_seconds
+
+    f, x, w = _scan_example()
+    rows = ledger(jax.make_jaxpr(f)(x, w), Layout.parse("single"))
+    stacked = {"dynamic_update_slice", "dynamic_slice", "broadcast_in_dim"}
+    cold = [r for r in rows if r.cold]
+    assert cold and {r.primitive for r in cold} <= stacked
+    assert all(r.scope == "other" and r.kind == "memory" for r in cold)
+    assert any(not r.cold and r.kind == "memory" for r in rows)
+    hw = hardware.cpu_defaults()
+    assert hw.cold_hbm == 0 and all(p.cold_hbm == 0 for p in hardware.PROFILES.values())
+    slow = dataclasses.replace(hw, cold_hbm=hw.hbm / 4)
+    for r in rows:
+        before, after = compute_seconds(r, hw, 1)[0], compute_seconds(r, slow, 1)[0]
+        if r.cold:
+            assert after == pytest.approx(4 * before, rel=1e-12) and before > 0
+        else:
+            assert after == before
+
+
 def test_paused_gc_restores_the_collector():
     """`ledger.paused_gc` turns the collector off for its block and back to what it was
     after it, nested or not, on an error too."""

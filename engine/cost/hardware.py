@@ -37,7 +37,10 @@ class Hardware:
     shared_host: all devices are threads of one host sharing its cores, so per-device
     compute adds up across devices (forced host-platform devices).
     bf16_collectives_in_f32: the runtime moves bf16 collectives as f32 (XLA on CPU; the
-    audit's `cpu_bf16_collectives_in_f32` rule), so they cost twice their ledger bytes."""
+    audit's `cpu_bf16_collectives_in_f32` rule), so they cost twice their ledger bytes.
+    cold_hbm: bytes/s of traffic the caches do not hold (`Row.cold`: a scan's stacked
+    inputs and outputs, written an iteration loop before they are read); 0: `hbm`
+    (accelerators: their memory rate is HBM's whatever the reuse distance)."""
 
     name: str
     peak_flops: dict
@@ -73,6 +76,7 @@ class Hardware:
     attention_tile: int = 128
     # HBM per chip, bytes (what a step's peak must fit in); 0: unknown
     hbm_capacity: float = 0.0
+    cold_hbm: float = 0.0
     # the memory model's platform for a chip (engine/cost/memory.py): "accelerator" (a
     # GPU, whose FlashAttention backward accumulates dq in an f32 HBM buffer) or "tpu"
     # (Pallas kernels, accumulating in VMEM); a shared host is "cpu" whatever this says
@@ -217,6 +221,8 @@ def load_calibration(path: Path | str) -> dict:
     for key in ("hbm", "vector_flops"):
         if not _positive(data.get(key)):
             problems.append(f"{key} must be a positive number")
+    if "hbm_cold" in data and not _positive(data["hbm_cold"]):
+        problems.append("hbm_cold must be a positive number")
     for key in ("peak_flops", "mfu_peak"):
         rates = data.get(key, {} if key == "mfu_peak" else None)
         if not isinstance(rates, dict) or (key == "peak_flops" and "float32" not in rates) \
@@ -240,7 +246,9 @@ def cpu_profile(path: Path | str | None = None) -> Hardware:
     Each forced device is a thread of one host, so compute adds up across devices
     (shared_host) and collectives are synchronous memory copies (no overlap). A
     collective's time is `collective_fit[kind] = (latency, bandwidth)` fitted from
-    measured times vs bytes on the 8-device mesh."""
+    measured times vs bytes on the 8-device mesh. Memory: `hbm` is the host's rate on
+    data its caches hold, `hbm_cold` on data they do not (`Hardware.cold_hbm`); a file
+    without `hbm_cold` (and CPU_DEFAULTS) prices all traffic at `hbm`."""
     if path is None and not CALIBRATION_PATH.exists():
         return cpu_defaults()
     path = Path(path) if path else CALIBRATION_PATH
@@ -258,6 +266,7 @@ def _cpu(data: dict, source: str) -> Hardware:
     return Hardware("cpu", dict(data["peak_flops"]), data["vector_flops"], data["hbm"],
                     Link(bw, lat), Link(bw, lat), 1 << 30, overlap=False, shared_host=True,
                     bf16_collectives_in_f32=True, collective_fit=fit,
+                    cold_hbm=data.get("hbm_cold", 0.0),
                     mfu_peak=dict(data.get("mfu_peak", {})), source=source)
 
 

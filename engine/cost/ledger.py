@@ -93,6 +93,10 @@ class Row:
     # the pipeline scopes (layers.scopes.PP_SCOPES) on the row's name stack, outermost
     # first: which tick unit of engine/pipeline.py runs it (engine/cost/pipeline.py)
     pp: tuple = ()
+    # the row moves data across a scan's iterations (its stacked inputs and outputs:
+    # `_scan_copy_rows`), written long before it is read, so out of a host's caches
+    # (priced at `Hardware.cold_hbm`)
+    cold: bool = False
 
     def replace(self, **changes) -> Row:
         """`dataclasses.replace(self, **changes)` without its per-field loop (the walk
@@ -311,7 +315,7 @@ def _scan_copy_rows(eqn, phase, scope, count, pp=()) -> list[Row]:
     def row(primitive, aval, moved, n):
         rows.append(Row(scope, phase, "memory", primitive, _dtype_name(aval.dtype),
                         tuple(aval.shape), 0.0, float(moved), n, fused_bytes=0.0,
-                        lib_bytes=0.0, pp=pp))
+                        lib_bytes=0.0, pp=pp, cold=True))
 
     for outer, inner in zip(eqn.invars[first:], body.invars[first:]):
         names = consumers.get(inner, [])

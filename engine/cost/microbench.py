@@ -8,7 +8,9 @@ is what the step pays for that op (no x n_devices afterwards):
 - `dot_seconds`: each distinct `dot_general` of a ledger (operand shapes, dtypes,
   dimension numbers; `Row.dot`), run alone with those per-device operands;
 - `bandwidth`: `y = 1.5 * x + y` passes in a loop on per-device arrays of the step's
-  typical activation size (reads two, writes one);
+  typical activation size (reads two, writes one), and on arrays of half the host's
+  last-level cache per device (`cold_elems`: every pass streams from memory), the rate
+  of a scan's stacked inputs and outputs (`Row.cold`);
 - `vector_rate`: `exp(-x * x) + 0.5` passes in a loop on the same arrays (FLOPs counted
   as the ledger counts them: one per elementwise op per element);
 - `collective_times` / `fit`: each collective's time vs bytes over one axis of all
@@ -21,9 +23,11 @@ so predictions and measurement see the same machine load (`bench/roofline.py`);
 from __future__ import annotations
 
 import dataclasses
+import glob
 import math
 import statistics
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -139,6 +143,28 @@ def bandwidth(mesh: Mesh, elems: int, k: int = 20) -> float:
     return 12 * k * elems / t
 
 
+def last_level_cache() -> int:
+    """Bytes of the host's largest CPU cache (Linux sysfs: cpu0's `cache/index*/size`,
+    e.g. "32768K"), else 32 MiB."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    sizes = []
+    for f in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
+        text = Path(f).read_text().strip()
+        if text[:-1].isdigit() and text[-1] in units:
+            sizes.append(int(text[:-1]) * units[text[-1]])
+        elif text.isdigit():
+            sizes.append(int(text))
+    return max(sizes, default=32 << 20)
+
+
+def cold_elems() -> int:
+    """f32 elements per array of `bandwidth` out of cache: a device's two arrays
+    together the size of the host's last-level cache, so with the devices streaming at
+    once no pass finds the last one's data there (and an array stays under glibc's
+    largest mmap threshold, 32 MiB, which engine/host.py sets: no page faults)."""
+    return last_level_cache() // 8
+
+
 def vector_rate(mesh: Mesh, elems: int, k: int = 20) -> float:
     """Elementwise FLOP/s one device gets (4 ledger FLOPs per element for each pass of
     `exp(-x * x) + 0.5`, k passes in a loop) while every device runs it."""
@@ -182,7 +208,8 @@ def fit(kind: str, points, n: int) -> tuple[float, float]:
 
 def in_run_profile(hw: Hardware, rows, devices, collective_sizes=None) -> Hardware:
     """`hw` with every rate the ledger's rows need measured now on `devices`, all at
-    once: per-dot seconds, bandwidth and vector rate at the step's activation size, and
+    once: per-dot seconds, bandwidth and vector rate at the step's activation size, the
+    bandwidth out of cache, and
     (with more than one device) the collective fits. Compute is then not multiplied by
     the device count (`concurrent_rates`: the measurements already share the host)."""
     mesh = _flat_mesh(devices)
@@ -198,6 +225,7 @@ def in_run_profile(hw: Hardware, rows, devices, collective_sizes=None) -> Hardwa
                 for k, pts in collective_times(mesh, sizes, overhead=overhead).items()}
     return dataclasses.replace(
         hw, dot_seconds=dot_seconds(rows, mesh),
-        hbm=bandwidth(mesh, elems), vector_flops=vector_rate(mesh, elems),
+        hbm=bandwidth(mesh, elems), cold_hbm=bandwidth(mesh, cold_elems(), k=2),
+        vector_flops=vector_rate(mesh, elems),
         mem_eff=1.0, concurrent_rates=True, collective_fit=fit_,
         source=f"measured in this run on {mesh.size} devices at once")

@@ -1,7 +1,9 @@
 """Price ledger rows on a hardware profile and predict the step.
 
 Compute rows by roofline: max(FLOPs / (peak * matmul_eff), bytes / (hbm * mem_eff)),
-matmuls at the peak of their operand dtype, other rows at the vector rate; a matmul whose
+matmuls at the peak of their operand dtype, other rows at the vector rate, the bytes of
+a scan's stacked inputs and outputs (`Row.cold`) at `cold_hbm` where the profile has
+one (a host whose caches hold a layer's working set but not the stacks); a matmul whose
 exact dot the profile has timed (`Hardware.dot_seconds`, measured in the same run by
 `engine/cost/microbench.py`) costs its measured time. Collectives by
 ring formulas over the slowest link tier their axes use, n = group size:
@@ -186,7 +188,8 @@ def compute_seconds(row: Row, hw: Hardware, n_devices: int) -> tuple[float, str]
     else:
         peak, flops = hw.vector_flops, row.flops
     t_flops = flops / peak
-    t_bytes = moved_bytes(row, hw) / (hw.hbm * hw.mem_eff)
+    hbm = hw.cold_hbm if row.cold and hw.cold_hbm else hw.hbm
+    t_bytes = moved_bytes(row, hw) / (hbm * hw.mem_eff)
     scale = n_devices if hw.shared_host and not hw.concurrent_rates else 1
     return scale * max(t_flops, t_bytes), "compute" if t_flops >= t_bytes else "memory"
 
