@@ -398,6 +398,43 @@ def test_scan_charges_its_stacking_and_slicing():
 
 
 
+def test_a_bf16_stacked_input_is_upcast_whole_before_the_loop():
+    """XLA:CPU converts a scan's bf16 stacked input to f32 whole before the loop and
+    each iteration slices the f32 stack back to bf16 for the dot: the ledger charges
+    the whole-stack convert (read the stack, write it twice as wide) and a slice
+    reading f32 and writing bf16, and the compiled module holds both; an f32 stacked
+    input gets neither."""
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+
+    from engine.cost import hlo
+    from engine.cost.ledger import ledger
+
+    def f(c_BD, w_NDD):
+        def body(c_BD, w_DD):
+            return jnp.tanh(jnp.dot(c_BD, w_DD, preferred_element_type=jnp.float32)
+                            ).astype(c_BD.dtype), None
+
+        return lax.scan(body, c_BD, w_NDD)[0]
+
+    for dtype in (jnp.bfloat16, jnp.float32):
+        c, w = jnp.ones((16, 32), dtype), jnp.ones((4, 32, 32), dtype)
+        rows = ledger(jax.make_jaxpr(f)(c, w), Layout.parse("single"))
+        converts = [r for r in rows if r.primitive == "convert_element_type" and r.cold]
+        [piece] = [r for r in rows if r.primitive == "dynamic_slice"]
+        module = hlo.parse(jax.jit(f).lower(c, w).compile().as_text())
+        entry = module.computations[module.entry]
+        widened = [i for i in entry if i.opcode == "fusion" and i.result.startswith("f32[4,32,32]")]
+        if dtype == jnp.bfloat16:
+            assert [(r.bytes, r.count) for r in converts] == [(3 * w.nbytes, 1)]
+            assert (piece.bytes, piece.count) == (3 * w[0].nbytes, 4)
+            assert len(widened) == 1
+        else:
+            assert converts == [] and widened == []
+            assert (piece.bytes, piece.count) == (2 * w[0].nbytes, 4)
+
+
 def test_a_scans_stacked_traffic_is_priced_out_of_cache():
     """The rows a scan adds for its stacked inputs and outputs are `cold` (written an
     iteration loop before they are read) and the body's own rows are not; a profile

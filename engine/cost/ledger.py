@@ -277,7 +277,10 @@ def _scan_copy_rows(eqn, phase, scope, count, pp=()) -> list[Row]:
     - each stacked output (ys) is a buffer filled with zeros before the loop (one write
       of the whole [N, ...] buffer per execution of the scan: a `broadcast_in_dim` row),
       into which each iteration writes its slice with a `dynamic_update_slice`;
-    - each stacked input (xs) is sliced once per iteration with a `dynamic_slice`.
+    - each stacked input (xs) is sliced once per iteration with a `dynamic_slice`;
+    - XLA:CPU upcasts a bf16 stacked input whole to f32 before the loop (a
+      `convert_element_type` row reading the stack and writing it twice as wide), and
+      each iteration slices the f32 stack and converts the slice back to bf16.
 
     Both slices are priced as `fusion.io_bytes` prices the explicit ops: the update slice is
     written in place (read the update, write the slice), the input slice is read and
@@ -289,7 +292,10 @@ def _scan_copy_rows(eqn, phase, scope, count, pp=()) -> list[Row]:
     shows on XLA:CPU for a scan of `c @ w`, `tanh` of it and `2 * c`, each stacked
     (tests/test_cost.py): a `dynamic-slice` fusion feeding the dot, one
     `dynamic-update-slice` fusion per stacked output aliasing the loop's buffer (the
-    multiply inside its own), a `broadcast` of each stacked buffer in the entry.
+    multiply inside its own), a `broadcast` of each stacked buffer in the entry; for a
+    scan of a dot of bf16 `xs`, a `wrapped_convert` fusion of the whole f32[N, ...] stack
+    in the entry and a `convert_bitcast_fusion` of the slice to bf16 in the loop, before
+    the dot (tests/test_cost.py; jax 0.10's XLA:CPU).
 
     Accelerators (`Hardware.fusion`): XLA on TPU and GPU emits a scan's ys update as a
     dynamic-update-slice fused in place with the op producing the update, and fuses an
@@ -319,9 +325,17 @@ def _scan_copy_rows(eqn, phase, scope, count, pp=()) -> list[Row]:
 
     for outer, inner in zip(eqn.invars[first:], body.invars[first:]):
         names = consumers.get(inner, [])
-        if names and all(n in FUSIBLE and n not in FREE for n in names) and inner not in uses:
-            continue  # sliced inside its consumers' loop fusion
-        row("dynamic_slice", inner.aval, 2 * nbytes(inner.aval), count * length)
+        fused = bool(names) and all(n in FUSIBLE and n not in FREE for n in names) \
+            and inner not in uses
+        piece = nbytes(inner.aval)
+        if inner.aval.dtype == jnp.bfloat16:
+            # the stack upcast whole to f32 before the loop (read it, write it twice as
+            # wide); each slice read from that, twice its bytes, and written back in
+            # bf16 (its fusible consumers are charged the bf16 read: the rest is here)
+            row("convert_element_type", outer.aval, 3 * piece * length, count)
+            row("dynamic_slice", inner.aval, piece if fused else 3 * piece, count * length)
+        elif not fused:
+            row("dynamic_slice", inner.aval, 2 * piece, count * length)
     for outer, inner in zip(eqn.outvars[n_carry:], body.outvars[n_carry:]):
         row("broadcast_in_dim", outer.aval, nbytes(outer.aval), count)
         made = producer.get(inner)
