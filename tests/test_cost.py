@@ -439,11 +439,12 @@ def test_a_scans_stacked_traffic_is_priced_out_of_cache():
     """The rows a scan adds for its stacked inputs and outputs are `cold` (written an
     iteration loop before they are read) and the body's own rows are not; a profile
     with `cold_hbm` prices the cold rows' bytes at it and every other row as before,
-    one without it (the accelerators', an older calibration file) at `hbm`."""
+    one without it (the accelerators', an older calibration file) at `hbm`. An eager
+    framework's layer loop stacks nothing: an unfused accelerator moves no cold bytes."""
     import jax
 
     from engine.cost.ledger import ledger
-    from engine.cost.price import compute_seconds
+    from engine.cost.price import compute_seconds, moved_bytes
 
     f, x, w = _scan_example()
     rows = ledger(jax.make_jaxpr(f)(x, w), Layout.parse("single"))
@@ -461,6 +462,9 @@ def test_a_scans_stacked_traffic_is_priced_out_of_cache():
             assert after == pytest.approx(4 * before, rel=1e-12) and before > 0
         else:
             assert after == before
+    eager = dataclasses.replace(hardware.get("h100"), fusion=False)
+    assert all(moved_bytes(r, eager) == 0 and moved_bytes(r, hw) == r.bytes > 0 for r in cold)
+    assert all(moved_bytes(r, eager) == r.bytes for r in rows if not r.cold)
 
 
 def test_paused_gc_restores_the_collector():

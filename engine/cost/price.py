@@ -162,9 +162,11 @@ def priced_rows(rows: list[Row], hw: Hardware) -> list[Row]:
 
 def moved_bytes(row: Row, hw: Hardware) -> float:
     """Bytes one execution of a compute row moves on `hw`: its fusion group share with
-    `hw.fusion`, else `Row.bytes`."""
+    `hw.fusion`, else `Row.bytes`; but nothing for the rows XLA:CPU adds to a scan's
+    loop (`Row.cold`) on an unfused accelerator (an eager framework, whose layer loop
+    stacks and slices nothing)."""
     if not hw.fusion:
-        return row.bytes
+        return 0.0 if row.cold and not hw.shared_host else row.bytes
     fused = row.fused_bytes if hw.epilogue_fusion else row.lib_bytes
     return fused if fused >= 0 else row.bytes
 
