@@ -6,9 +6,9 @@ Measures (median of repeated timed calls after a warm-up): matmul FLOP/s per ope
 dtype (f32; bf16 with f32 accumulation) on the shapes the `small` model runs (their
 median prices matmuls) and on 2048^3 (the best rate is the MFU peak); the host's memory
 bandwidth, as the sum over the 8 devices of a fused `1.5 * x + y` each streams at once
-(engine/cost/microbench.py `bandwidth`), on arrays the devices' caches hold together
-(`hbm`: 1/16 of the last-level cache per array and device) and on arrays half that
-cache's size (`hbm_cold`: the rate of a scan's stacked inputs and outputs), with freed
+(engine/cost/microbench.py `bandwidth`), on arrays the cache holds together (`hbm`:
+the 8 devices' arrays 1/8 of the last-level cache in all) and on arrays half that
+cache's size each (`hbm_cold`: the rate of a scan's stacked inputs and outputs), with freed
 memory kept in the process as the training step runs (engine/host.py); elementwise FLOP/s (a
 chain of exp/mul/add on a cache-resident array); and all-gather / reduce-scatter /
 all-reduce / ppermute time vs bytes on the forced 8-device mesh, fitted to

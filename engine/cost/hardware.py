@@ -186,6 +186,8 @@ PROFILES["h100-gt"] = dataclasses.replace(
 # all-to-all: `microbench.collective_times` + `fit` over 8 devices at 64 KiB..4 MiB on
 # 2026-11-23 at load average ~8 (other jobs running); all-gather in the same run fitted
 # (1.1e-4, 5.1e8), about 1/4 of its figure above, so this one is as pessimistic.
+# hbm: that calibration's one device on 64 MiB arrays (out of cache), not today's sum
+# over 8 devices in cache, and no hbm_cold: all traffic at an out-of-cache rate.
 CPU_DEFAULTS = {
     "peak_flops": {"float32": 6.5e10, "bfloat16": 4.5e10},
     "mfu_peak": {"float32": 9.71e10, "bfloat16": 5.39e10},
