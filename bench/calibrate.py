@@ -8,7 +8,9 @@ median prices matmuls) and on 2048^3 (the best rate is the MFU peak); the host's
 bandwidth, as the sum over the 8 devices of a fused `1.5 * x + y` each streams at once
 (engine/cost/microbench.py `bandwidth`), on arrays the cache holds together (`hbm`:
 the 8 devices' arrays 1/8 of the last-level cache in all) and on arrays half that
-cache's size each (`hbm_cold`: the rate of a scan's stacked inputs and outputs), with freed
+cache's size each (`hbm_cold`: the rate of a scan's stacked inputs and outputs; beside
+it, not used in pricing, `hbm_cold_scan`: that rate measured on a scan's stack itself,
+`microbench.stacking_bandwidth`, 1 MiB per slice), with freed
 memory kept in the process as the training step runs (engine/host.py); elementwise FLOP/s (a
 chain of exp/mul/add on a cache-resident array); and all-gather / reduce-scatter /
 all-reduce / ppermute time vs bytes on the forced 8-device mesh, fitted to
@@ -38,7 +40,8 @@ from jax.sharding import Mesh  # noqa: E402
 from engine.cost.hardware import CALIBRATION_PATH  # noqa: E402
 from engine.train import keep_freed_memory  # noqa: E402
 from engine.cost.microbench import (bandwidth, call_overhead, cold_elems,  # noqa: E402
-                                     collective_times, fit, last_level_cache, timed)
+                                     collective_times, fit, last_level_cache,
+                                     stacking_bandwidth, timed)
 
 
 def matmul_flops(m: int, k: int, n: int, dtype) -> float:
@@ -84,15 +87,18 @@ def main(argv=None) -> int:
     profile = {
         "peak_flops": peak, "mfu_peak": mfu_peak, "matmul_measured": measured,
         "hbm": host_bandwidth(mesh, warm, k=20),
-        "hbm_cold": host_bandwidth(mesh, cold_elems(), k=2), "vector_flops": vector_flops(),
+        "hbm_cold": host_bandwidth(mesh, cold_elems(), k=2),
+        "hbm_cold_scan": mesh.size * stacking_bandwidth(mesh, 1 << 18),
+        "vector_flops": vector_flops(),
         "collective_fit": {k: fit(k, v, mesh.size) for k, v in points.items()},
         "collective_points": points,
         "when": time.strftime("%Y-%m-%d %H:%M"), "load_avg": os.getloadavg(),
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(profile, indent=1))
-    print(json.dumps({k: profile[k] for k in ("peak_flops", "mfu_peak", "hbm", "hbm_cold", "vector_flops",
-                                              "collective_fit", "load_avg")}, indent=1))
+    shown = ("peak_flops", "mfu_peak", "hbm", "hbm_cold", "hbm_cold_scan", "vector_flops",
+             "collective_fit", "load_avg")
+    print(json.dumps({k: profile[k] for k in shown}, indent=1))
     print(f"wrote {args.out}")
     return 0
 

@@ -165,6 +165,29 @@ def cold_elems() -> int:
     return last_level_cache() // 8
 
 
+def stacking_bandwidth(mesh: Mesh, elems: int, n: int = 4) -> float:
+    """Bytes/s one device moves for a scan's stacked data, every device at once: a
+    scan stacking its f32[elems] carry n times and a reverse scan summing the stack,
+    less the same two loops without the stack, over the bytes the ledger charges the
+    stack (its `Row.cold` rows). A check of the `cold_elems` stream rate, which prices
+    those rows, against the traffic itself."""
+    from engine.cost.ledger import ledger
+    from engine.layout import Layout
+
+    def stacked(c):
+        c2, ys = lax.scan(lambda c, _: (c * 1.0001, c), c, None, length=n)
+        return lax.scan(lambda a, y: (a + y, None), c2, ys, reverse=True)[0]
+
+    def unstacked(c):
+        c2 = lax.fori_loop(0, n, lambda i, c: c * 1.0001, c)
+        return lax.fori_loop(0, n, lambda i, a: a + c, c2)
+
+    shapes = [((elems,), jnp.float32)]
+    extra = _per_device(mesh, stacked, shapes) - _per_device(mesh, unstacked, shapes)
+    rows = ledger(jax.make_jaxpr(stacked)(jnp.ones(elems, jnp.float32)), Layout.parse("single"))
+    return sum(r.total_bytes for r in rows if r.cold) / max(extra, 1e-9)
+
+
 def vector_rate(mesh: Mesh, elems: int, k: int = 20) -> float:
     """Elementwise FLOP/s one device gets (4 ledger FLOPs per element for each pass of
     `exp(-x * x) + 0.5`, k passes in a loop) while every device runs it."""
