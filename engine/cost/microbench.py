@@ -37,7 +37,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import collectives
 from engine.cost.hardware import Hardware
+from engine.cost.ledger import ledger
 from engine.cost.price import ring_factor
+from engine.layout import Layout
 
 
 def timed(f, *args, reps: int = 5) -> float:
@@ -171,9 +173,6 @@ def stacking_bandwidth(mesh: Mesh, elems: int, n: int = 4) -> float:
     less the same two loops without the stack, over the bytes the ledger charges the
     stack (its `Row.cold` rows). A check of the `cold_elems` stream rate, which prices
     those rows, against the traffic itself."""
-    from engine.cost.ledger import ledger
-    from engine.layout import Layout
-
     def stacked(c):
         c2, ys = lax.scan(lambda c, _: (c * 1.0001, c), c, None, length=n)
         return lax.scan(lambda a, y: (a + y, None), c2, ys, reverse=True)[0]
@@ -232,9 +231,9 @@ def fit(kind: str, points, n: int) -> tuple[float, float]:
 def in_run_profile(hw: Hardware, rows, devices, collective_sizes=None) -> Hardware:
     """`hw` with every rate the ledger's rows need measured now on `devices`, all at
     once: per-dot seconds, bandwidth and vector rate at the step's activation size, the
-    bandwidth out of cache, and
-    (with more than one device) the collective fits. Compute is then not multiplied by
-    the device count (`concurrent_rates`: the measurements already share the host)."""
+    bandwidth out of cache, and (with more than one device) the collective fits. Compute
+    is then not multiplied by the device count (`concurrent_rates`: the measurements
+    already share the host)."""
     mesh = _flat_mesh(devices)
     overhead = call_overhead(mesh)
     elems = typical_elems(rows)
