@@ -30,7 +30,8 @@ Megatron's. llm-foundry's benchmark runs (`submit_benchmarks.py`: `--attn_impl f
 installed with its `gpu-flash2` extra) and torchtitan (PyTorch's
 `scaled_dot_product_attention`, whose flash backend is FlashAttention-2) call
 FlashAttention-2, priced at its own H100 / A100 rate (engine/cost/hardware.py
-`FLASH_ATTENTION_2`); MaxText calls the Pallas splash kernel (the TPU profiles' rate).
+`FLASH_ATTENTION_2`: on H100 its published forward and backward speed at the row's
+sequence length); MaxText calls the Pallas splash kernel (the TPU profiles' rate).
 torchtitan's H100s are its Grand Teton hosts (96 GB of HBM2e at 2.4 TB/s, 500 W, a
 tensor-core peak "between SXM and NVL" in its page's words): the `h100-gt` profile.
 Megatron-LM in 2021 predates FlashAttention (Dao et al. 2022): it formed the [s, s]
@@ -252,7 +253,7 @@ def profile(r: Run):
 
     hw = hardware.get(r.hardware)
     if r.kernel == "flash2":
-        hw = dataclasses.replace(hw, attention_eff=hardware.FLASH_ATTENTION_2[r.hardware])
+        hw = dataclasses.replace(hw, **hardware.FLASH_ATTENTION_2[r.hardware])
     return hw if r.fused else dataclasses.replace(hw, fusion=False)
 
 

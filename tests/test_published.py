@@ -11,8 +11,8 @@ import pytest
 from engine.config import ParallelConfig, TrainConfig, model_config
 from engine.cost import hardware, memory
 from engine.cost.ledger import ledger, step_ledger
-from engine.cost.price import (attention_flops, causal_tile_fraction, priced_rows,
-                               ring_factor)
+from engine.cost.price import (attention_flops, causal_tile_fraction, compute_seconds,
+                               moved_bytes, priced_rows, ring_factor)
 from engine.layout import Layout
 
 
@@ -90,7 +90,6 @@ def test_matmul_epilogue_fuses_but_a_second_matmul_does_not_join():
 
 
 def test_gpu_profiles_price_matmul_products_written_tpu_fused():
-    from engine.cost.price import moved_bytes
 
     rows = _rows(lambda x, w: jnp.tanh(x @ w), (256, 128), (128, 128))
     tanh = next(r for r in rows if r.primitive == "tanh")
@@ -118,11 +117,32 @@ def test_flash_kernel_rows_replace_the_scan_on_accelerators_only():
     assert fwd.flops == 4 * B * L * L * H * K  # every [L, T] tile: QK^T and PV
     bwd = next(r for r in kernels if r.phase == "bwd")
     assert bwd.flops == 10 * B * L * L * H * K  # S, dP, dV, dK, dQ
-    h100 = hardware.get("h100")
-    assert attention_flops(fwd, h100) == fwd.flops * (4 + 1) / (2 * 4)  # 512 / 128 tiles
+    a100, h100 = hardware.get("a100"), hardware.get("h100")
+    assert attention_flops(fwd, a100) == fwd.flops * (4 + 1) / (2 * 4)  # 512 / 128 tiles
+    # H100: the FlashAttention-3 paper's cuDNN figures at 512 keys, over half the FLOPs
+    assert attention_flops(fwd, h100) == fwd.flops / 2
+    for row, tflops in ((fwd, 315), (bwd, 305)):
+        memory_s = moved_bytes(row, h100) / (h100.hbm * h100.mem_eff)
+        assert compute_seconds(row, h100, 1)[0] == pytest.approx(
+            max(row.flops / 2 / (tflops * 1e12), memory_s))
     on_h100, on_cpu = priced_rows(rows, h100), priced_rows(rows, hardware.get("cpu"))
     assert not any(r.kernel for r in on_h100) and any(r.kind == "attention" for r in on_h100)
     assert any(r.kernel for r in on_cpu) and not any(r.kind == "attention" for r in on_cpu)
+
+
+def test_attention_fraction_interpolates_the_published_speeds_by_sequence():
+    h100, gt = hardware.get("h100"), hardware.get("h100-gt")
+    fwd = lambda keys, hw=h100: hw.attention_fraction(keys, backward=False)
+    assert fwd(2048) == pytest.approx(484 / 989)
+    assert h100.attention_fraction(2048, backward=True) == pytest.approx(465 / 989)
+    assert fwd(round(2 ** 11.5)) == pytest.approx((484 + 518) / 2 / 989, rel=1e-4)
+    assert (fwd(64), fwd(1 << 20)) == (pytest.approx(315 / 989), pytest.approx(539 / 989))
+    # the same fraction of a lower peak (torchtitan's 500 W hosts)
+    assert fwd(8192, gt) == fwd(8192) and gt.matmul_peak("bfloat16") < 989e12
+    # no table: attention_eff whatever the length
+    a100 = hardware.get("a100")
+    assert a100.attention_fraction(512, True) == a100.attention_fraction(8192, False) == 0.55
+    assert hardware.get("cpu").flash is False and h100.flash and a100.flash
 
 
 def test_ring_factor():
@@ -217,8 +237,11 @@ def test_rows_price_the_attention_kernel_and_chip_their_source_ran():
     titan = next(r for r in RUNS if r.name.startswith("torchtitan"))
     maxtext = next(r for r in RUNS if r.name.startswith("MaxText"))
     for r in (foundry, titan):  # FlashAttention-2, not the profile's cuDNN kernel
-        assert profile(r).attention_eff == hardware.FLASH_ATTENTION_2[r.hardware]
-        assert profile(r).attention_eff < hardware.get("h100").attention_eff
+        hw, cudnn = profile(r), hardware.get("h100")
+        assert hw.attention_rates == hardware.FLASH_ATTENTION_2[r.hardware]["attention_rates"]
+        for backward in (False, True):
+            assert hw.attention_fraction(r.seq, backward) \
+                < cudnn.attention_fraction(r.seq, backward)
     assert profile(maxtext) == hardware.get(maxtext.hardware)
     # torchtitan's hosts: 96 GB of HBM2e at 2.4 TB/s, a tensor-core peak strictly between
     # the NVL's and the SXM's, MFU over the SXM peak as torchtitan's own figures

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from pathlib import Path
 
@@ -74,6 +75,12 @@ class Hardware:
     # its square score tile (queries = keys per tile)
     attention_eff: float = 0.0
     attention_tile: int = 128
+    # the kernel's published speed per sequence length, where a benchmark gives it:
+    # ((keys, forward, backward) as fractions of the bf16 matmul peak the benchmark ran
+    # at, ...), in the benchmarks' FLOP convention (a causal kernel is credited half the
+    # [L, L] FLOPs). When set, it prices the kernel instead of attention_eff and the tile
+    # fraction (`attention_fraction`)
+    attention_rates: tuple = ()
     # HBM per chip, bytes (what a step's peak must fit in); 0: unknown
     hbm_capacity: float = 0.0
     cold_hbm: float = 0.0
@@ -89,6 +96,26 @@ class Hardware:
 
     def matmul_peak(self, dtype: str) -> float:
         return self.peak_flops.get(dtype, self.peak_flops["float32"])
+
+    @property
+    def flash(self) -> bool:
+        """Whether attention runs as a flash kernel (else the jnp scan, the CPU's case)."""
+        return bool(self.attention_eff or self.attention_rates)
+
+    def attention_fraction(self, keys: int, backward: bool) -> float:
+        """Fraction of the matmul peak the flash kernel's forward (or backward) reaches
+        over `keys` keys: `attention_rates` interpolated in log2(keys) and held at its
+        ends; attention_eff without them."""
+        if not self.attention_rates:
+            return self.attention_eff
+        points = [(math.log2(k), b if backward else f) for k, f, b in self.attention_rates]
+        x = math.log2(max(keys, 1))
+        if x <= points[0][0]:
+            return points[0][1]
+        for (x0, y0), (x1, y1) in zip(points, points[1:]):
+            if x <= x1:
+                return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+        return points[-1][1]
 
     def mfu_peak_of(self, dtype: str) -> float:
         """Peak matmul FLOP/s of `dtype` on one chip (on a shared host: on the host)."""
@@ -126,20 +153,25 @@ def _tpu(name, bf16, hbm, ici_one_way, fast_domain, capacity):
 # nodes. matmul_eff: cuBLAS large bf16 GEMMs reach ~80% (A100, ~250 TFLOP/s) and ~75%
 # (H100, ~740 TFLOP/s); mem_eff 0.85 (STREAM-like copies); link_eff 0.8: nccl-tests
 # bus bandwidth ~230 GB/s of 300 (A100) and ~360 of 450 (H100).
-# attention_eff (forward + backward of the flash kernel XLA calls on GPU, cuDNN fused
-# attention, bf16, head dim 128; the backward does 2.5x the forward's FLOPs, so the pair
-# runs at 3.5 / (1/fwd + 2.5/bwd)):
-# - H100: FlashAttention-3 (Shah et al. 2024, arXiv:2407.08608) Figs. "Attention forward /
-#   backward speed, head dim 128 (H100 80GB SXM5)": cuDNN forward 617 / 609 / 600 TFLOP/s
-#   and backward 465 / 499 / 518 at seq 2k / 4k / 8k -> fwd + bwd ~ 520 = 0.52 of 989.
+# Attention: the flash kernel XLA calls on GPU (cuDNN fused attention), bf16, head
+# dim 128, causal.
+# - H100: `attention_rates` from the FlashAttention-3 paper (Shah et al. 2024,
+#   arXiv:2407.08608), H100 80GB SXM5, head dim 128, sequence 512 to 16k at 16k tokens
+#   per batch: the forward figure with causal mask (Fig. 5, "Attention forward speed")
+#   and the backward figure, published without causal mask only (Fig. 6, "Attention
+#   backward speed"), taken as the causal backward's (an upper bound: at short
+#   sequences a causal kernel runs below its non-causal speed, as the forward does).
+#   cuDNN: forward 315 / 410 / 484 / 518 / 529 / 539 TFLOP/s, backward 305 / 408 / 465 /
+#   499 / 518 / 516 at 512 / 1k / 2k / 4k / 8k / 16k (`H100_CUDNN`).
 # - A100: FlashAttention-2 (Dao 2023, arXiv:2307.08691): forward + backward at 50-73% of
-#   the A100's peak across its benchmarks, head dim 128 causal near the low end: 0.55.
-# Both count causal FLOPs as the tiles computed (price.causal_tile_fraction).
+#   the A100's peak across its benchmarks, head dim 128 causal near the low end:
+#   attention_eff 0.55 of the peak for both, over the causal tiles computed
+#   (price.causal_tile_fraction); no per-length figures are transcribed here.
 # A run whose framework called an older kernel is priced at that kernel's rate
 # (`FLASH_ATTENTION_2`): FlashAttention-2 on H100 (no WGMMA / TMA, written for Ampere),
-# FlashAttention-3 paper, same figures, head dim 128: forward 362 / 368 / 370 TFLOP/s and
-# backward 291 / 310 / 318 at seq 2k / 4k / 8k -> fwd + bwd 308 / 325 / 331 ~ 0.32 of
-# 989. On A100 FlashAttention-2 is the kernel the profile already prices (0.55).
+# same figures of the FlashAttention-3 paper: forward with causal mask 191 / 260 / 298 /
+# 319 / 333 / 335 TFLOP/s, backward 214 / 260 / 291 / 310 / 318 / 322. On A100
+# FlashAttention-2 is the kernel the profile already prices (0.55).
 # HBM per chip: 80 GB (A100-SXM4-80GB and H100-SXM5 datasheets).
 def _gpu(name, bf16, tf32, fp32, hbm, nvlink_dir, nic, matmul_eff, attention_eff):
     return Hardware(name, {"bfloat16": bf16, "float32": tf32}, fp32, hbm,
@@ -149,17 +181,35 @@ def _gpu(name, bf16, tf32, fp32, hbm, nvlink_dir, nic, matmul_eff, attention_eff
                     attention_eff=attention_eff, hbm_capacity=80e9, source="published specs")
 
 
+# (sequence, forward TFLOP/s, backward TFLOP/s) of the FlashAttention-3 paper's
+# H100 SXM5 benchmarks, head dim 128 (the figures above)
+H100_CUDNN = ((512, 315, 305), (1024, 410, 408), (2048, 484, 465), (4096, 518, 499),
+              (8192, 529, 518), (16384, 539, 516))
+H100_FA2 = ((512, 191, 214), (1024, 260, 260), (2048, 298, 291), (4096, 319, 310),
+            (8192, 333, 318), (16384, 335, 322))
+
+
+def flash_rates(peak: float, table) -> tuple:
+    """`Hardware.attention_rates` from ((sequence, forward, backward TFLOP/s), ...)
+    measured on a chip of bf16 matmul `peak` FLOP/s."""
+    return tuple((s, f * 1e12 / peak, b * 1e12 / peak) for s, f, b in table)
+
+
 PROFILES = {
     "v4": _tpu("TPU v4", 275e12, 1.2e12, 4.5e10, 4096, 32 * 2**30),
     "v5e": _tpu("TPU v5e", 197e12, 8.1e11, 4.5e10, 256, 16 * 2**30),
     "v5p": _tpu("TPU v5p", 459e12, 2.765e12, 9e10, 8960, 95 * 2**30),
     "a100": _gpu("A100-SXM 80GB", 312e12, 156e12, 19.5e12, 2.039e12, 300e9, 25e9, 0.8, 0.55),
-    "h100": _gpu("H100-SXM", 989e12, 494.7e12, 67e12, 3.35e12, 450e9, 50e9, 0.75, 0.52),
+    "h100": dataclasses.replace(
+        _gpu("H100-SXM", 989e12, 494.7e12, 67e12, 3.35e12, 450e9, 50e9, 0.75, 0.0),
+        attention_rates=flash_rates(989e12, H100_CUDNN)),
 }
 
-# Attention efficiency of FlashAttention-2 (the kernel PyTorch's SDPA flash backend and
+# The profile fields of FlashAttention-2 (the kernel PyTorch's SDPA flash backend and
 # flash-attn 2 run) per GPU profile, from the figures above.
-FLASH_ATTENTION_2 = {"h100": 0.32, "h100-gt": 0.32, "a100": 0.55}
+FLASH_ATTENTION_2 = {"h100": dict(attention_rates=flash_rates(989e12, H100_FA2)),
+                     "h100-gt": dict(attention_rates=flash_rates(989e12, H100_FA2)),
+                     "a100": dict(attention_eff=0.55, attention_rates=())}
 
 # H100 as torchtitan's benchmark pages describe their Grand Teton hosts: "96GB HBM2e with
 # 2.4 TB/sec peak memory bandwidth", run at "the default 500W power limit" (the SXM5

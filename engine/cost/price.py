@@ -35,10 +35,13 @@ all-reduces over dp, the loss's reductions) sits between dependent computations 
 exposed. Hideable time beyond the blocks' compute is exposed too (scaled evenly).
 Predicted step = compute + exposed communication.
 
-On an accelerator profile (`hw.fusion`, `hw.attention_eff`) compute rows move their
-share of their XLA fusion group's bytes (engine/cost/fusion.py) and attention is the
-target's flash kernel: the jnp scan's matmul FLOPs times the causal tile fraction, at
-`attention_eff` of the matmul peak. The CPU prices `Row.bytes` and the scan's own rows.
+On an accelerator profile (`hw.fusion`, `hw.flash`) compute rows move their share of
+their XLA fusion group's bytes (engine/cost/fusion.py) and attention is the target's
+flash kernel: the jnp scan's matmul FLOPs times the causal tile fraction, at
+`attention_eff` of the matmul peak, or where the kernel's speed is published per
+sequence length (`attention_rates`), half the scan's FLOPs at the forward's or the
+backward's measured rate for the row's key count. The CPU prices `Row.bytes` and the
+scan's own rows.
 """
 from __future__ import annotations
 
@@ -145,17 +148,30 @@ def causal_tile_fraction(keys: int, tile: int) -> float:
 
 
 def attention_flops(row: Row, hw: Hardware) -> float:
-    """FLOPs the target's flash kernel does for a `kind="attention"` row: the jnp scan's
-    matmul FLOPs (all J x T key blocks of every query) times the causal tile fraction."""
+    """FLOPs the target's flash kernel is priced for in a `kind="attention"` row: the jnp
+    scan's matmul FLOPs (all J x T key blocks of every query) times the causal tile
+    fraction; with measured `hw.attention_rates`, half of them, the convention those
+    benchmarks' FLOP/s are counted in."""
     blocks, block = row.shape
+    if hw.attention_rates:
+        return row.flops / 2
     return row.flops * causal_tile_fraction(blocks * block, hw.attention_tile)
 
 
+def attention_rate(row: Row, hw: Hardware) -> float:
+    """FLOP/s of the target's flash kernel for a `kind="attention"` row: its forward's
+    (phases fwd, recompute) or backward's fraction of the matmul peak at the row's
+    key count (`Hardware.attention_fraction`)."""
+    blocks, block = row.shape
+    fraction = hw.attention_fraction(blocks * block, backward=row.phase == "bwd")
+    return hw.matmul_peak(row.dtype) * fraction
+
+
 def priced_rows(rows: list[Row], hw: Hardware) -> list[Row]:
-    """The rows the target runs: with a flash kernel (`hw.attention_eff`), the attention
+    """The rows the target runs: with a flash kernel (`hw.flash`), the attention
     kernel rows replace the jnp scan's rows (`Row.kernel`); otherwise (CPU) the scan's
     rows are what runs and the kernel rows are dropped."""
-    if hw.attention_eff:
+    if hw.flash:
         return [r for r in rows if not r.kernel]
     return [r for r in rows if r.kind != "attention"]
 
@@ -184,7 +200,7 @@ def compute_seconds(row: Row, hw: Hardware, n_devices: int) -> tuple[float, str]
     if row.dot in hw.dot_seconds:  # measured with every device at once: no scale
         return hw.dot_seconds[row.dot], "compute"
     if row.kind == "attention":
-        peak, flops = hw.matmul_peak(row.dtype) * hw.attention_eff, attention_flops(row, hw)
+        peak, flops = attention_rate(row, hw), attention_flops(row, hw)
     elif row.kind == "matmul":
         peak, flops = hw.matmul_peak(row.dtype) * hw.matmul_eff, row.flops
     else:
