@@ -151,8 +151,12 @@ def _tpu(name, bf16, hbm, ici_one_way, fast_domain, capacity):
 # lets f32 dots use TF32); FP32 (non-tensor) for elementwise; HBM, NVLink per direction (600 / 900 GB/s bidirectional)
 # within an 8-GPU node, one 200 Gb/s HDR (A100) / 400 Gb/s NDR (H100) NIC per GPU across
 # nodes. matmul_eff: cuBLAS large bf16 GEMMs reach ~80% (A100, ~250 TFLOP/s) and ~75%
-# (H100, ~740 TFLOP/s); mem_eff 0.85 (STREAM-like copies); link_eff 0.8: nccl-tests
-# bus bandwidth ~230 GB/s of 300 (A100) and ~360 of 450 (H100).
+# (H100, ~740 TFLOP/s): below the best shape of a brute-force shape search, the
+# "maximum achievable matmul FLOPS" of Bekman's ml-engineering book (compute/accelerator,
+# mamf-finder.py, torch 2.6-2.7): 271.2 TFLOP/s on A100 SXM (86.9%), 794.5 on H100 SXM
+# (80.3%), as a model's own shapes are not the best one; mem_eff 0.85 (STREAM-like
+# copies); link_eff 0.8: nccl-tests bus bandwidth ~230 GB/s of 300 (A100) and ~360 of
+# 450 (H100).
 # Attention: the flash kernel XLA calls on GPU (cuDNN fused attention), bf16, head
 # dim 128, causal.
 # - H100: `attention_rates` from the FlashAttention-3 paper (Shah et al. 2024,
