@@ -32,8 +32,11 @@ waits for it:
   ppermute runs under the partial matmul of the chunk already held.
 Everything else (tp all-reduces, sequence-parallel gathers / reduce-scatters, grad
 all-reduces over dp, the loss's reductions) sits between dependent computations and is
-exposed. Hideable time beyond the blocks' compute is exposed too (scaled evenly).
-Predicted step = compute + exposed communication.
+exposed. Hideable time beyond the blocks' compute is exposed too (scaled evenly). A
+hidden collective is not free where compute runs slower beside it
+(`hw.overlap_slowdown` s, GPUs): the compute it hides under takes 1 + s times as long,
+so s / (1 + s) of the collective's hidden time stays on the critical path, counted in
+its exposed time. Predicted step = compute + exposed communication.
 
 On an accelerator profile (`hw.fusion`, `hw.flash`) compute rows move their share of
 their XLA fusion group's bytes (engine/cost/fusion.py) and attention is the target's
@@ -240,7 +243,11 @@ def predict(rows: list[Row], hw: Hardware, mesh_axes, prefetch: bool = False) ->
                 block_compute += t
             priced.append((r, t, bound, False))
     hidden_frac = min(1.0, block_compute / hidable) if hidable else 0.0
-    priced = [Priced(r, t, bound, t * (1 - hidden_frac if hides else 1) if bound == "comm" else 0.0)
+    # what a hideable collective leaves on the critical path: the part beyond the
+    # blocks' compute, and the slowdown of the compute it hides under
+    slowed = hw.overlap_slowdown / (1 + hw.overlap_slowdown)
+    left = 1 - hidden_frac + hidden_frac * slowed
+    priced = [Priced(r, t, bound, t * (left if hides else 1) if bound == "comm" else 0.0)
               for r, t, bound, hides in priced]
     exposed = sum(p.exposed for p in priced)
     return Prediction(tuple(priced), compute, comm, exposed, compute + exposed, hw.name)
