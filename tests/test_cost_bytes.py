@@ -146,7 +146,7 @@ def test_a_bf16_stacked_input_is_upcast_whole_before_the_loop():
     for dtype in (jnp.bfloat16, jnp.float32):
         c, w = jnp.ones((16, 32), dtype), jnp.ones((4, 32, 32), dtype)
         rows = ledger(jax.make_jaxpr(f)(c, w), Layout.parse("single"))
-        converts = [r for r in rows if r.primitive == "convert_element_type" and r.cold]
+        converts = [r for r in rows if r.primitive == "convert_element_type" and r.scan_stack]
         [piece] = [r for r in rows if r.primitive == "dynamic_slice"]
         module = hlo.parse(jax.jit(f).lower(c, w).compile().as_text())
         entry = module.computations[module.entry]
@@ -161,11 +161,11 @@ def test_a_bf16_stacked_input_is_upcast_whole_before_the_loop():
 
 
 def test_a_scans_stacked_traffic_is_priced_out_of_cache():
-    """The rows a scan adds for its stacked inputs and outputs are `cold` (written an
-    iteration loop before they are read) and the body's own rows are not; a profile
-    with `cold_hbm` prices the cold rows' bytes at it and every other row as before,
-    one without it (the accelerators', an older calibration file) at `hbm`. An eager
-    framework's layer loop stacks nothing: an unfused accelerator moves no cold bytes."""
+    """The rows a scan adds for its stacked inputs and outputs are `scan_stack` rows
+    (written an iteration loop before they are read) and the body's own rows are not; a
+    profile with `cold_hbm` prices their bytes at it and every other row as before, one
+    without it (the accelerators', an older calibration file) at `hbm`. An eager
+    framework's layer loop stacks nothing: an unfused accelerator moves none of them."""
     import jax
 
     from engine.cost.ledger import ledger
@@ -174,19 +174,19 @@ def test_a_scans_stacked_traffic_is_priced_out_of_cache():
     f, x, w = _scan_example()
     rows = ledger(jax.make_jaxpr(f)(x, w), Layout.parse("single"))
     stacked = {"dynamic_update_slice", "dynamic_slice", "broadcast_in_dim"}
-    cold = [r for r in rows if r.cold]
+    cold = [r for r in rows if r.scan_stack]
     assert cold and {r.primitive for r in cold} <= stacked
     assert all(r.scope == "other" and r.kind == "memory" for r in cold)
-    assert any(not r.cold and r.kind == "memory" for r in rows)
+    assert any(not r.scan_stack and r.kind == "memory" for r in rows)
     hw = hardware.cpu_defaults()
     assert hw.cold_hbm == 0 and all(p.cold_hbm == 0 for p in hardware.PROFILES.values())
     slow = dataclasses.replace(hw, cold_hbm=hw.hbm / 4)
     for r in rows:
         before, after = compute_seconds(r, hw, 1)[0], compute_seconds(r, slow, 1)[0]
-        if r.cold:
+        if r.scan_stack:
             assert after == pytest.approx(4 * before, rel=1e-12) and before > 0
         else:
             assert after == before
     eager = dataclasses.replace(hardware.get("h100"), fusion=False)
     assert all(moved_bytes(r, eager) == 0 and moved_bytes(r, hw) == r.bytes > 0 for r in cold)
-    assert all(moved_bytes(r, eager) == r.bytes for r in rows if not r.cold)
+    assert all(moved_bytes(r, eager) == r.bytes for r in rows if not r.scan_stack)

@@ -39,7 +39,7 @@ class Hardware:
     compute adds up across devices (forced host-platform devices).
     bf16_collectives_in_f32: the runtime moves bf16 collectives as f32 (XLA on CPU; the
     audit's `cpu_bf16_collectives_in_f32` rule), so they cost twice their ledger bytes.
-    cold_hbm: bytes/s of traffic the caches do not hold (`Row.cold`: a scan's stacked
+    cold_hbm: bytes/s of traffic the caches do not hold (`Row.scan_stack`: a scan's stacked
     inputs and outputs, written an iteration loop before they are read); 0: `hbm`
     (accelerators: their memory rate is HBM's whatever the reuse distance)."""
 

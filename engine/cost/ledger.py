@@ -93,10 +93,13 @@ class Row:
     # the pipeline scopes (layers.scopes.PP_SCOPES) on the row's name stack, outermost
     # first: which tick unit of engine/pipeline.py runs it (engine/cost/pipeline.py)
     pp: tuple = ()
-    # the row moves data across a scan's iterations (its stacked inputs and outputs:
-    # `_scan_copy_rows`), written long before it is read, so out of a host's caches
-    # (priced at `Hardware.cold_hbm`)
-    cold: bool = False
+    # the row is traffic XLA adds to lower a `lax.scan` to a loop (`_scan_copy_rows`:
+    # the slices of its stacked inputs, the updates of its stacked outputs, their
+    # zero-fills and upcasts). Two consequences in pricing (engine/cost/price.py): the
+    # data is written an iteration loop before it is read, so out of a host's caches
+    # (`Hardware.cold_hbm`); and an eager framework's layer loop, which stacks and
+    # slices nothing, does not move it
+    scan_stack: bool = False
 
     def replace(self, **changes) -> Row:
         """`dataclasses.replace(self, **changes)` without its per-field loop (the walk
@@ -322,7 +325,7 @@ def _scan_copy_rows(eqn, phase, scope, count, pp=()) -> list[Row]:
     def row(primitive, aval, moved, n):
         rows.append(Row(scope, phase, "memory", primitive, _dtype_name(aval.dtype),
                         tuple(aval.shape), 0.0, float(moved), n, fused_bytes=0.0,
-                        lib_bytes=0.0, pp=pp, cold=True))
+                        lib_bytes=0.0, pp=pp, scan_stack=True))
 
     for outer, inner in zip(eqn.invars[first:], body.invars[first:]):
         names = consumers.get(inner, [])

@@ -10,7 +10,7 @@ is what the step pays for that op (no x n_devices afterwards):
 - `bandwidth`: `y = 1.5 * x + y` passes in a loop on per-device arrays of the step's
   typical activation size (reads two, writes one), and on arrays of half the host's
   last-level cache per device (`cold_elems`: every pass streams from memory), the rate
-  of a scan's stacked inputs and outputs (`Row.cold`);
+  of a scan's stacked inputs and outputs (`Row.scan_stack`);
 - `vector_rate`: `exp(-x * x) + 0.5` passes in a loop on the same arrays (FLOPs counted
   as the ledger counts them: one per elementwise op per element);
 - `collective_times` / `fit`: each collective's time vs bytes over one axis of all
@@ -171,7 +171,7 @@ def stacking_bandwidth(mesh: Mesh, elems: int, n: int = 4) -> float:
     """Bytes/s one device moves for a scan's stacked data, every device at once: a
     scan stacking its f32[elems] carry n times and a reverse scan summing the stack,
     less the same two loops without the stack, over the bytes the ledger charges the
-    stack (its `Row.cold` rows). A check of the `cold_elems` stream rate, which prices
+    stack (its `Row.scan_stack` rows). A check of the `cold_elems` stream rate, which prices
     those rows, against the traffic itself."""
     def stacked(c):
         c2, ys = lax.scan(lambda c, _: (c * 1.0001, c), c, None, length=n)
@@ -184,7 +184,7 @@ def stacking_bandwidth(mesh: Mesh, elems: int, n: int = 4) -> float:
     shapes = [((elems,), jnp.float32)]
     extra = _per_device(mesh, stacked, shapes) - _per_device(mesh, unstacked, shapes)
     rows = ledger(jax.make_jaxpr(stacked)(jnp.ones(elems, jnp.float32)), Layout.parse("single"))
-    return sum(r.total_bytes for r in rows if r.cold) / max(extra, 1e-9)
+    return sum(r.total_bytes for r in rows if r.scan_stack) / max(extra, 1e-9)
 
 
 def vector_rate(mesh: Mesh, elems: int, k: int = 20) -> float:

@@ -2,8 +2,8 @@
 
 Compute rows by roofline: max(FLOPs / (peak * matmul_eff), bytes / (hbm * mem_eff)),
 matmuls at the peak of their operand dtype, other rows at the vector rate, the bytes of
-a scan's stacked inputs and outputs (`Row.cold`) at `cold_hbm` where the profile has
-one (a host whose caches hold a layer's working set but not the stacks); a matmul whose
+a scan's stacked inputs and outputs (`Row.scan_stack`) at `cold_hbm` where the profile
+has one (a host whose caches hold a layer's working set but not the stacks); a matmul whose
 exact dot the profile has timed (`Hardware.dot_seconds`, measured in the same run by
 `engine/cost/microbench.py`) costs its measured time. Collectives by
 ring formulas over the slowest link tier their axes use, n = group size:
@@ -181,11 +181,11 @@ def priced_rows(rows: list[Row], hw: Hardware) -> list[Row]:
 
 def moved_bytes(row: Row, hw: Hardware) -> float:
     """Bytes one execution of a compute row moves on `hw`: its fusion group share with
-    `hw.fusion`, else `Row.bytes`; but nothing for the rows XLA:CPU adds to a scan's
-    loop (`Row.cold`) on an unfused accelerator (an eager framework, whose layer loop
+    `hw.fusion`, else `Row.bytes`; but nothing for the rows XLA adds to lower a scan
+    (`Row.scan_stack`) on an unfused accelerator (an eager framework, whose layer loop
     stacks and slices nothing)."""
     if not hw.fusion:
-        return 0.0 if row.cold and not hw.shared_host else row.bytes
+        return 0.0 if row.scan_stack and not hw.shared_host else row.bytes
     fused = row.fused_bytes if hw.epilogue_fusion else row.lib_bytes
     return fused if fused >= 0 else row.bytes
 
@@ -209,7 +209,7 @@ def compute_seconds(row: Row, hw: Hardware, n_devices: int) -> tuple[float, str]
     else:
         peak, flops = hw.vector_flops, row.flops
     t_flops = flops / peak
-    hbm = hw.cold_hbm if row.cold and hw.cold_hbm else hw.hbm
+    hbm = hw.cold_hbm if row.scan_stack and hw.cold_hbm else hw.hbm
     t_bytes = moved_bytes(row, hw) / (hbm * hw.mem_eff)
     scale = n_devices if hw.shared_host and not hw.concurrent_rates else 1
     return scale * max(t_flops, t_bytes), "compute" if t_flops >= t_bytes else "memory"
