@@ -274,6 +274,29 @@ def _kernel_row(eqn, phase, scope, count, body_rows, pp=()) -> Row:
                (eqn.params["length"], block), flops, float(moved), count, pp=pp)
 
 
+@functools.cache
+def cpu_upcasts_bf16_stacks() -> bool:
+    """Whether this host's XLA:CPU upcasts a scan's bf16 stacked input whole to f32
+    before the loop (jax 0.10's does, jax 0.12's does not): read off the compiled module
+    of a four-step scan of a dot over a bf16 [4, 32, 32] stack, once per process."""
+    from jax import lax
+
+    from engine.cost import hlo
+
+    def f(c_BD, w_NDD):
+        def body(c_BD, w_DD):
+            return jnp.dot(c_BD, w_DD, preferred_element_type=jnp.float32
+                           ).astype(c_BD.dtype), None
+
+        return lax.scan(body, c_BD, w_NDD)[0]
+
+    on_cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+    c, w = (jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=on_cpu)
+            for shape in ((16, 32), (4, 32, 32)))
+    module = hlo.parse(jax.jit(f).lower(c, w).compile().as_text())
+    return any(i.result.startswith("f32[4,32,32]") for i in module.computations[module.entry])
+
+
 def _scan_copy_rows(eqn, phase, scope, count, pp=()) -> list[Row]:
     """What XLA adds when it lowers a `lax.scan` to a while loop, which the scan's jaxpr
     does not show, in the scan's own scope and phase:
@@ -282,9 +305,10 @@ def _scan_copy_rows(eqn, phase, scope, count, pp=()) -> list[Row]:
       of the whole [N, ...] buffer per execution of the scan: a `broadcast_in_dim` row),
       into which each iteration writes its slice with a `dynamic_update_slice`;
     - each stacked input (xs) is sliced once per iteration with a `dynamic_slice`;
-    - XLA:CPU upcasts a bf16 stacked input whole to f32 before the loop (a
+    - XLA:CPU of jax 0.10 upcasts a bf16 stacked input whole to f32 before the loop (a
       `convert_element_type` row reading the stack and writing it twice as wide), and
-      each iteration slices the f32 stack and converts the slice back to bf16.
+      each iteration slices the f32 stack and converts the slice back to bf16; jax
+      0.12's slices the bf16 stack as it is (`cpu_upcasts_bf16_stacks` asks the host's).
 
     Both slices are priced as `fusion.io_bytes` prices the explicit ops: the update slice is
     written in place (read the update, write the slice), the input slice is read and
@@ -332,7 +356,7 @@ def _scan_copy_rows(eqn, phase, scope, count, pp=()) -> list[Row]:
         fused = bool(names) and all(n in FUSIBLE and n not in FREE for n in names) \
             and inner not in uses
         piece = nbytes(inner.aval)
-        if inner.aval.dtype == jnp.bfloat16:
+        if inner.aval.dtype == jnp.bfloat16 and cpu_upcasts_bf16_stacks():
             # the stack upcast whole to f32 before the loop (read it, write it twice as
             # wide); each slice read from that, twice its bytes, and written back in
             # bf16 (its fusible consumers are charged the bf16 read: the rest is here)
