@@ -191,6 +191,10 @@ def main(argv=None) -> int:
                            ["step s", g4(pred.step_s), g4(step_s)],
                            ["MFU", pct(mfu), pct(meas_mfu)]],
                           ["step summary", "predicted", "measured"], disable_numparse=True))
+    if hw.overlap and hw.overlap_slowdown:
+        print(f"comm exposed counts {hw.overlap_slowdown / (1 + hw.overlap_slowdown):.3g} "
+              f"of each hidden collective's time: compute runs {hw.overlap_slowdown:.1%} "
+              f"slower beside a collective on {hw.name} (engine/cost/hardware.py)")
     print(f"MFU: {mflops / 1e9:.3g} model GFLOP per step over a peak of "
           f"{mfu_peak(cfg, hw, layout.size) / 1e12:.3g} TFLOP/s "
           f"({'the host' if hw.shared_host else f'{layout.size} chips'}, {cfg.dtype})")
