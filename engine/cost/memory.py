@@ -32,7 +32,9 @@ head dim; D d_model; N layers; W = one layer's weights on a tp rank (wq, wk, wv,
 wu, wd as the param table shards them over tp; kv whole when tp > G), W_r the same with
 kv sliced to the rank (G_tp);
 c = bytes of the compute dtype; u = bytes of a compute-dtype operand of a mixed
-(compute dtype x f32) dot: 4 on `cpu` (XLA:CPU upcasts it to f32), else c. Matmuls run
+(compute dtype x f32) dot: 4 on `cpu` (XLA:CPU upcasts it to f32), else c; under remat
+none, whose saved operands are the layer scan's stacks, c where the host's XLA:CPU
+keeps a bf16 stack as it is (jax 0.12; `ledger.cpu_upcasts_bf16_stacks`). Matmuls run
 through `layers.common.einsum`, whose backward casts the f32 cotangent to the compute
 dtype, so the backward's matmul operands are compute-dtype tensors; the layer's weights
 are cast to the compute dtype and all-gathered as one flat buffer
@@ -53,6 +55,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from engine.config import TrainConfig
+from engine.cost.ledger import cpu_upcasts_bf16_stacks
 from engine.layout import Layout
 from layers.attention import cp_kernel, resolve_attention
 from layers.config import ModelConfig
@@ -353,6 +356,8 @@ def predict(cfg: ModelConfig, tcfg: TrainConfig, layout: Layout, platform: str =
         trans = {**{k: v for k, v in trans_full.items() if not k.startswith("mlp g")},
                  **({"mlp sigmoid(g) (recomputed)": mlp} if cpu else {})}
     else:  # none: the saved dot operands in u (XLA:CPU converts them for the backward)
+        if cpu and not cpu_upcasts_bf16_stacks():
+            u = c  # this host's XLA:CPU slices a bf16 stack as it is (jax 0.12)
         saved = (B * Htp * L * F32 if kernel in ("flash", "ring")
                  else scores // F32 * u + B * Htp * L * F32 if kernel == "chunked"
                  else scores + scores // F32 * u)
