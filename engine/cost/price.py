@@ -155,9 +155,9 @@ def attention_flops(row: Row, hw: Hardware) -> float:
     scan's matmul FLOPs (all J x T key blocks of every query) times the causal tile
     fraction; with measured `hw.attention_rates`, half of them, the convention those
     benchmarks' FLOP/s are counted in."""
-    blocks, block = row.shape
     if hw.attention_rates:
         return row.flops / 2
+    blocks, block = row.shape
     return row.flops * causal_tile_fraction(blocks * block, hw.attention_tile)
 
 
