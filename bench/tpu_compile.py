@@ -23,7 +23,11 @@ Attention compiles as the `blocked` kernel (the flash algorithm in jnp, which XL
 compiles like any layer) where a run asks for `auto`: this engine's Pallas kernel is
 written for interpret mode, not for Mosaic. The memory model prices the target's flash
 kernel for both. `--live N` prints the N largest buffers live at the peak of XLA's
-buffer assignment, from its live-range report.
+buffer assignment, from its live-range report. `--cost` prints XLA:TPU's count of the
+step's FLOPs and bytes accessed beside the ledger's (engine/cost/ledger.py) with the TPU
+fusion model's bytes and the op-by-op bytes: a check of the fusion model against the
+target's own fusions, meaningful on a step without loops (`--layers 1 --attention
+reference`), as XLA counts a loop's body once.
 """
 from __future__ import annotations
 
@@ -139,7 +143,37 @@ def assigned_bytes(dump: Path) -> int | None:
     return None
 
 
-def compile_step(name: str, hardware: str, cfg, tcfg, parallel, layout) -> dict:
+def ledger_cost(cfg, tcfg, parallel, layout, hardware: str) -> dict:
+    """The step's FLOPs and bytes by the ledger, as XLA:TPU compiles it: compute rows
+    (no collectives), the jnp attention's own rows (what the compile runs, not the
+    flash kernel pricing puts in their place), bytes by the TPU fusion model and op by
+    op (`Row.bytes`)."""
+    import dataclasses
+
+    from engine.cost.hardware import get
+    from engine.cost.ledger import step_ledger
+    from engine.cost.price import moved_bytes, priced_rows
+
+    hw = dataclasses.replace(get(hardware), attention_eff=0.0, attention_rates=())
+    rows = [r for r in priced_rows(step_ledger(cfg, tcfg, layout, parallel, False), hw)
+            if r.kind != "collective"]
+    return dict(flops=sum(r.flops * r.count for r in rows),
+                fused_bytes=sum(moved_bytes(r, hw) * r.count for r in rows),
+                bytes=sum(r.bytes * r.count for r in rows))
+
+
+def xla_cost(compiled) -> dict:
+    """XLA:TPU's own count of the compiled step's FLOPs and bytes accessed
+    (`cost_analysis()`, which counts a loop's body once whatever its trip count) and
+    how many loops the step holds."""
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    return dict(flops=cost.get("flops", 0.0), bytes=cost.get("bytes accessed", 0.0),
+                loops=len(re.findall(r"\swhile\(", compiled.as_text())))
+
+
+def compile_step(name: str, hardware: str, cfg, tcfg, parallel, layout,
+                 cost: bool = False) -> dict:
     """Compile one step for a slice of `layout.size` chips of a TPU profile: whether
     XLA:TPU accepts it (it refuses a step whose buffer assignment exceeds the chip's
     HBM), its figures, and the memory model's peak. Attention `auto` compiles as
@@ -163,8 +197,12 @@ def compile_step(name: str, hardware: str, cfg, tcfg, parallel, layout) -> dict:
                hbm=hbm, fits_model=model.peak <= hbm, compiler=None, needs=None)
     t0 = time.perf_counter()
     try:
-        row["compiler"] = memory.measure(memory.compile_step(trainer))
+        compiled = memory.compile_step(trainer)
+        row["compiler"] = memory.measure(compiled)
         row["fits_compiler"] = True
+        if cost:
+            row["xla_cost"] = xla_cost(compiled)
+            row["ledger_cost"] = ledger_cost(cfg, tcfg, parallel, layout, hardware)
     except jax.errors.JaxRuntimeError as e:
         if (refused := out_of_hbm(str(e))) is None:
             raise
@@ -196,6 +234,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--only", default=None, help="published TPU runs whose name contains this")
     g.add_argument("--live", type=int, default=0, metavar="N",
                    help="also print the N largest buffers live at XLA's peak")
+    g.add_argument("--cost", action="store_true",
+                   help="also print XLA:TPU's FLOPs and bytes accessed (cost_analysis) "
+                        "beside the ledger's; XLA counts a loop body once, so compare "
+                        "steps without loops: --layers 1 --attention reference")
     g.add_argument("--json", default=None, help="write the rows as JSON")
     p = train_parser(prog="python bench/tpu_compile.py", description=__doc__.split("\n\n")[0],
                      parents=[own], groups=("model", "parallel", "training"))
@@ -246,7 +288,7 @@ def main(argv=None) -> int:
                                f"--xla_dump_hlo_module_re=.*train_step.*").strip()
     out = []
     for name, hardware, configs in steps:
-        row = compile_step(name, hardware, *configs)
+        row = compile_step(name, hardware, *configs, cost=args.cost)
         row["assigned"] = row["needs"] if row["needs"] is not None else assigned_bytes(dump)
         row["live"] = live_at_peak(dump, args.live)
         shutil.rmtree(dump)  # one module's dump at a time
@@ -256,6 +298,14 @@ def main(argv=None) -> int:
               f"{row['model_peak'] / GiB:.2f} GiB ({row['compile_s']:.0f} s)", flush=True)
         for buffer, size in row["live"]:
             print(f"    {size / GiB:7.3f} GiB  {buffer}")
+        if "xla_cost" in row:
+            x, m = row["xla_cost"], row["ledger_cost"]
+            loops = (f"; {x['loops']} loops, each body counted once by XLA"
+                     if x["loops"] else "")
+            print(f"    XLA:TPU {x['flops']:.4g} FLOPs, {x['bytes']:.4g} bytes accessed{loops}"
+                  f"\n    ledger  {m['flops']:.4g} FLOPs ({m['flops'] / x['flops']:.3f}x), "
+                  f"{m['fused_bytes']:.4g} bytes fused ({m['fused_bytes'] / x['bytes']:.3f}x), "
+                  f"{m['bytes']:.4g} op by op ({m['bytes'] / x['bytes']:.3f}x)")
     shutil.rmtree(dump)
     print(tabulate([[r["name"], r["topology"], r["fits_compiler"], r["fits_model"],
                      None if r["assigned"] is None else r["assigned"] / GiB,

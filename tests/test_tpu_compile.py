@@ -1,5 +1,6 @@
 """bench/tpu_compile.py's parts that need no libtpu: the slice table, XLA:TPU's
-out-of-memory message, the live-range report, and the one-line refusal without libtpu."""
+out-of-memory message, the live-range report, the one-line refusal without libtpu, and
+the cost comparison's two sides (XLA's cost report read off an XLA:CPU compile)."""
 import pytest
 
 from bench import tpu_compile as T
@@ -82,3 +83,35 @@ def test_a_configuration_without_a_slice_or_with_only_is_refused_in_one_line(cap
     args = T.build_parser().parse_args(["--hardware", "v5e", "--layout", "fsdp4", "--prefetch",
                                         "--zero", "3", "--tp-comm", "ring"])
     assert args.prefetch and args.zero == 3 and args.tp_comm == "ring"
+
+
+def test_xla_cost_reads_the_flops_and_counts_the_loops():
+    import jax
+    import jax.numpy as jnp
+
+    x = jnp.ones((64, 32), jnp.float32)
+    w = jnp.ones((32, 16), jnp.float32)
+    dot = T.xla_cost(jax.jit(lambda x, w: x @ w).lower(x, w).compile())
+    assert dot["flops"] == 2 * 64 * 32 * 16 and dot["loops"] == 0 and dot["bytes"] > 0
+    looped = jax.jit(lambda x, w: jax.lax.fori_loop(0, 3, lambda i, y: y @ w[:16, :16] * 0.5,
+                                                     x @ w))
+    assert T.xla_cost(looped.lower(x, w).compile())["loops"] == 1
+
+
+def test_ledger_cost_counts_the_attention_the_compile_runs():
+    from engine.config import ParallelConfig, TrainConfig, model_config
+    from engine.cost import hardware
+    from engine.cost.ledger import step_ledger
+    from engine.cost.price import priced_rows
+    from engine.layout import Layout
+
+    cfg = model_config("tiny", dtype="bf16", remat="full", attention="blocked")
+    tcfg, layout, parallel = TrainConfig(seq=256, batch=8), Layout.parse("fsdp4"), ParallelConfig()
+    cost = T.ledger_cost(cfg, tcfg, parallel, layout, "v5e")
+    rows = step_ledger(cfg, tcfg, layout, parallel, False)
+    # the jnp key-block scan's rows, as the CPU profile prices what runs; no kernel rows
+    on_cpu = [r for r in priced_rows(rows, hardware.cpu_defaults()) if r.kind != "collective"]
+    assert any(r.kernel == "blocked" for r in on_cpu)
+    assert cost["flops"] == sum(r.flops * r.count for r in on_cpu)
+    assert cost["bytes"] == sum(r.bytes * r.count for r in on_cpu)
+    assert 0 < cost["fused_bytes"] < cost["bytes"]
