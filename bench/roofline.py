@@ -222,6 +222,8 @@ def main(argv=None) -> int:
             "layout": str(layout), "hardware": mine.hardware, "predicted_step_s": pred.step_s,
             "measured_step_s": step_s, "predicted_mfu_fraction": mfu,
             "measured_mfu_fraction": meas_mfu,
+            # the same fractions under the names the planner's JSON gives them
+            "predicted_mfu": mfu, "measured_mfu": meas_mfu,
             "audit_clean": audit_clean, "predicted_peak_bytes": peak_bytes, "fits": fits,
             "liveness_peak_bytes": live,
             "predicted_compute_s": pred.compute_s,
