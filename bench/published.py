@@ -274,6 +274,8 @@ def evaluate(r: Run) -> dict:
     peak_bytes, fits = memory_fit(cfg, tcfg, parallel, layout, hw)
     return dict(name=r.name, predicted_mfu=mfu, published_mfu=published,
                 error=mfu - published, source_mfu=r.source_mfu, predicted_step_s=pred.step_s,
+                predicted_compute_s=pred.compute_s, predicted_comm_s=pred.comm_s,
+                predicted_exposed_comm_s=pred.exposed_comm_s,
                 predicted_peak_bytes=peak_bytes, fits=fits, layout=r.layout, remat=r.remat,
                 source=r.source, note=r.note)
 

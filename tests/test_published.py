@@ -228,6 +228,10 @@ def test_published_table_rows_all_price():
     for r in RUNS[:3]:
         out = evaluate(r)
         assert 0 < out["predicted_mfu"] < 1 and 0 < out["published_mfu"] < 1
+        # the step is its compute plus the communication left exposed
+        assert out["predicted_step_s"] == pytest.approx(
+            out["predicted_compute_s"] + out["predicted_exposed_comm_s"])
+        assert 0 <= out["predicted_exposed_comm_s"] <= out["predicted_comm_s"]
 
 
 def test_rows_price_the_attention_kernel_and_chip_their_source_ran():
