@@ -192,7 +192,7 @@ def main(argv=None) -> int:
                            ["MFU", pct(mfu), pct(meas_mfu)]],
                           ["step summary", "predicted", "measured"], disable_numparse=True))
     if hw.overlap and hw.overlap_slowdown:
-        print(f"comm exposed counts {hw.overlap_slowdown / (1 + hw.overlap_slowdown):.3g} "
+        print(f"comm exposed counts {hw.hidden_comm_share:.3g} "
               f"of each hidden collective's time: compute runs {hw.overlap_slowdown:.1%} "
               f"slower beside a collective on {hw.name} (engine/cost/hardware.py)")
     print(f"MFU: {mflops / 1e9:.3g} model GFLOP per step over a peak of "

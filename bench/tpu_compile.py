@@ -155,8 +155,8 @@ def ledger_cost(cfg, tcfg, parallel, layout, hardware: str) -> dict:
     from engine.cost.price import moved_bytes, priced_rows
 
     hw = dataclasses.replace(get(hardware), attention_eff=0.0, attention_rates=())
-    rows = [r for r in priced_rows(step_ledger(cfg, tcfg, layout, parallel, False), hw)
-            if r.kind != "collective"]
+    ledger = step_ledger(cfg, tcfg, layout, parallel, hw.bf16_collectives_in_f32)
+    rows = [r for r in priced_rows(ledger, hw) if r.kind != "collective"]
     return dict(flops=sum(r.flops * r.count for r in rows),
                 fused_bytes=sum(moved_bytes(r, hw) * r.count for r in rows),
                 bytes=sum(r.bytes * r.count for r in rows))

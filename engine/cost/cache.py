@@ -99,13 +99,12 @@ def key(cfg, tcfg, parallel, layout, pack=None) -> str:
 def step_ledger(cfg, tcfg, layout, parallel, pack=None) -> tuple[list, bool]:
     """(the ledger of the step, whether it came from the cache); traces and stores it
     on a miss. An unreadable or unwritable cache only costs the trace."""
-    import jax
-
+    from collectives import widens_2byte
     from engine.cost.ledger import step_ledger as trace
 
-    # None traces as this host's backend packs (the Trainer's default on an AbstractMesh):
+    # None traces as the Trainer packs on an AbstractMesh (`collectives.widens_2byte`):
     # keyed as that value, so both spellings share one entry
-    pack = jax.default_backend() == "cpu" if pack is None else pack
+    pack = widens_2byte(layout.abstract_mesh()) if pack is None else pack
     where = directory()
     path = where / f"{key(cfg, tcfg, parallel, layout, pack)}.pkl.z" if where else None
     if path is not None and path.is_file():

@@ -103,6 +103,12 @@ class Hardware:
         return self.peak_flops.get(dtype, self.peak_flops["float32"])
 
     @property
+    def hidden_comm_share(self) -> float:
+        """Share of a hidden collective's time left on the critical path: the compute it
+        hides under takes 1 + overlap_slowdown times as long."""
+        return self.overlap_slowdown / (1 + self.overlap_slowdown)
+
+    @property
     def flash(self) -> bool:
         """Whether attention runs as a flash kernel (else the jnp scan, the CPU's case)."""
         return bool(self.attention_eff or self.attention_rates)
@@ -204,6 +210,9 @@ H100_FA2 = ((512, 191, 214), (1024, 260, 260), (2048, 298, 291), (4096, 319, 310
             (8192, 333, 318), (16384, 335, 322))
 
 
+H100_SXM_BF16 = 989e12  # the peak the benchmarks' chip, H100 SXM5, is rated at
+
+
 def flash_rates(peak: float, table) -> tuple:
     """`Hardware.attention_rates` from ((sequence, forward, backward TFLOP/s), ...)
     measured on a chip of bf16 matmul `peak` FLOP/s."""
@@ -217,13 +226,13 @@ PROFILES = {
     "a100": _gpu("A100-SXM 80GB", 312e12, 156e12, 19.5e12, 2.039e12, 300e9, 25e9, 0.8, 0.55),
     "h100": dataclasses.replace(
         _gpu("H100-SXM", 989e12, 494.7e12, 67e12, 3.35e12, 450e9, 50e9, 0.75, 0.0),
-        attention_rates=flash_rates(989e12, H100_CUDNN)),
+        attention_rates=flash_rates(H100_SXM_BF16, H100_CUDNN)),
 }
 
 # The profile fields of FlashAttention-2 (the kernel PyTorch's SDPA flash backend and
 # flash-attn 2 run) per GPU profile, from the figures above.
-FLASH_ATTENTION_2 = {"h100": dict(attention_rates=flash_rates(989e12, H100_FA2)),
-                     "h100-gt": dict(attention_rates=flash_rates(989e12, H100_FA2)),
+_H100_FA2 = dict(attention_rates=flash_rates(H100_SXM_BF16, H100_FA2))
+FLASH_ATTENTION_2 = {"h100": _H100_FA2, "h100-gt": _H100_FA2,
                      "a100": dict(attention_eff=0.55, attention_rates=())}
 
 # H100 as torchtitan's benchmark pages describe their Grand Teton hosts: "96GB HBM2e with

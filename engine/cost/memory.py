@@ -355,19 +355,19 @@ def predict(cfg: ModelConfig, tcfg: TrainConfig, layout: Layout, platform: str =
                **prefetched}
         trans = {**{k: v for k, v in trans_full.items() if not k.startswith("mlp g")},
                  **({"mlp sigmoid(g) (recomputed)": mlp} if cpu else {})}
-    else:  # none: the saved dot operands in u (XLA:CPU converts them for the backward)
-        if cpu and not cpu_upcasts_bf16_stacks():
-            u = c  # this host's XLA:CPU slices a bf16 stack as it is (jax 0.12)
+    else:  # none: the saved dot operands, stacked: us, u unless the host's XLA:CPU
+        # slices a bf16 stack as it is (jax 0.12; asked only here, where stacks are priced)
+        us = c if cpu and not cpu_upcasts_bf16_stacks() else u
         saved = (B * Htp * L * F32 if kernel in ("flash", "ring")
-                 else scores // F32 * u + B * Htp * L * F32 if kernel == "chunked"
-                 else scores + scores // F32 * u)
+                 else scores // F32 * us + B * Htp * L * F32 if kernel == "chunked"
+                 else scores + scores // F32 * us)
         per = {"p (f32 and compute dtype; chunked: E and 1/rowsum; f32 on cpu)": saved,
-               "mlp g, u, h and h cast (f32 on cpu)": 3 * mlp + cast * mlp // a * u,
+               "mlp g, u, h and h cast (f32 on cpu)": 3 * mlp + cast * mlp // a * us,
                "stream x into each norm": 2 * x_stream,
                "norm outputs (cast for q, k, v, gate, up; f32 on cpu)":
-                   (5 * x_full // a * u) if cast else 2 * x_full,
-               "q, o, k, v (compute dtype; f32 on cpu)": (2 * Htp + 2 * Gtp) * B * L * K * u,
-               **({} if par.prefetch else {"gathered weights (compute dtype; f32 on cpu)": W * u})}
+                   (5 * x_full // a * us) if cast else 2 * x_full,
+               "q, o, k, v (compute dtype; f32 on cpu)": (2 * Htp + 2 * Gtp) * B * L * K * us,
+               **({} if par.prefetch else {"gathered weights (compute dtype; f32 on cpu)": W * us})}
         res = {f"{k} ({n} layers)": n * v for k, v in per.items()}
         trans = {**{k: v for k, v in trans_full.items() if not k.startswith("mlp g")},
                  "copies of this layer's saved p and 4 stream tensors":

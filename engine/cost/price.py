@@ -245,8 +245,7 @@ def predict(rows: list[Row], hw: Hardware, mesh_axes, prefetch: bool = False) ->
     hidden_frac = min(1.0, block_compute / hidable) if hidable else 0.0
     # what a hideable collective leaves on the critical path: the part beyond the
     # blocks' compute, and the slowdown of the compute it hides under
-    slowed = hw.overlap_slowdown / (1 + hw.overlap_slowdown)
-    left = 1 - hidden_frac + hidden_frac * slowed
+    left = 1 - hidden_frac + hidden_frac * hw.hidden_comm_share
     priced = [Priced(r, t, bound, t * (left if hides else 1) if bound == "comm" else 0.0)
               for r, t, bound, hides in priced]
     exposed = sum(p.exposed for p in priced)
