@@ -142,14 +142,20 @@ def _price_programs(jobs: list) -> list:
     return [_price_program(j) for j in jobs]
 
 
-def chunks(n: int, workers: int) -> list[range]:
+# the longest run of programs one worker takes at a time: a run's results (and the
+# plan's progress line) come back when all of it is priced, ~1 s per program traced
+LONGEST_RUN = 8
+
+
+def chunks(n: int, workers: int, longest: int = LONGEST_RUN) -> list[range]:
     """Jobs 0..n-1 cut into runs of consecutive ones for `workers` processes, largest
-    first: each run is the jobs left over 2·workers (at least 1), so the runs at the
-    end are single jobs and no worker waits long for the last (guided scheduling).
+    first: each run is the jobs left over 2·workers (at least 1, at most `longest`), so
+    the runs at the end are single jobs and no worker waits long for the last (guided
+    scheduling), and results come back every few programs however many there are.
     Consecutive jobs in one worker reuse jax's tracing caches."""
     out, start = [], 0
     while start < n:
-        size = max(1, (n - start) // (2 * max(workers, 1)))
+        size = max(1, min(longest, (n - start) // (2 * max(workers, 1))))
         out.append(range(start, start + size))
         start += size
     return out

@@ -129,15 +129,23 @@ def factorisations(n: int, names: tuple[str, ...] = AXIS_ROLES) -> list[dict]:
     return out
 
 
+def _within(n: int, names: tuple[str, ...], limits: dict | None) -> list[dict]:
+    """The factorisations of n over `names` with no size past its role's limit."""
+    limits = limits or {}
+    return [f for f in factorisations(n, names)
+            if all(f.get(r, 1) <= m for r, m in limits.items())]
+
+
+def orders(f: dict) -> list[Layout]:
+    """The factorisation {role: size} as a layout in every order of its axes."""
+    return [Layout(tuple((r, f[r]) for r in order)) for order in itertools.permutations(f)]
+
+
 def layouts(n: int, names: tuple[str, ...] = AXIS_ROLES, limits: dict | None = None
             ) -> list[Layout]:
     """Every factorisation of n devices over the roles `names` in every order of its
     axes; limits: {role: largest size} leaves out factorisations past them."""
-    limits = limits or {}
-    return [Layout(tuple((r, f[r]) for r in order))
-            for f in factorisations(n, names)
-            if all(f.get(r, 1) <= m for r, m in limits.items())
-            for order in itertools.permutations(f)]
+    return [lay for f in _within(n, names, limits) for lay in orders(f)]
 
 
 def switch_settings(cfg: ModelConfig, layout: Layout, pinned: dict,
@@ -170,15 +178,21 @@ def candidates(cfg: ModelConfig, tcfg: TrainConfig, n: int, pinned: dict | None 
                base: ParallelConfig = ParallelConfig()):
     """(runnable candidates, [(refused candidate, reason)]) of n devices over the roles
     `names` (sizes up to `limits`, as `layouts`); ParallelConfig fields that are not
-    switches from `base`."""
+    switches from `base`. The switches and `engine.validate` read the axis sizes, not
+    their order, so both run once per factorisation and hold for all its orders (a
+    refusal names each order's own layout)."""
     ok, refused = [], []
-    for layout in layouts(n, names, limits):
-        for par, c in switch_settings(cfg, layout, pinned or {}, base):
-            cand = Candidate(layout, par, c)
-            if problems := validate.problems(c, tcfg, par, layout):
-                refused.append((cand, "; ".join(problems)))
+    for f in _within(n, names, limits):
+        every = orders(f)
+        first = every[0]
+        for par, c in switch_settings(cfg, first, pinned or {}, base):
+            if problems := validate.problems(c, tcfg, par, first):
+                reason = "; ".join(problems)
+                refused += [(Candidate(lay, par, c),
+                             reason.replace(first.describe(), lay.describe()))
+                            for lay in every]
             else:
-                ok.append(cand)
+                ok += [Candidate(lay, par, c) for lay in every]
     return ok, refused
 
 

@@ -124,9 +124,32 @@ def test_refused_candidates_never_appear():
     for c in ok:
         assert validate.problems(c.cfg, tcfg, c.parallel, c.layout) == []
     for c, reason in refused:
-        assert validate.problems(c.cfg, tcfg, c.parallel, c.layout)
+        assert reason == "; ".join(validate.problems(c.cfg, tcfg, c.parallel, c.layout))
     assert {str(c.layout) for c, _ in refused} >= {"tp4", "cp4"}
     assert not {str(c.layout) for c in ok} & {"tp4", "cp4"}
+
+
+def test_candidates_are_every_order_validated_on_its_own():
+    """The switches and the validation run once per factorisation: the result is what
+    running them for each order of the axes gives, reasons naming that order's layout."""
+    cfg = model_config("tiny", n_heads=6, n_kv_heads=2)
+    tcfg = TrainConfig(batch=4, seq=36)
+    ok, refused = plan.candidates(cfg, tcfg, 8, {})
+    want_ok, want_refused = set(), set()
+    for lay in plan.layouts(8):
+        for par, c in plan.switch_settings(cfg, lay, {}):
+            found = validate.problems(c, tcfg, par, lay)
+            if found:
+                want_refused.add((str(lay), par, c, "; ".join(found)))
+            else:
+                want_ok.add((str(lay), par, c))
+    got_ok = [(str(x.layout), x.parallel, x.cfg) for x in ok]
+    got_refused = [(str(x.layout), x.parallel, x.cfg, why) for x, why in refused]
+    assert len(got_ok) == len(set(got_ok)) and set(got_ok) == want_ok
+    assert len(got_refused) == len(set(got_refused)) and set(got_refused) == want_refused
+    named = {str(x.layout): why for x, why in refused if why.startswith("layout ")}
+    assert named["tp2xpp4"].startswith("layout tp2xpp4 (")
+    assert named["pp4xtp2"].startswith("layout pp4xtp2 (")
 
 
 def test_orders_share_one_traced_program():
@@ -239,13 +262,14 @@ def test_json_holds_the_ranked_candidates(planned):
 
 def test_chunks_cover_the_jobs_in_order_largest_first():
     """The pool's runs of consecutive jobs: every job once, in order, runs never
-    growing, the last ones single jobs."""
-    for n, workers in [(0, 2), (1, 2), (7, 1), (621, 2), (1000, 8)]:
+    growing or longer than `LONGEST_RUN`, the last ones single jobs."""
+    for n, workers in [(0, 2), (1, 2), (7, 1), (621, 2), (1000, 8), (7146, 2)]:
         runs = plan.chunks(n, workers)
         assert [i for r in runs for i in r] == list(range(n))
         sizes = [len(r) for r in runs]
         assert sizes == sorted(sizes, reverse=True)
-        assert not runs or sizes[-1] == 1
+        assert not runs or (sizes[-1] == 1 and sizes[0] <= plan.LONGEST_RUN)
+    assert [len(r) for r in plan.chunks(40, 2)][:3] == [8, 8, 6]
 
 
 def test_worker_processes_price_as_this_process_does():
