@@ -3,6 +3,8 @@
     python -m engine.plan --devices 8 --hardware cpu --model small --seq 256 --batch 16
     python -m engine.plan --devices 8 --hardware h100 --model llama3-8b --seq 8192 \\
         --batch 16 --remat full --top 5 --json plan.json
+    python -m engine.plan --devices 64 --hardware h100 --model llama3-8b --seq 8192 \\
+        --batch 64 --axes dp,fsdp,tp --max tp=8
 
 Candidates (engine/plan_space.py) are every factorisation of N into the axes of the
 role registry (engine/roles.py; axes of size 1 left out) in every order, times every
@@ -352,6 +354,11 @@ def build_parser():
     g.add_argument("--json", default=None, help="write the ranked candidates as JSON")
     g.add_argument("--workers", type=int, default=os.cpu_count() or 1,
                    help="processes tracing programs")
+    g.add_argument("--axes", default=",".join(AXIS_ROLES),
+                   help="the roles a layout may use, comma-separated (default: every role)")
+    g.add_argument("--max", default="", metavar="ROLE=SIZE,...",
+                   help="the largest size of a role's axis, e.g. tp=8 to keep tensor "
+                        "parallelism within an 8-GPU node (default: no limit)")
     p = train_parser(prog="python -m engine.plan", description=__doc__.split("\n\n")[0],
                      parents=[own], groups=("model", "training"))
     # --remat pins remat; without it the plan chooses it
@@ -359,9 +366,28 @@ def build_parser():
     return p
 
 
+def search_space(mine) -> tuple[tuple[str, ...], dict, list[str]]:
+    """(--axes as roles, --max as {role: largest size}, problems with either)."""
+    names = tuple(r.strip() for r in mine.axes.split(",") if r.strip())
+    problems = [f"--axes: unknown role {r!r} (known: {', '.join(AXIS_ROLES)})"
+                for r in names if r not in AXIS_ROLES]
+    if not names:
+        problems.append(f"--axes names no role (known: {', '.join(AXIS_ROLES)})")
+    limits = {}
+    for item in filter(None, (x.strip() for x in mine.max.split(","))):
+        role, _, size = item.partition("=")
+        if role not in AXIS_ROLES or not size.isdigit() or int(size) < 1:
+            problems.append(f"--max {item!r}: want ROLE=SIZE with a role of "
+                            f"{', '.join(AXIS_ROLES)} and a size >= 1")
+        else:
+            limits[role] = int(size)
+    return tuple(r for r in AXIS_ROLES if r in names), limits, problems
+
+
 def flag_problems(mine) -> list[str]:
     problems = [f"{name}={getattr(mine, name)} must be >= 1"
                 for name in ("devices", "top", "workers") if getattr(mine, name) < 1]
+    problems += search_space(mine)[2]
     if mine.devices > 2**16:
         problems.append(f"devices={mine.devices} is absurd (limit 65,536)")
     if mine.hbm_gib is not None and not mine.hbm_gib > 0:
@@ -388,8 +414,9 @@ def main(argv=None) -> int:
         except ProfileError as e:
             raise UsageError(str(e)) from None
         pinned = {"remat": mine.remat} if mine.remat else {}
+        names, limits, _ = search_space(mine)
         result = plan(cfg, tcfg, mine.devices, hw, mine.hbm_gib and mine.hbm_gib * 2**30,
-                      pinned, mine.workers,
+                      pinned, mine.workers, names, limits,
                       progress=progress_line(lambda m: print(m, file=sys.stderr, flush=True)))
         if not result.ranked:
             raise ConfigError(no_plan_message(result, mine.devices))
@@ -397,17 +424,20 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     total = len(result.ranked) + len(result.over)
+    names, limits, _ = search_space(mine)
+    space = "" if names == AXIS_ROLES and not limits else "; axes " + ", ".join(
+        f"{r} <= {limits[r]}" if r in limits else r for r in names)
     print(f"hardware {hw.name} ({hw.source}); model {mine.model}, seq {tcfg.seq}, batch "
-          f"{tcfg.batch}; {mine.devices} devices, {gib(result.capacity)} per device")
+          f"{tcfg.batch}; {mine.devices} devices, {gib(result.capacity)} per device{space}")
     print(f"priced {total} candidates ({result.programs} distinct programs: "
           f"{result.programs - result.cached} traced with {result.workers} worker(s), "
           f"{result.cached} from the ledger cache) in {result.seconds:.1f} s; {len(result.refused)} "
           f"refused by engine.validate, {len(result.over)} over memory")
-    from engine.plan_report import table, why
+    from engine.plan_report import runner_up, table, why
 
     print(table(result.ranked, mine.top))
-    if len(result.ranked) > 1:
-        print(why(result.ranked[0], result.ranked[1], tcfg, hw))
+    if (k := runner_up(result.ranked)) is not None:
+        print(why(result.ranked[0], result.ranked[k], tcfg, hw, (1, k + 1)))
     if mine.json:
         with open(mine.json, "w") as f:
             json.dump({"devices": mine.devices, "hardware": mine.hardware,
@@ -415,7 +445,7 @@ def main(argv=None) -> int:
                        "priced": total, "programs": result.programs,
                        "programs_cached": result.cached,
                        "refused": len(result.refused), "over_memory": len(result.over),
-                       "seconds": result.seconds,
+                       "seconds": result.seconds, "axes": list(names), "max": limits,
                        "candidates": [p.record() for p in result.ranked]}, f, indent=1)
     return 0
 

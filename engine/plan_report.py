@@ -24,16 +24,26 @@ def _categories(pred) -> dict:
     return out
 
 
-def why(first: Priced, second: Priced, tcfg: TrainConfig, hw) -> str:
-    """One line: by how much the first beats the second, split into compute and exposed
-    communication, and the category where most of the difference is."""
+def runner_up(ranked: list) -> int | None:
+    """The rank (0-based) of the first candidate after the first choice that is another
+    program or priced differently: not the same step with its axes in another order."""
+    first = ranked[0]
+    return next((i for i, p in enumerate(ranked[1:], 1)
+                 if p.candidate.program != first.candidate.program or p.step_s != first.step_s),
+                None)
+
+
+def why(first: Priced, second: Priced, tcfg: TrainConfig, hw, ranks: tuple = (1, 2)) -> str:
+    """One line: by how much the first beats the second (#ranks), split into compute and
+    exposed communication, and the category where most of the difference is."""
     a, b = (predict_candidate(p.candidate, tcfg, hw) for p in (first, second))
     ca, cb = _categories(a), _categories(b)
     diffs = {k: cb.get(k, 0.0) - ca.get(k, 0.0) for k in {*ca, *cb}}
     top = max(diffs, key=lambda k: abs(diffs[k]))
     gap = second.step_s - first.step_s
-    return (f"#1 {first.candidate.describe()} beats #2 {second.candidate.describe()} by "
-            f"{gap:.4g} s ({100 * gap / second.step_s:.1f}%): #2 spends "
+    i, j = ranks
+    return (f"#{i} {first.candidate.describe()} beats #{j} {second.candidate.describe()} by "
+            f"{gap:.4g} s ({100 * gap / second.step_s:.1f}%): #{j} spends "
             f"{b.compute_s - a.compute_s:+.4g} s on compute and "
             f"{b.exposed_comm_s - a.exposed_comm_s:+.4g} s on exposed communication, most "
             f"in {top} ({diffs[top]:+.4g} s)")

@@ -260,6 +260,35 @@ def test_json_holds_the_ranked_candidates(planned):
     assert steps == sorted(steps) and all(s > 0 for s in steps)
 
 
+def test_axes_and_max_restrict_the_plan_to_its_part_of_the_space(planned, tmp_path, capsys):
+    """--axes and --max rank the candidates of the full plan within them, in its order,
+    and the JSON and the header say what was searched."""
+    path = tmp_path / "part.json"
+    assert plan.main(SMALL_PLAN + ["--axes", "fsdp,dp,tp", "--max", "tp=1",
+                                   "--json", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "axes dp, fsdp, tp <= 1" in out
+    part = json.loads(path.read_text())
+    assert part["axes"] == ["dp", "fsdp", "tp"] and part["max"] == {"tp": 1}
+    want = [c for c in planned["candidates"] if c["layout"] in ("dp2", "fsdp2")]
+    assert len(want) == 1 + 4 and part["candidates"] == want
+
+
+def test_the_reason_line_skips_the_first_choice_in_another_order():
+    """With one link tier the orders of a layout price alike: the line says why the first
+    choice beats the next other program, not itself with its axes swapped."""
+    def priced(text, zero, step):
+        c = plan.Candidate(Layout.parse(text), validate.ParallelConfig(zero=zero),
+                           model_config("tiny"))
+        return plan.Priced(c, step, step, 0.0, 0.0, 0.1, None)
+
+    from engine.plan_report import runner_up
+    assert runner_up([priced("fsdp2xtp2", 3, 1.0), priced("tp2xfsdp2", 3, 1.0),
+                      priced("fsdp2xtp2", 1, 1.1)]) == 2
+    assert runner_up([priced("fsdp2xtp2", 3, 1.0), priced("tp2xfsdp2", 3, 1.2)]) == 1
+    assert runner_up([priced("fsdp2xtp2", 3, 1.0), priced("tp2xfsdp2", 3, 1.0)]) is None
+
+
 def test_chunks_cover_the_jobs_in_order_largest_first():
     """The pool's runs of consecutive jobs: every job once, in order, runs never
     growing or longer than `LONGEST_RUN`, the last ones single jobs."""
@@ -319,6 +348,10 @@ def test_bad_flags_are_one_line(capsys):
     _one_line_error(capsys, SMALL_PLAN + ["--hbm-gib", "-1"], "hbm_gib")
     _one_line_error(capsys, SMALL_PLAN + ["--top", "0"], "top=0")
     _one_line_error(capsys, ["--model", "tiny"], "devices")
+    _one_line_error(capsys, SMALL_PLAN + ["--axes", "fsdp,sp"], "unknown role 'sp'")
+    _one_line_error(capsys, SMALL_PLAN + ["--axes", ","], "no role")
+    _one_line_error(capsys, SMALL_PLAN + ["--max", "tp=0"], "--max 'tp=0'")
+    _one_line_error(capsys, SMALL_PLAN + ["--max", "tp"], "--max 'tp'")
     _one_line_error(capsys, ["--devices", "3", "--model", "tiny", "--seq", "32",
                              "--batch", "4", "--workers", "1"], "can run")
 
