@@ -424,7 +424,6 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     total = len(result.ranked) + len(result.over)
-    names, limits, _ = search_space(mine)
     space = "" if names == AXIS_ROLES and not limits else "; axes " + ", ".join(
         f"{r} <= {limits[r]}" if r in limits else r for r in names)
     print(f"hardware {hw.name} ({hw.source}); model {mine.model}, seq {tcfg.seq}, batch "
