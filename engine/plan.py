@@ -193,17 +193,20 @@ def _run(jobs: list, workers: int, executor=None, progress=None) -> list:
     return collect(f.result() for f in submit(executor))
 
 
-def progress_line(say, every_s: float = 15.0):
-    """A `progress` for `plan` that says how many programs are priced, at most once
-    every `every_s` seconds and never for a plan that takes less."""
-    start = last = time.perf_counter()
+def progress_line(say, every_s: float = 15.0, clock=time.perf_counter):
+    """A `progress` for `plan` that says how many programs are priced and, at the mean
+    time per program so far, about how long the rest will take, at most once every
+    `every_s` seconds and never for a plan that takes less."""
+    start = last = clock()
 
     def report(done: int, total: int):
         nonlocal last
-        now = time.perf_counter()
+        now = clock()
         if now - last >= every_s:
             last = now
-            say(f"planning: {done}/{total} programs priced ({now - start:.0f} s)")
+            left = (now - start) / max(done, 1) * (total - done)
+            say(f"planning: {done}/{total} programs priced ({now - start:.0f} s, about "
+                f"{left:.0f} s left)")
     return report
 
 

@@ -238,6 +238,12 @@ def test_progress_is_said_only_for_slow_plans():
     chatty = plan.progress_line(said.append, every_s=0)
     chatty(3, 7)
     assert said and said[0].startswith("planning: 3/7 programs priced")
+    ticks = iter([0.0, 10.0, 12.0, 30.0])  # start, then three reports
+    timed = plan.progress_line(said.append, every_s=15, clock=lambda: next(ticks))
+    timed(2, 6)  # 10 s in: quiet
+    timed(3, 6)  # 12 s in: quiet
+    timed(4, 6)  # 30 s in: 7.5 s per program so far, 2 left
+    assert said[-1] == "planning: 4/6 programs priced (30 s, about 15 s left)"
 
 
 @pytest.fixture(scope="module")
