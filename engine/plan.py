@@ -378,7 +378,7 @@ def search_space(mine) -> tuple[tuple[str, ...], dict, list[str]]:
         problems.append(f"--axes names no role (known: {', '.join(AXIS_ROLES)})")
     limits = {}
     for item in filter(None, (x.strip() for x in mine.max.split(","))):
-        role, _, size = item.partition("=")
+        role, _, size = (x.strip() for x in item.partition("="))
         if role not in AXIS_ROLES or not size.isdigit() or int(size) < 1:
             problems.append(f"--max {item!r}: want ROLE=SIZE with a role of "
                             f"{', '.join(AXIS_ROLES)} and a size >= 1")

@@ -270,7 +270,7 @@ def test_axes_and_max_restrict_the_plan_to_its_part_of_the_space(planned, tmp_pa
     """--axes and --max rank the candidates of the full plan within them, in its order,
     and the JSON and the header say what was searched."""
     path = tmp_path / "part.json"
-    assert plan.main(SMALL_PLAN + ["--axes", "fsdp,dp,tp", "--max", "tp=1",
+    assert plan.main(SMALL_PLAN + ["--axes", "fsdp, dp,tp", "--max", "tp = 1",
                                    "--json", str(path)]) == 0
     out = capsys.readouterr().out
     assert "axes dp, fsdp, tp <= 1" in out
