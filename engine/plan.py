@@ -390,7 +390,6 @@ def search_space(mine) -> tuple[tuple[str, ...], dict, list[str]]:
 def flag_problems(mine) -> list[str]:
     problems = [f"{name}={getattr(mine, name)} must be >= 1"
                 for name in ("devices", "top", "workers") if getattr(mine, name) < 1]
-    problems += search_space(mine)[2]
     if mine.devices > 2**16:
         problems.append(f"devices={mine.devices} is absurd (limit 65,536)")
     if mine.hbm_gib is not None and not mine.hbm_gib > 0:
@@ -405,8 +404,9 @@ def main(argv=None) -> int:
     from engine.train import UsageError, check_output_file, parse_or_exit
 
     cfg, tcfg, _, _, mine = parse_or_exit(argv, build_parser())
+    names, limits, space_problems = search_space(mine)
     try:
-        if problems := flag_problems(mine):
+        if problems := flag_problems(mine) + space_problems:
             raise UsageError("; ".join(problems))
         if mine.json:
             check_output_file(mine.json, "--json")
@@ -417,7 +417,6 @@ def main(argv=None) -> int:
         except ProfileError as e:
             raise UsageError(str(e)) from None
         pinned = {"remat": mine.remat} if mine.remat else {}
-        names, limits, _ = search_space(mine)
         result = plan(cfg, tcfg, mine.devices, hw, mine.hbm_gib and mine.hbm_gib * 2**30,
                       pinned, mine.workers, names, limits,
                       progress=progress_line(lambda m: print(m, file=sys.stderr, flush=True)))

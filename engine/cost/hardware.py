@@ -225,7 +225,7 @@ PROFILES = {
     "v5p": _tpu("TPU v5p", 459e12, 2.765e12, 9e10, 8960, 95 * 2**30),
     "a100": _gpu("A100-SXM 80GB", 312e12, 156e12, 19.5e12, 2.039e12, 300e9, 25e9, 0.8, 0.55),
     "h100": dataclasses.replace(
-        _gpu("H100-SXM", 989e12, 494.7e12, 67e12, 3.35e12, 450e9, 50e9, 0.75, 0.0),
+        _gpu("H100-SXM", H100_SXM_BF16, 494.7e12, 67e12, 3.35e12, 450e9, 50e9, 0.75, 0.0),
         attention_rates=flash_rates(H100_SXM_BF16, H100_CUDNN)),
 }
 
