@@ -91,16 +91,20 @@ def predict_candidate(cand: Candidate, tcfg: TrainConfig, hw):
     return predict_step(rows, hw, cand.layout, cand.parallel)[0]
 
 
-def _price_program(job) -> tuple[list, bool, list]:
+def _price_program(job) -> tuple[list, bool, list, list]:
     """One program: each candidate's peak memory (engine/cost/fit.py); if any fits
     `capacity`, the program's ledger (traced on its first candidate, unless
-    engine/cost/cache.py holds it) priced for every candidate that fits. Returns
-    ([(step, compute, comm, exposed comm), or None when over memory] per candidate,
-    whether the ledger came from the cache, [peak bytes] per candidate)."""
+    engine/cost/cache.py holds it) priced for every candidate that fits. With `grow`, a
+    step without pp over memory is retried with 2, 4, ... microbatches (`accumulated`,
+    the program of the next M) while they divide its batch, here in the worker, so the
+    pool never waits on a round of retries. Returns ([(step, compute, comm, exposed
+    comm), or None when over memory] per candidate, whether the ledger came from the
+    cache, [peak bytes] per candidate, the candidates priced: the job's, or the
+    microbatched ones they grew into)."""
     from engine.cost import cache, fit
     from engine.cost.pipeline import predict_step
 
-    cands, tcfg, hw, capacity = job
+    cands, tcfg, hw, capacity, grow = job
     first = cands[0]
     peak_of: dict = {}  # a peak depends on the sizes and switches, not the axis order
     for c in cands:
@@ -108,7 +112,11 @@ def _price_program(job) -> tuple[list, bool, list]:
             peak_of[c.parallel] = fit.peak_bytes(c.cfg, tcfg, c.parallel, c.layout, hw)
     peaks = [peak_of[c.parallel] for c in cands]
     if capacity is not None and all(p is not None and p > capacity for p in peaks):
-        return [None] * len(cands), False, peaks
+        # engine.validate reads axis sizes, not their order: a program grows as a whole
+        grown = [accumulated(c, tcfg) for c in cands] if grow else [None]
+        if all(g is not None for g in grown):
+            return _price_program((grown, tcfg, hw, capacity, grow))
+        return [None] * len(cands), False, peaks, cands
     rows, cached = cache.step_ledger(first.cfg, tcfg, first.layout, first.parallel,
                                      hw.bf16_collectives_in_f32)
     # within one fast domain every axis is on the fast links whatever its place
@@ -125,7 +133,7 @@ def _price_program(job) -> tuple[list, bool, list]:
             p = predict_step(rows, hw, c.layout, c.parallel)[0]
             seen[key] = (p.step_s, p.compute_s, p.comm_s, p.exposed_comm_s)
         out.append(seen[key])
-    return out, cached, peaks
+    return out, cached, peaks, cands
 
 
 class Pool(ProcessPoolExecutor):
@@ -211,21 +219,24 @@ def progress_line(say, every_s: float = 15.0, clock=time.perf_counter):
 
 
 def price(cands: list, tcfg: TrainConfig, hw, n: int, capacity: float | None,
-          workers: int = 1, executor=None, progress=None) -> tuple[list, list, int, int, int]:
+          workers: int = 1, executor=None, progress=None,
+          grow: bool = False) -> tuple[list, list, int, int, int]:
     """Price candidates of n devices: grouped by program, each program's memory checked
-    and its ledger traced once (`_run`), every candidate priced. Returns (ranked:
-    [Priced] fastest first, over: [(candidate, peak bytes)] over `capacity`, programs,
-    programs whose ledger came from the cache, workers used)."""
+    and its ledger traced once (`_run`), every candidate priced; with `grow`, a step
+    without pp over memory is priced at the fewest microbatches (2, 4, ...) that fit
+    (`_price_program`). Returns (ranked: [Priced] fastest first, over: [(candidate, peak
+    bytes)] over `capacity`, programs, programs whose ledger came from the cache,
+    workers used)."""
     from engine.cost.price import mfu
 
     groups: dict[tuple, list] = {}
     for c in cands:
         groups.setdefault(c.program, []).append(c)
-    jobs = [(group, tcfg, hw, capacity) for group in groups.values()]
+    jobs = [(group, tcfg, hw, capacity, grow) for group in groups.values()]
     if executor is None:
         workers = min(workers, max(1, len(jobs) // 8))  # a worker costs a jax import
     ranked, over, programs, cached = [], [], 0, 0
-    for (group, *_), (priced, hit, peaks) in zip(jobs, _run(jobs, workers, executor, progress)):
+    for priced, hit, peaks, group in _run(jobs, workers, executor, progress):
         if all(p is None for p in priced):
             over.extend(zip(group, peaks))
             continue
@@ -251,25 +262,15 @@ def plan(cfg: ModelConfig, tcfg: TrainConfig, n: int, hw, hbm_bytes: float | Non
          limits: dict | None = None, executor=None, progress=None) -> Plan:
     """Enumerate (`candidates`), validate, check memory, trace and price each program
     once (`price`), rank by predicted step. A candidate without pp over memory is
-    retried with 2, 4, ... microbatches (`accumulated`) while they divide its batch."""
+    priced at the fewest of 2, 4, ... microbatches that fit while they divide its batch
+    (`price`'s `grow`)."""
     from engine.cost import fit
 
     t0 = time.perf_counter()
     ok, refused = candidates(cfg, tcfg, n, pinned, names, limits)
     capacity = fit.capacity(hw, n, hbm_bytes)
-    ranked, over, programs, cached, used = price(ok, tcfg, hw, n, capacity, workers, executor,
-                                                 progress)
-    # a step over memory may fit as microbatches: double M until it fits or cannot run
-    retry, over = over, []
-    while retry:
-        grown = [(c, peak, accumulated(c, tcfg)) for c, peak in retry]
-        over += [(c, peak) for c, peak, g in grown if g is None]
-        if not (more := [g for _, _, g in grown if g is not None]):
-            break
-        fits, retry, p, k, w = price(more, tcfg, hw, n, capacity, workers, executor, progress)
-        ranked, programs, cached, used = ranked + fits, programs + p, cached + k, max(used, w)
-    ranked.sort(key=_rank)
-    workers = used
+    ranked, over, programs, cached, workers = price(ok, tcfg, hw, n, capacity, workers,
+                                                    executor, progress, grow=True)
     return Plan(ranked, refused, over, capacity, programs, cached, workers,
                 time.perf_counter() - t0)
 

@@ -308,15 +308,32 @@ def test_chunks_cover_the_jobs_in_order_largest_first():
 
 
 def test_worker_processes_price_as_this_process_does():
-    """The pool's workers (spawned processes) rank and price the
-    candidates exactly as pricing in this process does."""
+    """The pool's workers (spawned processes) rank and price the candidates, and grow
+    steps over memory into microbatches, exactly as pricing in this process does."""
+    from engine.cost import fit
+
     cfg, tcfg = model_config("tiny"), TrainConfig(batch=4, seq=32)
     hw = plan.hardware_profile("cpu", say=lambda s: None)
     here = plan.plan(cfg, tcfg, 2, hw, None, {"remat": "full"})
     with plan.Pool(2) as ex:
         there = plan.plan(cfg, tcfg, 2, hw, None, {"remat": "full"}, executor=ex)
+        # under a capacity some step fits only at M = 2, the workers retry what is over
+        # with more microbatches as this process does
+        tcfg8 = TrainConfig(batch=8, seq=32)
+        cap = min(fit.peak_bytes(g.cfg, tcfg8, g.parallel, g.layout, hw) for c in
+                  plan.candidates(cfg, tcfg8, 2, {"remat": "full"})[0]
+                  if (g := plan.accumulated(c, tcfg8)) is not None
+                  and fit.peak_bytes(g.cfg, tcfg8, g.parallel, g.layout, hw)
+                  < fit.peak_bytes(c.cfg, tcfg8, c.parallel, c.layout, hw))
+        grown_here = plan.plan(cfg, tcfg8, 2, hw, cap, {"remat": "full"})
+        grown_there = plan.plan(cfg, tcfg8, 2, hw, cap, {"remat": "full"}, executor=ex)
     assert len(here.ranked) == 10
     assert [p.record() for p in there.ranked] == [p.record() for p in here.ranked]
+    assert any(p.candidate.parallel.microbatches > 1 and p.candidate.layout.degree("pp") == 1
+               for p in grown_here.ranked)
+    assert [p.record() for p in grown_there.ranked] == [p.record() for p in grown_here.ranked]
+    assert [(c.describe(), peak) for c, peak in grown_there.over] == \
+        [(c.describe(), peak) for c, peak in grown_here.over]
 
 
 def test_first_choice_is_the_roofline_prediction(planned, tmp_path, capsys):
