@@ -11,8 +11,9 @@ the 8 devices' arrays 1/8 of the last-level cache in all) and on arrays half tha
 cache's size each (`hbm_cold`: the rate of a scan's stacked inputs and outputs; beside
 it, not used in pricing, `hbm_cold_scan`: that rate measured on a scan's stack itself,
 `microbench.stacking_bandwidth`, 1 MiB per slice), with freed
-memory kept in the process as the training step runs (engine/host.py); elementwise FLOP/s (a
-chain of exp/mul/add on a cache-resident array); and all-gather / reduce-scatter /
+memory kept in the process as the training step runs (engine/host.py); elementwise FLOP/s of
+arithmetic (`vector_flops`: 32 multiply-adds an element, one fused loop) and exponentials
+per second (`transcendental_flops`: one an element a pass), one device; and all-gather / reduce-scatter /
 all-reduce / ppermute time vs bytes on the forced 8-device mesh, fitted to
 `t = latency * hops + ring_fraction * bytes / bandwidth` (engine/cost/price.py).
 `bench/roofline.py` re-measures the rates its step needs in the same run
@@ -39,9 +40,9 @@ from jax.sharding import Mesh  # noqa: E402
 
 from engine.cost.hardware import CALIBRATION_PATH  # noqa: E402
 from engine.train import keep_freed_memory  # noqa: E402
-from engine.cost.microbench import (bandwidth, call_overhead, cold_elems,  # noqa: E402
-                                     collective_times, fit, last_level_cache,
-                                     stacking_bandwidth, timed)
+from engine.cost.microbench import (arithmetic_chain, bandwidth, call_overhead,  # noqa: E402
+                                     cold_elems, collective_times, exp_pass, fit,
+                                     last_level_cache, stacking_bandwidth, timed)
 
 
 def matmul_flops(m: int, k: int, n: int, dtype) -> float:
@@ -57,12 +58,15 @@ def host_bandwidth(mesh: Mesh, elems: int, k: int) -> float:
     return mesh.size * bandwidth(mesh, elems, k)
 
 
-def vector_flops(n: int = 1 << 18, depth: int = 16) -> float:
-    def chain(x):
-        for _ in range(depth):
-            x = jnp.exp(-x * x) + 0.5
-        return x
-    return 4 * depth * n / timed(jax.jit(chain), jnp.ones(n, jnp.float32), reps=7)
+def vector_flops(n: int = 1 << 18) -> float:
+    """Elementwise arithmetic FLOP/s of one device: 32 multiply-adds an element."""
+    return 64 * n / timed(jax.jit(arithmetic_chain), jnp.ones(n, jnp.float32), reps=7)
+
+
+def transcendental_flops(n: int = 1 << 18, k: int = 16) -> float:
+    """Exponentials per second of one device: k passes of one an element."""
+    passes = jax.jit(lambda x: jax.lax.fori_loop(0, k, lambda _, y: exp_pass(y), x))
+    return k * n / timed(passes, jnp.ones(n, jnp.float32), reps=7)
 
 
 def main(argv=None) -> int:
@@ -89,7 +93,7 @@ def main(argv=None) -> int:
         "hbm": host_bandwidth(mesh, warm, k=20),
         "hbm_cold": host_bandwidth(mesh, cold_elems(), k=2),
         "hbm_cold_scan": mesh.size * stacking_bandwidth(mesh, 1 << 18),
-        "vector_flops": vector_flops(),
+        "vector_flops": vector_flops(), "transcendental_flops": transcendental_flops(),
         "collective_fit": {k: fit(k, v, mesh.size) for k, v in points.items()},
         "collective_points": points,
         "when": time.strftime("%Y-%m-%d %H:%M"), "load_avg": os.getloadavg(),
@@ -97,7 +101,7 @@ def main(argv=None) -> int:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(profile, indent=1))
     shown = ("peak_flops", "mfu_peak", "hbm", "hbm_cold", "hbm_cold_scan", "vector_flops",
-             "collective_fit", "load_avg")
+             "transcendental_flops", "collective_fit", "load_avg")
     print(json.dumps({k: profile[k] for k in shown}, indent=1))
     print(f"wrote {args.out}")
     return 0

@@ -256,10 +256,29 @@ def test_in_run_rates_price_every_dot_by_its_measurement():
     assert dots and all(r.dot in hw.dot_seconds for r in dots)
     assert len(hw.dot_seconds) == len({r.dot for r in dots}) > 1
     assert hw.concurrent_rates and hw.hbm > 0 and hw.vector_flops > 0
+    assert hw.transcendental_flops > 0
     pred = predict(rows, hw, lay.mesh_axes())
     priced = sum(p.seconds for p in pred.rows if p.row.kind == "matmul")
     assert priced == pytest.approx(sum(hw.dot_seconds[r.dot] * r.count for r in dots))
     assert set(hw.collective_fit) >= {"all-gather", "reduce-scatter", "all-reduce"}
+
+
+def test_exp_and_its_kind_are_priced_at_the_transcendental_rate():
+    """An elementwise row of `price.TRANSCENDENTAL` costs FLOPs / transcendental_flops
+    and any other FLOPs / vector_flops; a profile without the rate prices both at
+    vector_flops. Checked on every exp-like row of a traced step and on its multiplies."""
+    from engine.cost.price import TRANSCENDENTAL, compute_seconds
+
+    rows = step_ledger(_cfg(), TCFG, Layout.parse("single"))
+    exps = [r for r in rows if r.primitive in TRANSCENDENTAL]
+    muls = [r for r in rows if r.primitive == "mul" and r.flops]
+    assert {r.primitive for r in exps} >= {"exp", "logistic"} and muls
+    base = dataclasses.replace(hardware.get("h100"), vector_flops=1e9, hbm=1e30)
+    split = dataclasses.replace(base, transcendental_flops=1e7)
+    for r in exps + muls:
+        rate = 1e7 if r in exps else 1e9
+        assert compute_seconds(r, split, 1) == (pytest.approx(r.flops / rate), "compute")
+        assert compute_seconds(r, base, 1)[0] == pytest.approx(r.flops / 1e9)
 
 
 def test_canonical_dot_keeps_the_matmul():

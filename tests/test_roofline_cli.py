@@ -50,6 +50,8 @@ def test_missing_calibration_file_is_an_error(tmp_path, capsys):
 @pytest.mark.parametrize("text,word", [("{not json", "JSON"), ("[1, 2]", "object"),
                                        (json.dumps({**PROFILE, "hbm": "fast"}), "hbm"),
                                        (json.dumps({**PROFILE, "hbm_cold": 0}), "hbm_cold"),
+                                       (json.dumps({**PROFILE, "transcendental_flops": -1}),
+                                        "transcendental_flops"),
                                        (json.dumps({**PROFILE, "peak_flops": {}}),
                                         "peak_flops")])
 def test_malformed_calibration_is_one_line(tmp_path, capsys, text, word):

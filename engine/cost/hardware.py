@@ -29,7 +29,10 @@ class Link:
 
 @dataclasses.dataclass(frozen=True)
 class Hardware:
-    """peak_flops: matmul FLOP/s per operand dtype; vector_flops: elementwise FLOP/s;
+    """peak_flops: matmul FLOP/s per operand dtype; vector_flops: elementwise FLOP/s of
+    arithmetic (add, mul, select, convert, div, sqrt, ...: a few vector instructions an
+    element); transcendental_flops: of the ops evaluated by polynomial approximation
+    (`price.TRANSCENDENTAL`: exp, log, logistic, tanh, ...), 0: at vector_flops;
     hbm: memory bytes/s; fast / slow: links inside / across `fast_domain` devices (a
     GPU node over NVLink, a TPU slice over ICI) and beyond it (InfiniBand, DCN).
     *_eff: fraction of peak well-tuned kernels reach. overlap: FSDP weight gathers and
@@ -97,6 +100,7 @@ class Hardware:
     # `peak_flops` is the rate the step's own matmul shapes reach (what pricing uses)
     # and this is the best rate a large matmul reaches (engine/mfu.py's measurement)
     mfu_peak: dict = dataclasses.field(default_factory=dict)
+    transcendental_flops: float = 0.0
     source: str = ""
 
     def matmul_peak(self, dtype: str) -> float:
@@ -262,10 +266,14 @@ PROFILES["h100-gt"] = dataclasses.replace(
 # (1.1e-4, 5.1e8), about 1/4 of its figure above, so this one is as pessimistic.
 # hbm: that calibration's one device on 64 MiB arrays (out of cache), not today's sum
 # over 8 devices in cache, and no hbm_cold: all traffic at an out-of-cache rate.
+# vector_flops and transcendental_flops: bench/calibrate.py's one-device rates, median of
+# 5 each, on 2026-11-25 at load average ~1.6: `python -c "from bench.calibrate import
+# vector_flops as v, transcendental_flops as t; print(v(), t())"` (32 multiply-adds an
+# element, 3.62e10; one exp an element, 2.17e9 a second).
 CPU_DEFAULTS = {
     "peak_flops": {"float32": 6.5e10, "bfloat16": 4.5e10},
     "mfu_peak": {"float32": 9.71e10, "bfloat16": 5.39e10},
-    "vector_flops": 2.0e9, "hbm": 2.5e9,
+    "vector_flops": 3.62e10, "transcendental_flops": 2.17e9, "hbm": 2.5e9,
     "collective_fit": {"all-gather": (1.0e-4, 1.9e9), "reduce-scatter": (9.2e-5, 1.4e9),
                        "all-reduce": (4.1e-5, 1.1e9), "collective-permute": (7.1e-5, 8.1e8),
                        "all-to-all": (1.9e-5, 1.5e8)},
@@ -297,8 +305,9 @@ def load_calibration(path: Path | str) -> dict:
     for key in ("hbm", "vector_flops"):
         if not _positive(data.get(key)):
             problems.append(f"{key} must be a positive number")
-    if "hbm_cold" in data and not _positive(data["hbm_cold"]):
-        problems.append("hbm_cold must be a positive number")
+    for key in ("hbm_cold", "transcendental_flops"):
+        if key in data and not _positive(data[key]):
+            problems.append(f"{key} must be a positive number")
     for key in ("peak_flops", "mfu_peak"):
         rates = data.get(key, {} if key == "mfu_peak" else None)
         if not isinstance(rates, dict) or (key == "peak_flops" and "float32" not in rates) \
@@ -343,6 +352,7 @@ def _cpu(data: dict, source: str) -> Hardware:
                     Link(bw, lat), Link(bw, lat), 1 << 30, overlap=False, shared_host=True,
                     bf16_collectives_in_f32=True, collective_fit=fit,
                     cold_hbm=data.get("hbm_cold", 0.0),
+                    transcendental_flops=data.get("transcendental_flops", 0.0),
                     mfu_peak=dict(data.get("mfu_peak", {})), source=source)
 
 

@@ -11,8 +11,10 @@ is what the step pays for that op (no x n_devices afterwards):
   typical activation size (reads two, writes one), and on arrays of half the host's
   last-level cache per device (`cold_elems`: every pass streams from memory), the rate
   of a scan's stacked inputs and outputs (`Row.scan_stack`);
-- `vector_rate`: `exp(-x * x) + 0.5` passes in a loop on the same arrays (FLOPs counted
-  as the ledger counts them: one per elementwise op per element);
+- `vector_rate`: 32 multiply-adds an element a pass (`arithmetic_chain`), passes in a
+  loop on the same arrays (FLOPs counted as the ledger counts them: one per elementwise
+  op per element), and `transcendental_rate`: one exponential an element a pass
+  (`exp_pass`), the rate of exp, log, logistic and the like (`price.TRANSCENDENTAL`);
 - `collective_times` / `fit`: each collective's time vs bytes over one axis of all
   devices, fitted to `latency * hops + ring_fraction * bytes / bandwidth`.
 
@@ -187,11 +189,32 @@ def stacking_bandwidth(mesh: Mesh, elems: int, n: int = 4) -> float:
     return sum(r.total_bytes for r in rows if r.scan_stack) / max(extra, 1e-9)
 
 
-def vector_rate(mesh: Mesh, elems: int, k: int = 20) -> float:
-    """Elementwise FLOP/s one device gets (4 ledger FLOPs per element for each pass of
-    `exp(-x * x) + 0.5`, k passes in a loop) while every device runs it."""
-    t = _per_device(mesh, _looped(lambda x: jnp.exp(-x * x) + 0.5, k), [((elems,), jnp.float32)])
-    return 4 * k * elems / t
+def arithmetic_chain(x, depth: int = 32):
+    """`depth` multiply-adds in a row (2 ledger FLOPs each; one fused loop, so 64
+    FLOPs per element read and written: compute-bound, not memory-bound)."""
+    for _ in range(depth):
+        x = x * 0.999 + 0.001
+    return x
+
+
+def exp_pass(x):
+    """`exp(-x)`: one exponential an element in a loop of its own, as the step's softmax
+    and silu each have one in their fused loops (the negation folds into it)."""
+    return jnp.exp(-x)
+
+
+def vector_rate(mesh: Mesh, elems: int, k: int = 10) -> float:
+    """Elementwise arithmetic FLOP/s one device gets (`arithmetic_chain`, k passes in a
+    loop) while every device runs it."""
+    t = _per_device(mesh, _looped(arithmetic_chain, k), [((elems,), jnp.float32)])
+    return 64 * k * elems / t
+
+
+def transcendental_rate(mesh: Mesh, elems: int, k: int = 20) -> float:
+    """Exponentials per second one device gets (`exp_pass`, k passes in a loop: one
+    ledger FLOP per element each) while every device runs it."""
+    t = _per_device(mesh, _looped(exp_pass, k), [((elems,), jnp.float32)])
+    return k * elems / t
 
 
 COLLECTIVE_OPS = {
@@ -248,6 +271,6 @@ def in_run_profile(hw: Hardware, rows, devices, collective_sizes=None) -> Hardwa
     return dataclasses.replace(
         hw, dot_seconds=dot_seconds(rows, mesh),
         hbm=bandwidth(mesh, elems), cold_hbm=bandwidth(mesh, cold_elems(), k=2),
-        vector_flops=vector_rate(mesh, elems),
+        vector_flops=vector_rate(mesh, elems), transcendental_flops=transcendental_rate(mesh, elems),
         mem_eff=1.0, concurrent_rates=True, collective_fit=fit_,
         source=f"measured in this run on {mesh.size} devices at once")

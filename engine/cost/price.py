@@ -1,7 +1,8 @@
 """Price ledger rows on a hardware profile and predict the step.
 
 Compute rows by roofline: max(FLOPs / (peak * matmul_eff), bytes / (hbm * mem_eff)),
-matmuls at the peak of their operand dtype, other rows at the vector rate, the bytes of
+matmuls at the peak of their operand dtype, other rows at the vector rate (exp, log
+and the like, `TRANSCENDENTAL`, at the profile's rate for them where it has one), the bytes of
 a scan's stacked inputs and outputs (`Row.scan_stack`) at `cold_hbm` where the profile
 has one (a host whose caches hold a layer's working set but not the stacks); a matmul whose
 exact dot the profile has timed (`Hardware.dot_seconds`, measured in the same run by
@@ -53,6 +54,17 @@ import dataclasses
 from engine.cost.hardware import Hardware, Link
 from engine.cost.ledger import COLLECTIVES, Row
 from layers.scopes import BLOCK_SCOPES
+
+# Elementwise ops XLA evaluates by a polynomial or rational approximation, tens of vector
+# instructions an element (XLA:CPU's `exp` and `log` lowerings, `tanh` and `logistic`
+# through them), priced at `Hardware.transcendental_flops`; every other elementwise op
+# is one or a few instructions (add, mul, max, select, convert, div, sqrt) at
+# `vector_flops`. On this host (bench/calibrate.py) exp runs ~10x slower an element
+# than a multiply-add.
+TRANSCENDENTAL = frozenset({
+    "exp", "exp2", "expm1", "log", "log1p", "logistic", "tanh", "sin", "cos", "tan",
+    "atan2", "asin", "acos", "atan", "sinh", "cosh", "asinh", "acosh", "atanh", "erf",
+    "erfc", "erf_inv", "lgamma", "digamma", "pow"})
 
 RING = {"all-gather": (1, 1), "reduce-scatter": (1, 1), "all-reduce": (2, 2),
         "all-to-all": (1, 1), "collective-permute": (None, 1)}
@@ -206,6 +218,8 @@ def compute_seconds(row: Row, hw: Hardware, n_devices: int) -> tuple[float, str]
         peak, flops = attention_rate(row, hw), attention_flops(row, hw)
     elif row.kind == "matmul":
         peak, flops = hw.matmul_peak(row.dtype) * hw.matmul_eff, row.flops
+    elif row.primitive in TRANSCENDENTAL and hw.transcendental_flops:
+        peak, flops = hw.transcendental_flops, row.flops
     else:
         peak, flops = hw.vector_flops, row.flops
     t_flops = flops / peak

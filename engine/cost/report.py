@@ -152,7 +152,10 @@ def roofs(pred: Prediction, hw: Hardware, n_devices: int) -> list[tuple[str, flo
     else:
         out = [(f"{d} matmul", hw.matmul_peak(d) * hw.matmul_eff / share, nbytes)
                for d in sorted(hw.peak_flops)]
-    return out + [("elementwise", hw.vector_flops / share, nbytes)]
+    out.append(("elementwise", hw.vector_flops / share, nbytes))
+    if hw.transcendental_flops:
+        out.append(("exp, log, ... (elementwise)", hw.transcendental_flops / share, nbytes))
+    return out
 
 
 def plot_roofline(srows, pred: Prediction, hw: Hardware, n_devices: int, path: str) -> None:
