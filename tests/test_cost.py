@@ -240,13 +240,15 @@ def test_predict_only_512_devices():
     assert math.isfinite(pred.step_s)
 
 
-def test_in_run_rates_price_every_dot_by_its_measurement():
-    """The in-run profile times each distinct dot of the ledger on all devices at once;
-    pricing then charges each matmul row exactly its measured seconds x count, and
-    compute is no longer multiplied by the device count."""
+def test_in_run_rates_price_every_dot_and_collective_by_its_measurement():
+    """The in-run profile times each distinct dot and each distinct collective of the
+    ledger on all devices at once; pricing then charges each matmul and collective row
+    exactly its measured seconds x count, and compute is no longer multiplied by the
+    device count."""
     import jax
 
     from engine.cost.microbench import in_run_profile
+    from engine.cost.price import collective_key
 
     lay = Layout.parse("fsdp2")
     rows = step_ledger(_cfg(), TCFG, lay)
@@ -261,6 +263,57 @@ def test_in_run_rates_price_every_dot_by_its_measurement():
     priced = sum(p.seconds for p in pred.rows if p.row.kind == "matmul")
     assert priced == pytest.approx(sum(hw.dot_seconds[r.dot] * r.count for r in dots))
     assert set(hw.collective_fit) >= {"all-gather", "reduce-scatter", "all-reduce"}
+    moved = [r for r in rows if r.kind == "collective" and r.bytes and r.axis_size > 1]
+    assert {collective_key(r)[0] for r in moved} >= {"all-gather", "reduce-scatter"}
+    assert set(hw.collective_seconds) == {collective_key(r) for r in moved}
+    assert all(t > 0 for t in hw.collective_seconds.values())
+    priced = sum(p.seconds for p in pred.rows if p.row in moved)
+    assert priced == pytest.approx(
+        sum(hw.collective_seconds[collective_key(r)] * r.count for r in moved))
+
+
+def test_group_collectives_run_in_groups_of_the_rows_size():
+    """A collective over a sub-axis is timed with the devices split into groups of its
+    size: an all-reduce over 2 of 4 devices sums 2 devices' operands, not 4 (checked by
+    running the op the timing compiles on values that tell the groups apart)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    from engine.cost import microbench
+    from engine.cost.price import collective_key
+
+    row = Row("mlp", "fwd", "collective", "psum", "float32", (8,), 0.0, 32.0, 3,
+              ("tp",), 2)
+    key = collective_key(row)
+    assert key == ("all-reduce", 2, 32, "float32")
+    devices = jax.devices()[:4]
+    times = microbench.group_collective_seconds([row], devices, reps=1)
+    assert set(times) == {key} and times[key] > 0
+    mesh = Mesh(np.array(devices).reshape(2, 2), ("r", "d"))
+    spec = P(("r", "d"))
+    f = jax.jit(jax.shard_map(microbench.COLLECTIVE_OPS["all-reduce"], mesh=mesh,
+                              in_specs=spec, out_specs=spec))
+    x = jnp.repeat(jnp.arange(4.0), 8)  # device i holds 8 copies of i
+    got = np.asarray(f(jax.device_put(x, NamedSharding(mesh, spec))))
+    np.testing.assert_array_equal(got, np.repeat([1.0, 1.0, 5.0, 5.0], 8))
+
+
+def test_a_measured_collective_is_priced_at_its_measurement():
+    """`Hardware.collective_seconds` prices a collective row whose key it holds at that
+    time, whatever the fit says; any other row keeps the fit's ring formula."""
+    from engine.cost.price import collective_key
+
+    row = Row("mlp", "fwd", "collective", "psum", "float32", (256,), 0.0, 1024.0, 1,
+              ("tp",), 2)
+    other = row.replace(bytes=2048.0)
+    hw = dataclasses.replace(hardware.cpu_defaults(),
+                             collective_seconds={collective_key(row): 0.125})
+    assert collective_seconds(row, hw, (("tp", 2),)) == 0.125
+    latency, bw = hw.collective_fit["all-reduce"]
+    assert collective_seconds(other, hw, (("tp", 2),)) == pytest.approx(
+        2048 / bw + 2 * latency)
 
 
 def test_exp_and_its_kind_are_priced_at_the_transcendental_rate():

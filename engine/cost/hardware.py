@@ -68,6 +68,10 @@ class Hardware:
     # Row.dot -> measured seconds of one execution (engine/cost/microbench.py); a dot
     # found here is priced by its measurement instead of the roofline
     dot_seconds: dict = dataclasses.field(default_factory=dict)
+    # price.collective_key(row) -> measured seconds of one execution, every group of the
+    # row's size running it at once (engine/cost/microbench.py); a collective found here
+    # is priced by its measurement instead of `collective_fit` or the link formulas
+    collective_seconds: dict = dataclasses.field(default_factory=dict)
     # the rates were measured with every device running at once (microbench), so a
     # shared host's compute is not multiplied by the device count again
     concurrent_rates: bool = False

@@ -15,8 +15,11 @@ is what the step pays for that op (no x n_devices afterwards):
   loop on the same arrays (FLOPs counted as the ledger counts them: one per elementwise
   op per element), and `transcendental_rate`: one exponential an element a pass
   (`exp_pass`), the rate of exp, log, logistic and the like (`price.TRANSCENDENTAL`);
+- `group_collective_seconds`: each distinct collective of a ledger (kind, group size,
+  bytes, dtype) run alone, every group of its size at once;
 - `collective_times` / `fit`: each collective's time vs bytes over one axis of all
-  devices, fitted to `latency * hops + ring_fraction * bytes / bandwidth`.
+  devices, fitted to `latency * hops + ring_fraction * bytes / bandwidth` (the
+  calibration file's, and the in-run price of a collective not timed on its own).
 
 `in_run_profile` measures all of these for one ledger just before the step is timed,
 so predictions and measurement see the same machine load (`bench/roofline.py`);
@@ -40,7 +43,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import collectives
 from engine.cost.hardware import Hardware
 from engine.cost.ledger import ledger
-from engine.cost.price import ring_factor
+from engine.cost.price import collective_key, ring_factor
 from engine.layout import Layout
 
 
@@ -242,6 +245,30 @@ def collective_times(mesh: Mesh, sizes_bytes, reps: int = 5, overhead: float = 0
     return out
 
 
+def group_collective_seconds(rows, devices, reps: int = 5, overhead: float = 0.0) -> dict:
+    """{price.collective_key: seconds of one execution} for every distinct collective of
+    the ledger: the devices split into groups of the row's size, every group running it
+    at once on operands of its bytes and dtype (the step runs a sub-axis collective in
+    every group of that axis together, and on a shared host the groups share its cores).
+    Timed at its own size, a collective needs no latency-per-hop extrapolation from the
+    whole mesh to a group of two (`fit`)."""
+    n = len(devices)
+    out = {}
+    keys = {collective_key(r) for r in rows if r.kind == "collective" and r.bytes}
+    for key in sorted(k for k in keys if k[0] in COLLECTIVE_OPS and 1 < k[1] and n % k[1] == 0):
+        kind, g, nbytes, dtype = key
+        mesh = Mesh(np.array(devices).reshape(n // g, g), ("r", "d"))
+        spec = P(("r", "d"))
+        dt = jnp.dtype(dtype)
+        per_device = nbytes // g if kind == "all-gather" else nbytes
+        elems = max(per_device // dt.itemsize // g * g, g)
+        f = jax.jit(jax.shard_map(COLLECTIVE_OPS[kind], mesh=mesh, in_specs=spec,
+                                  out_specs=spec))
+        x = jax.device_put(jnp.ones((n * elems,), dt), NamedSharding(mesh, spec))
+        out[key] = max(timed(f, x, reps=reps) - overhead, 1e-7)
+    return out
+
+
 def fit(kind: str, points, n: int) -> tuple[float, float]:
     """Least-squares (latency per hop, bandwidth) of t = hops*lat + frac*bytes/bw."""
     frac, hops = ring_factor(kind, n)
@@ -254,14 +281,16 @@ def fit(kind: str, points, n: int) -> tuple[float, float]:
 def in_run_profile(hw: Hardware, rows, devices, collective_sizes=None) -> Hardware:
     """`hw` with every rate the ledger's rows need measured now on `devices`, all at
     once: per-dot seconds, bandwidth and vector rate at the step's activation size, the
-    bandwidth out of cache, and (with more than one device) the collective fits. Compute
+    bandwidth out of cache, and (with more than one device) per-collective seconds and
+    the collective fits. Compute
     is then not multiplied by the device count (`concurrent_rates`: the measurements
     already share the host)."""
     mesh = _flat_mesh(devices)
     overhead = call_overhead(mesh)
     elems = typical_elems(rows)
-    fit_ = dict(hw.collective_fit)
+    fit_, measured = dict(hw.collective_fit), {}
     if mesh.size > 1:
+        measured = group_collective_seconds(rows, devices, overhead=overhead)
         big = max((r.bytes for r in rows if r.kind == "collective"), default=1 << 20)
         sizes = collective_sizes or sorted({1 << 14, 1 << 17, 1 << 20,
                                             max(1 << 14, int(big) // 64 * 64)})
@@ -272,5 +301,5 @@ def in_run_profile(hw: Hardware, rows, devices, collective_sizes=None) -> Hardwa
         hw, dot_seconds=dot_seconds(rows, mesh),
         hbm=bandwidth(mesh, elems), cold_hbm=bandwidth(mesh, cold_elems(), k=2),
         vector_flops=vector_rate(mesh, elems), transcendental_flops=transcendental_rate(mesh, elems),
-        mem_eff=1.0, concurrent_rates=True, collective_fit=fit_,
+        mem_eff=1.0, concurrent_rates=True, collective_fit=fit_, collective_seconds=measured,
         source=f"measured in this run on {mesh.size} devices at once")

@@ -6,8 +6,9 @@ and the like, `TRANSCENDENTAL`, at the profile's rate for them where it has one)
 a scan's stacked inputs and outputs (`Row.scan_stack`) at `cold_hbm` where the profile
 has one (a host whose caches hold a layer's working set but not the stacks); a matmul whose
 exact dot the profile has timed (`Hardware.dot_seconds`, measured in the same run by
-`engine/cost/microbench.py`) costs its measured time. Collectives by
-ring formulas over the slowest link tier their axes use, n = group size:
+`engine/cost/microbench.py`) costs its measured time, and so does a collective whose
+kind, group size, bytes and dtype it has timed (`Hardware.collective_seconds`). Other
+collectives by ring formulas over the slowest link tier their axes use, n = group size:
 
     all-gather, reduce-scatter: (n-1)/n * bytes / bw + (n-1) * latency
     all-reduce:                 2 (n-1)/n * bytes / bw + 2 (n-1) * latency
@@ -137,12 +138,22 @@ def link_for(hw: Hardware, mesh_axes, axes: tuple[str, ...]):
     return Link(min(hw.fast.bandwidth, hw.slow.bandwidth * k), hw.slow.latency)
 
 
+def collective_key(row: Row) -> tuple:
+    """What one execution of a collective row costs on a host, as
+    `Hardware.collective_seconds` keys its measurement: (kind, group size, ledger bytes,
+    dtype)."""
+    return COLLECTIVES.get(row.primitive), row.axis_size, int(row.bytes), row.dtype
+
+
 def collective_seconds(row: Row, hw: Hardware, mesh_axes) -> float:
-    """One execution of a collective row (0 for pvary and size-1 axes)."""
+    """One execution of a collective row (0 for pvary and size-1 axes): its measured
+    time where the profile has one, else the ring formula."""
     kind = COLLECTIVES.get(row.primitive)
     n = row.axis_size
     if kind is None or n == 1 or row.bytes == 0:
         return 0.0
+    if (measured := hw.collective_seconds.get(collective_key(row))) is not None:
+        return measured
     if kind in hw.collective_fit:
         latency, bw = hw.collective_fit[kind]
         eff = 1.0
