@@ -2,9 +2,13 @@
 
     python bench/calibrate.py [--out PATH]
 
-Measures (median of repeated timed calls after a warm-up): matmul FLOP/s per operand
-dtype (f32; bf16 with f32 accumulation) on the shapes the `small` model runs (their
-median prices matmuls) and on 2048^3 (the best rate is the MFU peak); the host's memory
+Measures (median of repeated timed calls after a warm-up): the host's matmul FLOP/s per
+operand dtype (f32; bf16 with f32 accumulation) over the dots of the `small` model's
+step on fsdp8 (remat full, the training CLI's batch and sequence), every distinct dot
+timed as the step writes it with all 8 devices at once (engine/cost/microbench.py
+`dot_seconds`): the step's FLOPs over their measured seconds, the rate that prices
+matmuls; beside it, not used in pricing, one device alone on three of those shapes as
+plain matmuls (`matmul_measured`), and 2048^3 (the best rate is the MFU peak); the host's memory
 bandwidth, as the sum over the 8 devices of a fused `1.5 * x + y` each streams at once
 (engine/cost/microbench.py `bandwidth`), on arrays the cache holds together (`hbm`:
 the 8 devices' arrays 1/8 of the last-level cache in all) and on arrays half that
@@ -24,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -38,10 +41,13 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
+from engine.config import TrainConfig, model_config  # noqa: E402
 from engine.cost.hardware import CALIBRATION_PATH  # noqa: E402
+from engine.cost.ledger import step_ledger  # noqa: E402
+from engine.layout import Layout  # noqa: E402
 from engine.train import keep_freed_memory  # noqa: E402
 from engine.cost.microbench import (arithmetic_chain, bandwidth, call_overhead,  # noqa: E402
-                                     cold_elems, collective_times, exp_pass, fit,
+                                     cold_elems, collective_times, dot_seconds, exp_pass, fit,
                                      last_level_cache, stacking_bandwidth, timed)
 
 
@@ -49,6 +55,23 @@ def matmul_flops(m: int, k: int, n: int, dtype) -> float:
     a, b = jnp.ones((m, k), dtype), jnp.ones((k, n), dtype)
     f = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32))
     return 2 * m * k * n / timed(f, a, b, reps=7)
+
+
+def step_matmul_rate(mesh: Mesh, dtype: str, layout: str = "fsdp8") -> float:
+    """FLOP/s of the host over the matmuls of the `small` model's step on `layout` in
+    `dtype` ("f32" | "bf16"), remat full: each distinct dot timed as written, every device
+    of `mesh` running it at once (`dot_seconds`), the step's dot FLOPs over their summed
+    seconds, times the device count (the profile's devices then share the rate: a shared
+    host's per-device time is multiplied by the device count). The step's own dots
+    include what plain matmuls miss: the attention's batched [B, H] score and value dots
+    and the backward's transposed operands."""
+    cfg = model_config("small", dtype=dtype, remat="full")
+    lay = Layout.parse(layout)
+    rows = step_ledger(cfg, TrainConfig(), lay, pack=True)
+    seconds = dot_seconds(rows, Mesh(np.array(mesh.devices.flat[:lay.size]), ("d",)))
+    dots = [r for r in rows if r.dot in seconds]
+    return lay.size * sum(r.flops * r.count for r in dots) / sum(
+        seconds[r.dot] * r.count for r in dots)
 
 
 def host_bandwidth(mesh: Mesh, elems: int, k: int) -> float:
@@ -78,13 +101,13 @@ def main(argv=None) -> int:
     measured = {f"{name}/{dt}": matmul_flops(*shape, dtype)
                 for name, shape in shapes.items()
                 for dt, dtype in (("float32", jnp.float32), ("bfloat16", jnp.bfloat16))}
-    # pricing rate: what the step's own shapes reach; MFU peak: the large matmul, the
-    # best rate a matmul reaches (engine/mfu.py's measurement for the training CLI)
-    peak = {dt: statistics.median(v for k, v in measured.items() if k.endswith(dt)
-                                  and not k.startswith("cube")) for dt in ("float32", "bfloat16")}
+    # MFU peak: the large matmul, the best rate a matmul reaches (engine/mfu.py's
+    # measurement for the training CLI)
     mfu_peak = {dt: max(v for k, v in measured.items() if k.endswith(dt))
                 for dt in ("float32", "bfloat16")}
     mesh = Mesh(np.array(jax.devices()[:8]), ("d",))
+    # pricing rate: what the step's own dots reach with every device at once
+    peak = {"float32": step_matmul_rate(mesh, "f32"), "bfloat16": step_matmul_rate(mesh, "bf16")}
     warm = last_level_cache() // (16 * 4 * mesh.size)  # two arrays per device: 1/8 of it in all
     points = collective_times(mesh, [1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22],
                               overhead=call_overhead(mesh))
