@@ -163,6 +163,47 @@ def test_a_bf16_stacked_input_is_charged_as_the_host_compiler_lowers_it():
             assert (piece.bytes, piece.count) == (2 * w[0].nbytes, 4)
 
 
+def test_a_bf16_stack_the_body_indexes_is_charged_as_the_host_compiler_lowers_it():
+    """A bf16 stack a scan's body indexes itself (a loop-invariant operand reaching a
+    `dynamic_slice` through a jit call, as the prefetching layer scan's backward reads
+    its residuals) is upcast whole to f32 before the loop by the host compilers that
+    upcast stacked inputs, for a dot and for a multiply alike: the ledger charges one
+    whole-stack convert exactly where the compiled module holds the widened stack, and
+    none for an f32 stack or a bf16 operand the body does not slice."""
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+
+    from engine.cost import hlo
+    from engine.cost.ledger import cpu_upcasts_bf16_stacks, ledger
+
+    def scan_of(consume):
+        def f(c_BD, w_NXD, v_BD):
+            def body(c_BD, i):
+                w = lax.dynamic_index_in_dim(w_NXD, i, keepdims=False)
+                return (consume(c_BD, w) + v_BD).astype(c_BD.dtype), None
+
+            return lax.scan(body, c_BD, jnp.arange(4))[0]
+        return f
+
+    dot = lambda c, w: jnp.dot(c, w, preferred_element_type=jnp.float32)
+    for consume, stack in ((dot, (4, 32, 32)), (lambda c, w: c * w, (4, 16, 32))):
+        for dtype in (jnp.bfloat16, jnp.float32):
+            c, w, v = jnp.ones((16, 32), dtype), jnp.ones(stack, dtype), jnp.ones((16, 32), dtype)
+            f = scan_of(consume)
+            rows = ledger(jax.make_jaxpr(f)(c, w, v), Layout.parse("single"))
+            converts = [r for r in rows if r.primitive == "convert_element_type" and r.scan_stack]
+            module = hlo.parse(jax.jit(f).lower(c, w, v).compile().as_text())
+            widened = [i for i in module.computations[module.entry]
+                       if i.result.startswith(f"f32[{','.join(map(str, stack))}]")]
+            if dtype == jnp.bfloat16 and cpu_upcasts_bf16_stacks():
+                assert len(widened) == 1
+                assert [(r.bytes, r.count, r.shape) for r in converts] == [(3 * w.nbytes, 1, stack)]
+            else:
+                assert converts == []
+                assert dtype == jnp.float32 or widened == []
+
+
 def test_a_scans_stacked_traffic_is_priced_out_of_cache():
     """The rows a scan adds for its stacked inputs and outputs are `scan_stack` rows
     (written an iteration loop before they are read) and the body's own rows are not; a

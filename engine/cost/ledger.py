@@ -297,6 +297,21 @@ def cpu_upcasts_bf16_stacks() -> bool:
     return any(i.result.startswith("f32[4,32,32]") for i in module.computations[module.entry])
 
 
+def _sliced_invars(jaxpr, targets) -> set:
+    """The vars of `targets` (invars of `jaxpr`) that reach the operand of a
+    `dynamic_slice`, in `jaxpr` or through the body of a call (`INLINED`: jit, ...)."""
+    found = set()
+    target = lambda v: not isinstance(v, jcore.Literal) and v in targets
+    for e in jaxpr.eqns:
+        if e.primitive.name == "dynamic_slice" and target(e.invars[0]):
+            found.add(e.invars[0])
+        elif e.primitive.name in INLINED:
+            for sub, _ in _sub_jaxprs(e):
+                inner = {iv: ov for iv, ov in zip(sub.invars, e.invars) if target(ov)}
+                found |= {inner[v] for v in _sliced_invars(sub, set(inner))}
+    return found
+
+
 def _scan_copy_rows(eqn, phase, scope, count, pp=()) -> list[Row]:
     """What XLA adds when it lowers a `lax.scan` to a while loop, which the scan's jaxpr
     does not show, in the scan's own scope and phase:
@@ -309,6 +324,10 @@ def _scan_copy_rows(eqn, phase, scope, count, pp=()) -> list[Row]:
       `convert_element_type` row reading the stack and writing it twice as wide), and
       each iteration slices the f32 stack and converts the slice back to bf16; jax
       0.12's slices the bf16 stack as it is (`cpu_upcasts_bf16_stacks` asks the host's).
+      It does the same to a bf16 operand the body indexes itself (a loop-invariant
+      operand reaching a `dynamic_slice`: the residual stacks of the prefetching layer
+      scan's backward, `layers/block.py`), charged the same whole-stack convert; the
+      body's own `dynamic_slice` row keeps its bf16 bytes.
 
     Both slices are priced as `fusion.io_bytes` prices the explicit ops: the update slice is
     written in place (read the update, write the slice), the input slice is read and
@@ -351,6 +370,11 @@ def _scan_copy_rows(eqn, phase, scope, count, pp=()) -> list[Row]:
                         tuple(aval.shape), 0.0, float(moved), n, fused_bytes=0.0,
                         lib_bytes=0.0, pp=pp, scan_stack=True))
 
+    if cpu_upcasts_bf16_stacks():
+        bf16 = {inner: outer for outer, inner in zip(eqn.invars[:n_consts], body.invars[:n_consts])
+                if inner.aval.dtype == jnp.bfloat16}
+        for inner in sorted(_sliced_invars(body, set(bf16)), key=body.invars.index):
+            row("convert_element_type", bf16[inner].aval, 3 * nbytes(inner.aval), count)
     for outer, inner in zip(eqn.invars[first:], body.invars[first:]):
         names = consumers.get(inner, [])
         fused = bool(names) and all(n in FUSIBLE and n not in FREE for n in names) \
