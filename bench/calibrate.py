@@ -7,8 +7,8 @@ operand dtype (f32; bf16 with f32 accumulation) over the dots of the `small` mod
 step on fsdp8 (remat full, the training CLI's batch and sequence), every distinct dot
 timed as the step writes it with all 8 devices at once (engine/cost/microbench.py
 `dot_seconds`): the step's FLOPs over their measured seconds, the rate that prices
-matmuls; beside it, not used in pricing, one device alone on three of those shapes as
-plain matmuls (`matmul_measured`), and 2048^3 (the best rate is the MFU peak); the host's memory
+matmuls; beside it, plain matmuls on one device alone (`matmul_measured`: two of the
+step's shapes, not used in pricing, and 2048^3; the best rate is the MFU peak); the host's memory
 bandwidth, as the sum over the 8 devices of a fused `1.5 * x + y` each streams at once
 (engine/cost/microbench.py `bandwidth`), on arrays the cache holds together (`hbm`:
 the 8 devices' arrays 1/8 of the last-level cache in all) and on arrays half that
