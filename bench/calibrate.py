@@ -57,20 +57,19 @@ def matmul_flops(m: int, k: int, n: int, dtype) -> float:
     return 2 * m * k * n / timed(f, a, b, reps=7)
 
 
-def step_matmul_rate(mesh: Mesh, dtype: str, layout: str = "fsdp8") -> float:
-    """FLOP/s of the host over the matmuls of the `small` model's step on `layout` in
-    `dtype` ("f32" | "bf16"), remat full: each distinct dot timed as written, every device
-    of `mesh` running it at once (`dot_seconds`), the step's dot FLOPs over their summed
-    seconds, times the device count (the profile's devices then share the rate: a shared
-    host's per-device time is multiplied by the device count). The step's own dots
-    include what plain matmuls miss: the attention's batched [B, H] score and value dots
-    and the backward's transposed operands."""
+def step_matmul_rate(mesh: Mesh, dtype: str) -> float:
+    """FLOP/s of the host over the matmuls of the `small` model's step on fsdp over every
+    device of `mesh` in `dtype` ("f32" | "bf16"), remat full: each distinct dot timed as
+    written, every device running it at once (`dot_seconds`), the step's dot FLOPs over
+    their summed seconds, times the device count (the profile's devices then share the
+    rate: a shared host's per-device time is multiplied by the device count). The step's
+    own dots include what plain matmuls miss: the attention's batched [B, H] score and
+    value dots and the backward's transposed operands."""
     cfg = model_config("small", dtype=dtype, remat="full")
-    lay = Layout.parse(layout)
-    rows = step_ledger(cfg, TrainConfig(), lay, pack=True)
-    seconds = dot_seconds(rows, Mesh(np.array(mesh.devices.flat[:lay.size]), ("d",)))
+    rows = step_ledger(cfg, TrainConfig(), Layout.parse(f"fsdp{mesh.size}"), pack=True)
+    seconds = dot_seconds(rows, mesh)
     dots = [r for r in rows if r.dot in seconds]
-    return lay.size * sum(r.flops * r.count for r in dots) / sum(
+    return mesh.size * sum(r.flops * r.count for r in dots) / sum(
         seconds[r.dot] * r.count for r in dots)
 
 

@@ -371,10 +371,9 @@ def _scan_copy_rows(eqn, phase, scope, count, pp=()) -> list[Row]:
                         lib_bytes=0.0, pp=pp, scan_stack=True))
 
     if cpu_upcasts_bf16_stacks():
-        bf16 = {inner: outer for outer, inner in zip(eqn.invars[:n_consts], body.invars[:n_consts])
-                if inner.aval.dtype == jnp.bfloat16}
-        for inner in sorted(_sliced_invars(body, set(bf16)), key=body.invars.index):
-            row("convert_element_type", bf16[inner].aval, 3 * nbytes(inner.aval), count)
+        bf16 = {v for v in body.invars[:n_consts] if v.aval.dtype == jnp.bfloat16}
+        for inner in sorted(_sliced_invars(body, bf16), key=body.invars.index):
+            row("convert_element_type", inner.aval, 3 * nbytes(inner.aval), count)
     for outer, inner in zip(eqn.invars[first:], body.invars[first:]):
         names = consumers.get(inner, [])
         fused = bool(names) and all(n in FUSIBLE and n not in FREE for n in names) \

@@ -229,19 +229,27 @@ COLLECTIVE_OPS = {
 }
 
 
+def _collective_run(kind: str, mesh: Mesh, axes, elems: int, dtype, reps: int,
+                    overhead: float) -> float:
+    """Seconds of one `kind` over the mesh axis "d", every device holding `elems`
+    elements of `dtype` (the array sharded over `axes`), less `overhead`."""
+    spec = P(axes)
+    f = jax.jit(jax.shard_map(COLLECTIVE_OPS[kind], mesh=mesh, in_specs=spec, out_specs=spec))
+    x = jax.device_put(jnp.ones((mesh.size * elems,), dtype), NamedSharding(mesh, spec))
+    return max(timed(f, x, reps=reps) - overhead, 1e-7)
+
+
 def collective_times(mesh: Mesh, sizes_bytes, reps: int = 5, overhead: float = 0.0) -> dict:
     """{kind: [(bytes as the ledger counts them, seconds)]} over one axis of all devices.
     Ledger bytes: the gathered output for all-gather, the pre-reduce input otherwise."""
     n = mesh.size
     out = {}
-    for kind, op in COLLECTIVE_OPS.items():
-        f = jax.jit(jax.shard_map(op, mesh=mesh, in_specs=P("d"), out_specs=P("d")))
+    for kind in COLLECTIVE_OPS:
         out[kind] = []
         for nbytes in sizes_bytes:
             per_device = nbytes // n if kind == "all-gather" else nbytes
-            x = jax.device_put(np.ones(n * per_device // 4, np.float32),
-                               NamedSharding(mesh, P("d")))
-            out[kind].append((nbytes, max(timed(f, x, reps=reps) - overhead, 1e-7)))
+            out[kind].append((nbytes, _collective_run(kind, mesh, "d", per_device // 4,
+                                                      jnp.float32, reps, overhead)))
     return out
 
 
@@ -258,14 +266,10 @@ def group_collective_seconds(rows, devices, reps: int = 5, overhead: float = 0.0
     for key in sorted(k for k in keys if k[0] in COLLECTIVE_OPS and 1 < k[1] and n % k[1] == 0):
         kind, g, nbytes, dtype = key
         mesh = Mesh(np.array(devices).reshape(n // g, g), ("r", "d"))
-        spec = P(("r", "d"))
         dt = jnp.dtype(dtype)
         per_device = nbytes // g if kind == "all-gather" else nbytes
         elems = max(per_device // dt.itemsize // g * g, g)
-        f = jax.jit(jax.shard_map(COLLECTIVE_OPS[kind], mesh=mesh, in_specs=spec,
-                                  out_specs=spec))
-        x = jax.device_put(jnp.ones((n * elems,), dt), NamedSharding(mesh, spec))
-        out[key] = max(timed(f, x, reps=reps) - overhead, 1e-7)
+        out[key] = _collective_run(kind, mesh, ("r", "d"), elems, dt, reps, overhead)
     return out
 
 
