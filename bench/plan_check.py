@@ -5,23 +5,28 @@
 
 Plans for the devices on the cpu profile (engine/plan.py; `--calibration`, else the
 calibration file if bench/calibrate.py wrote one, else the built-in defaults), then
-compiles and times the planner's first `--top` candidates plus `--random` candidates
-drawn (seeded) from the rest of the ranked list: the median of `--timed-steps` steps after a warm-up
-(bench/timing.py), with `--rounds R` timed R times round robin and the fastest round
-kept. Prints each one's predicted and measured step and rank, the Spearman
-rank correlation of predicted vs measured (and over the candidates without pp, which
-are the close calls), and where the planner's first choice lands:
-`auto_vs_best` = measured step of the first choice / the best measured step. On a
-shared machine the measured steps are noisy; compare runs, not single figures.
+compiles every chosen candidate (the planner's first `--top` plus `--random` drawn,
+seeded, from the rest of the ranked list), runs each one warm-up step, and times
+`--rounds` round-robin passes over them, each pass timing `--timed-steps` steps of one
+candidate before moving to the next (the default, one, interleaves single steps, so a
+slow spell on the shared cores falls on every candidate alike). A candidate's measured
+step is its fastest timed step: 8 device threads on 2 cores only ever lose time to
+scheduling and other jobs, and one step of the same program measures 0.54 to 0.92 s on
+`small`. Prints each one's predicted and measured step (and the median step) and rank,
+the Spearman rank correlation of predicted vs measured (and over the candidates without
+pp, which are the close calls), and where the planner's first choice lands:
+`auto_vs_best` = measured step of the first choice / the best measured step (and the
+same ratio of medians). On a shared machine the measured steps are noisy; compare runs,
+not single figures.
 """
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import math
 import os
 import random
+import statistics
 import sys
 from pathlib import Path
 
@@ -38,11 +43,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top", type=int, default=8, help="the planner's first N candidates")
     g.add_argument("--random", type=int, default=8, help="random candidates from the rest")
     g.add_argument("--sample-seed", type=int, default=0, help="seed of the random draw")
-    g.add_argument("--timed-steps", type=int, default=3,
-                   help="steps timed per candidate, after a warm-up")
-    g.add_argument("--rounds", type=int, default=1,
-                   help="time every candidate this many times, round robin, and keep each "
-                        "one's fastest round (other jobs on shared cores only slow a step)")
+    g.add_argument("--timed-steps", type=int, default=1,
+                   help="steps of one candidate timed back to back in each round")
+    g.add_argument("--rounds", type=int, default=9,
+                   help="round-robin passes over the candidates; each one's fastest timed "
+                        "step is kept (other jobs on shared cores only slow a step)")
     g.add_argument("--calibration", default=None,
                    help="cpu profile JSON (bench/calibrate.py --out); default: the one "
                         "bench/calibrate.py writes, else the built-in defaults")
@@ -87,28 +92,20 @@ def compiled(cand, tcfg):
     return step, params, opt_state, tokens
 
 
-def measure(cands, tcfg, steps: int, rounds: int, say=print) -> list[float]:
-    """Each candidate's measured step seconds: the median of `steps` steps after a
-    warm-up (bench/timing.py), timed `rounds` times round robin (every compiled step
-    kept), the fastest round kept."""
-    from bench.timing import time_steps
+def measure(cands, tcfg, steps: int, rounds: int, say=print) -> list[list[float]]:
+    """Every candidate's timed step seconds, `rounds` x `steps` of them: each compiled
+    and run one untimed warm-up step, then `rounds` round-robin passes that time `steps`
+    steps of one candidate back to back before the next (bench/timing.round_robin)."""
+    from bench.timing import round_robin, timed_step
 
-    best = [math.inf] * len(cands)
-    held = [None] * len(cands)
-    for r in range(rounds):
-        for i, p in enumerate(cands):
-            if held[i] is None:
-                held[i] = compiled(p.candidate, tcfg)
-            step, params, opt_state, tokens = held[i]
-            step_s, params, opt_state, _ = time_steps(step, params, opt_state, tokens, steps)
-            held[i] = step, params, opt_state, tokens
-            if rounds == 1:
-                held[i] = None
-                gc.collect()
-            best[i] = min(best[i], step_s)
-            say(f"  round {r + 1}/{rounds}, {i + 1}/{len(cands)} {p.candidate.describe()}: "
-                f"predicted {p.step_s:.4g} s, measured {step_s:.4g} s", flush=True)
-    return best
+    held = []
+    for i, p in enumerate(cands):
+        step, params, opt_state, tokens = compiled(p.candidate, tcfg)
+        params, opt_state, _, seconds = timed_step(step, params, opt_state, tokens)
+        held.append([step, params, opt_state, tokens])
+        say(f"  {i + 1}/{len(cands)} {p.candidate.describe()}: predicted {p.step_s:.4g} s, "
+            f"warm-up step {seconds:.4g} s", flush=True)
+    return round_robin(held, rounds, steps, say=lambda line: say(line, flush=True))
 
 
 def main(argv=None) -> int:
@@ -147,39 +144,47 @@ def main(argv=None) -> int:
     chosen += random.Random(mine.sample_seed).sample(rest, min(mine.random, len(rest)))
     print(f"plan: {len(result.ranked)} candidates in {result.seconds:.1f} s on {hw.name} "
           f"({hw.source}); measuring {len(chosen)} on {mine.devices} host devices, "
-          f"{mine.timed_steps} steps each, {mine.rounds} round(s)")
+          f"{mine.rounds} round(s) of {mine.timed_steps} step(s) each")
     load = [os.getloadavg()[0]]
-    measured = measure(chosen, tcfg, mine.timed_steps, mine.rounds)
+    times = measure(chosen, tcfg, mine.timed_steps, mine.rounds)
     load.append(os.getloadavg()[0])
+    measured = [min(t) for t in times]
+    medians = [statistics.median(t) for t in times]
     predicted = [p.step_s for p in chosen]
     pr, mr = ranks(predicted), ranks(measured)
     rows = [[i + 1 if i < mine.top else "random", p.candidate.describe(),
-             f"{p.step_s:.4g}", f"{m:.4g}", f"{100 * (p.step_s - m) / m:+.1f}%",
+             f"{p.step_s:.4g}", f"{m:.4g}", f"{med:.4g}", f"{100 * (p.step_s - m) / m:+.1f}%",
              f"{a:g}", f"{b:g}"]
-            for i, (p, m, a, b) in enumerate(zip(chosen, measured, pr, mr))]
-    print(tabulate(rows, ["plan #", "candidate", "predicted s", "measured s", "error",
-                          "predicted rank", "measured rank"], disable_numparse=True))
+            for i, (p, m, med, a, b) in enumerate(zip(chosen, measured, medians, pr, mr))]
+    print(tabulate(rows, ["plan #", "candidate", "predicted s", "measured s (fastest)",
+                          "median s", "error", "predicted rank", "measured rank"],
+                   disable_numparse=True))
     rho = spearman(predicted, measured)
     # pipelined candidates are far slower than the rest here and easy to rank: the
     # correlation among the others says how well the planner orders its close calls
     flat = [(p.step_s, m) for p, m in zip(chosen, measured) if p.candidate.layout.degree("pp") == 1]
     rho_flat = spearman(*zip(*flat)) if len(flat) > 2 else None
     auto_vs_best = measured[0] / min(measured)
+    median_vs_best = medians[0] / min(medians)
+    n = mine.rounds * mine.timed_steps
     print(f"Spearman {rho:.3f} over {len(chosen)} candidates"
           + (f" ({rho_flat:.3f} over the {len(flat)} without pp)" if rho_flat is not None
              and len(flat) < len(chosen) else "")
           + f"; the first choice measured "
           f"{measured[0]:.4g} s, rank {mr[0]:g} of {len(chosen)}: auto_vs_best "
-          f"{auto_vs_best:.3f} (load average {load[0]:.1f} before, {load[1]:.1f} after "
+          f"{auto_vs_best:.3f} over the fastest of {n} steps, {median_vs_best:.3f} over "
+          f"their medians (load average {load[0]:.1f} before, {load[1]:.1f} after "
           f"measuring: timings on shared cores are noisy)")
     if mine.json:
         Path(mine.json).write_text(json.dumps({
             "spearman": rho, "spearman_without_pp": rho_flat, "auto_vs_best": auto_vs_best,
-            "hardware_source": hw.source,
+            "auto_vs_best_median": median_vs_best, "hardware_source": hw.source,
             "timed_steps": mine.timed_steps, "rounds": mine.rounds, "load_average": load,
-            "candidates": [dict(p.record(), measured_step_s=m, predicted_rank=float(a),
+            "candidates": [dict(p.record(), measured_step_s=m, median_step_s=med,
+                                step_times_s=t, predicted_rank=float(a),
                                 measured_rank=float(b))
-                           for p, m, a, b in zip(chosen, measured, pr, mr)]}, indent=1))
+                           for p, m, med, t, a, b in zip(chosen, measured, medians, times,
+                                                          pr, mr)]}, indent=1))
     return 0
 
 

@@ -434,6 +434,38 @@ def test_plan_check_spearman_matches_the_textbook_formula():
     assert list(plan_check.ranks([2.0, 1.0, 2.0])) == [2.5, 1.0, 2.5]
 
 
+def test_plan_check_times_single_steps_round_robin_after_a_warm_up(monkeypatch):
+    from types import SimpleNamespace
+
+    from bench import plan_check, timing
+
+    calls = []
+
+    def compiled(cand, tcfg):
+        def step(params, opt_state, tokens):
+            calls.append(cand.describe())
+            return params + 1, opt_state, {}
+        return step, 0, None, None
+
+    clock = iter(range(1000))
+    monkeypatch.setattr(plan_check, "compiled", compiled)
+    monkeypatch.setattr(timing, "timed_step", lambda step, params, opt, tokens: (
+        *step(params, opt, tokens), float(next(clock))))
+    cands = [SimpleNamespace(candidate=SimpleNamespace(describe=lambda n=n: n), step_s=1.0)
+             for n in "abc"]
+    times = plan_check.measure(cands, None, steps=1, rounds=3, say=lambda *a, **k: None)
+    # one warm-up each, then the candidates in turn, one step at a time
+    assert calls == ["a", "b", "c"] + ["a", "b", "c"] * 3
+    assert [len(t) for t in times] == [3, 3, 3]
+    assert times == [[3.0, 6.0, 9.0], [4.0, 7.0, 10.0], [5.0, 8.0, 11.0]]
+    assert timing.split_half_noise(times) == pytest.approx(1.0)  # a: fastest 3 vs 6
+    assert timing.split_half_noise([[1.0, 1.1, 1.2, 1.05], [2.0, 2.0], [5.0]]) == (
+        pytest.approx(0.05))
+    calls.clear()
+    plan_check.measure(cands[:2], None, steps=2, rounds=2, say=lambda *a, **k: None)
+    assert calls == ["a", "b", "a", "a", "b", "b", "a", "a", "b", "b"]
+
+
 def test_ledger_cache_returns_what_a_trace_gives(tmp_path, monkeypatch):
     from engine.cost import cache
 
@@ -472,3 +504,4 @@ def test_published_plan_names_what_changed_and_refuses_bad_flags(capsys):
         assert published_plan.main(argv) == 2
         err = capsys.readouterr().err
         assert err.startswith("error: ") and err.count("\n") == 1 and word in err, err
+
