@@ -9,23 +9,29 @@ and each `--configs` entry (comma-separated `field=value` over `ParallelConfig` 
 `ModelConfig`: `tp_comm=sequence`, `zero=2`, `prefetch` or `prefetch=1`, `remat=dots`,
 ...) overrides it. Each config is checked by `engine.validate` before anything runs.
 Default: allreduce+zero3, sequence+zero3, ring+zero3, allreduce+zero3+prefetch,
-allreduce+zero2, allreduce+zero1. For each config, one row:
+allreduce+zero2, allreduce+zero1. Every config is compiled and run one warm-up step,
+then the configs are timed one step at a time, round robin, `--steps` steps each (a slow
+spell on the shared cores falls on every config alike). For each config, one row:
 
-- tokens/s: median of `--steps` steps after a warm-up (bench/timing.py);
+- tokens/s and ms/step: the median step; fastest ms: the fastest;
 - peak MiB per device, measured: the compiled step's `memory_analysis()`, arguments +
   temp + unaliased outputs (engine/cost/memory.py defines it), and predicted by
   `engine.cost.memory.predict`, with the error;
-- predicted step on `cpu`: the ledger priced with rates measured in this run just before
-  the step is timed (`engine.cost.microbench.in_run_profile`, as bench/roofline.py),
-  with its error against the measured median;
+- predicted step on `cpu`: the ledger priced with rates measured in this run, one
+  profile for every config (`engine.cost.microbench.in_run_profile` over all their
+  rows), with its error against the fastest step;
 - predicted step and exposed communication on `h100`, the same layout's devices
   (`engine.cost.price.predict` with the overlap model; prefetch lets FSDP gathers hide).
+
+Then the order check: the run's noise is how far the fastest of one config's
+even-numbered steps and the fastest of its odd-numbered steps disagree, at most, over
+the configs (`bench.timing.split_half_noise`); for every pair of configs whose fastest
+steps differ by more, whether the cpu predictions put them in the same order.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import json
 import os
 import sys
@@ -55,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", default=None, help="write every row as JSON")
     p = train_parser(prog="python bench/switches.py", description=__doc__.split("\n\n")[0],
                      parents=[own])
-    p.set_defaults(steps=5)  # timed steps (median), after one warm-up step
+    p.set_defaults(steps=8)  # timed steps of each config, after one warm-up step
     return p
 
 
@@ -100,14 +106,15 @@ def check(cfg, tcfg, parallel, layout) -> None:
         raise UsageError(f"{label(cfg, parallel)}: " + "; ".join(problems))
 
 
-def run_one(cfg, tcfg, parallel, layout, steps: int, calibration) -> dict:
-    """Compile, predict, profile and time one config; one dict of figures."""
+def prepare(cfg, tcfg, parallel, layout) -> dict:
+    """Compile one config, run its warm-up step, and predict what needs no measurement:
+    its peak memory and its step on h100. `held` is [step, params, opt_state, tokens]
+    for bench/timing.round_robin; `rows` its ledger."""
     import jax
 
-    from bench.timing import compiled_step, time_steps
+    from bench.timing import compiled_step, timed_step
     from engine.cost import hardware, memory
     from engine.cost.ledger import step_ledger
-    from engine.cost.microbench import in_run_profile
     from engine.cost.price import predict
     from engine.step import Trainer
 
@@ -120,31 +127,38 @@ def run_one(cfg, tcfg, parallel, layout, steps: int, calibration) -> dict:
         print(f"  {label(cfg, parallel)}: no memory prediction: {e}", file=sys.stderr)
         mem = None
     rows = step_ledger(cfg, tcfg, layout, parallel)
-    mesh_axes = layout.mesh_axes()
-    cpu = in_run_profile(hardware.get("cpu", calibration), rows,
-                         trainer.mesh.devices.flatten().tolist())
-    pred_cpu = predict(rows, cpu, mesh_axes, prefetch=parallel.prefetch)
-    pred_h100 = predict(rows, hardware.get("h100"), mesh_axes, prefetch=parallel.prefetch)
-    step_s, params, opt_state, first = time_steps(step, params, opt_state, tokens, steps)
-    loss = float(jax.device_get(first["loss"]))
-    del params, opt_state, tokens, step, first
-    gc.collect()
+    pred_h100 = predict(rows, hardware.get("h100"), layout.mesh_axes(), prefetch=parallel.prefetch)
+    params, opt_state, first, _ = timed_step(step, params, opt_state, tokens)
     return dict(
-        config=label(cfg, parallel), tp_comm=parallel.tp_comm, zero=parallel.zero,
-        prefetch=parallel.prefetch,
-        remat=cfg.remat, tokens_per_s=tcfg.batch * tcfg.seq / step_s, step_s=step_s,
-        compile_s=compile_s, first_loss=loss,
-        measured_peak_bytes=measured["peak"], measured_memory=measured,
-        predicted_peak_bytes=mem.peak if mem else None,
-        peak_error=memory.error(mem, measured) if mem else None,
-        predicted_memory=dict(params=mem.params, opt_state=mem.opt_state, tokens=mem.tokens,
-                              grads=mem.grads, grads_live=mem.grads_live,
-                              residuals=mem.residuals, transient=mem.transient,
-                              phase=mem.phase, items=mem.items) if mem else None,
-        predicted_cpu_step_s=pred_cpu.step_s, cpu_step_error=(pred_cpu.step_s - step_s) / step_s,
-        predicted_h100_step_s=pred_h100.step_s,
-        predicted_h100_exposed_comm_s=pred_h100.exposed_comm_s,
-        predicted_h100_comm_s=pred_h100.comm_s)
+        held=[step, params, opt_state, tokens], rows=rows, parallel=parallel,
+        devices=trainer.mesh.devices.flatten().tolist(), figures=dict(
+            config=label(cfg, parallel), tp_comm=parallel.tp_comm, zero=parallel.zero,
+            prefetch=parallel.prefetch, remat=cfg.remat, compile_s=compile_s,
+            first_loss=float(jax.device_get(first["loss"])),
+            measured_peak_bytes=measured["peak"], measured_memory=measured,
+            predicted_peak_bytes=mem.peak if mem else None,
+            peak_error=memory.error(mem, measured) if mem else None,
+            predicted_memory=dict(params=mem.params, opt_state=mem.opt_state,
+                                  tokens=mem.tokens, grads=mem.grads,
+                                  grads_live=mem.grads_live, residuals=mem.residuals,
+                                  transient=mem.transient, phase=mem.phase,
+                                  items=mem.items) if mem else None,
+            predicted_h100_step_s=pred_h100.step_s,
+            predicted_h100_exposed_comm_s=pred_h100.exposed_comm_s,
+            predicted_h100_comm_s=pred_h100.comm_s))
+
+
+def order_pairs(predicted, measured, noise: float) -> list[dict]:
+    """The pairs of configs whose measured steps differ by more than `noise` (relative
+    to the faster), each with whether the predictions put them in the same order."""
+    out = []
+    for i in range(len(measured)):
+        for j in range(i + 1, len(measured)):
+            gap = abs(measured[i] - measured[j]) / min(measured[i], measured[j])
+            if gap > noise:
+                out.append(dict(pair=(i, j), measured_gap=gap, right=(
+                    (predicted[i] - predicted[j]) * (measured[i] - measured[j]) > 0)))
+    return out
 
 
 def main(argv=None) -> int:
@@ -158,18 +172,41 @@ def main(argv=None) -> int:
         return 2
     force_host_devices(layout.size)
     keep_freed_memory()
+    import statistics
+
     from tabulate import tabulate
+
+    from bench.timing import round_robin, split_half_noise
+    from engine.cost import hardware
+    from engine.cost.microbench import in_run_profile
+    from engine.cost.price import predict
 
     load = os.getloadavg()
     print(f"{layout}, model {mine.model}, batch {tcfg.batch}, seq {tcfg.seq}, {cfg.dtype}, "
-          f"attention {cfg.attention}; median of {tcfg.steps} steps after one warm-up; "
-          f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}", flush=True)
-    out = []
+          f"attention {cfg.attention}; {tcfg.steps} steps of each config, one at a time "
+          f"round robin, after one warm-up; load average {load[0]:.2f} {load[1]:.2f} "
+          f"{load[2]:.2f}", flush=True)
+    prepared = []
     for c, par in configs:
-        r = run_one(c, tcfg, par, layout, tcfg.steps, mine.calibration)
-        out.append(r)
-        print(f"  done {r['config']}: {r['tokens_per_s']:.0f} tokens/s, "
-              f"{r['measured_peak_bytes'] / MiB:.1f} MiB", file=sys.stderr, flush=True)
+        prepared.append(prepare(c, tcfg, par, layout))
+        print(f"  compiled {label(c, par)}", file=sys.stderr, flush=True)
+    # one profile for every config: their order is not moved by rates measured apart
+    cpu = in_run_profile(hardware.get("cpu", mine.calibration),
+                         [row for p in prepared for row in p["rows"]], prepared[0]["devices"])
+    times = round_robin([p["held"] for p in prepared], tcfg.steps,
+                        say=lambda line: print(line, file=sys.stderr, flush=True))
+    out = []
+    for p, t in zip(prepared, times):
+        fastest, median = min(t), statistics.median(t)
+        pred = predict(p["rows"], cpu, layout.mesh_axes(), prefetch=p["parallel"].prefetch)
+        out.append(dict(p["figures"], tokens_per_s=tcfg.batch * tcfg.seq / median,
+                        step_s=median, fastest_step_s=fastest, step_times_s=t,
+                        predicted_cpu_step_s=pred.step_s,
+                        cpu_step_error=(pred.step_s - fastest) / fastest))
+        del p["held"]
+    noise = split_half_noise(times)
+    pairs = order_pairs([r["predicted_cpu_step_s"] for r in out],
+                        [r["fastest_step_s"] for r in out], noise)
 
     def pct(x):
         return "-" if x is None else f"{100 * x:+.1f}%"
@@ -178,21 +215,31 @@ def main(argv=None) -> int:
         return "-" if x is None else f"{x / MiB:.1f}"
 
     table = [[r["config"], f"{r['tokens_per_s']:.0f}", f"{1e3 * r['step_s']:.0f}",
+              f"{1e3 * r['fastest_step_s']:.0f}",
               mib(r["measured_peak_bytes"]), mib(r["predicted_peak_bytes"]), pct(r["peak_error"]),
               f"{1e3 * r['predicted_cpu_step_s']:.0f}", pct(r["cpu_step_error"]),
               f"{1e3 * r['predicted_h100_step_s']:.2f}",
               f"{1e3 * r['predicted_h100_exposed_comm_s']:.2f}"] for r in out]
-    print(tabulate(table, ["config", "tokens/s", "ms/step", "peak MiB", "pred MiB", "mem err",
-                           "pred cpu ms", "cpu err", "pred h100 ms", "h100 exposed comm ms"],
+    print(tabulate(table, ["config", "tokens/s", "ms/step", "fastest ms", "peak MiB",
+                           "pred MiB", "mem err", "pred cpu ms", "cpu err", "pred h100 ms",
+                           "h100 exposed comm ms"],
                    disable_numparse=True, stralign="right"))
     end = os.getloadavg()
+    right = sum(q["right"] for q in pairs)
+    print(f"tokens/s and ms/step: the median step; cpu err: against the fastest step. "
+          f"Noise (two halves of one config's steps disagree by up to) {100 * noise:.1f}%: "
+          f"{len(pairs)} of {len(out) * (len(out) - 1) // 2} pairs of configs differ by more, "
+          f"the cpu prediction orders {right} of them right"
+          + "".join(f"; wrong: {out[q['pair'][0]]['config']} vs {out[q['pair'][1]]['config']} "
+                    f"({100 * q['measured_gap']:.1f}% apart)" for q in pairs if not q["right"]))
     print(f"peak = arguments + temp + unaliased outputs per device (memory_analysis); "
           f"load average at the end {end[0]:.2f} {end[1]:.2f} {end[2]:.2f}")
     if mine.json:
         Path(mine.json).write_text(json.dumps({
             "layout": str(layout), "model": mine.model, "batch": tcfg.batch, "seq": tcfg.seq,
             "dtype": cfg.dtype, "steps": tcfg.steps, "load_average_start": load,
-            "load_average_end": end, "rows": out}, indent=1, default=str))
+            "load_average_end": end, "noise": noise, "order_pairs": pairs,
+            "rows": out}, indent=1, default=str))
     return 0
 
 

@@ -505,3 +505,15 @@ def test_published_plan_names_what_changed_and_refuses_bad_flags(capsys):
         err = capsys.readouterr().err
         assert err.startswith("error: ") and err.count("\n") == 1 and word in err, err
 
+
+def test_switches_order_check_counts_only_pairs_apart_by_more_than_the_noise():
+    from bench.switches import order_pairs
+
+    measured = [1.00, 1.02, 1.20, 0.90]
+    predicted = [1.0, 0.9, 1.1, 1.05]
+    pairs = order_pairs(predicted, measured, noise=0.05)
+    # (0, 1) are 2% apart: within the noise, not counted
+    assert [q["pair"] for q in pairs] == [(0, 2), (0, 3), (1, 2), (1, 3), (2, 3)]
+    assert [q["right"] for q in pairs] == [True, False, True, False, True]
+    assert pairs[0]["measured_gap"] == pytest.approx(0.2)
+    assert order_pairs(predicted, measured, noise=0.5) == []
