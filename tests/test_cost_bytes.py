@@ -234,3 +234,51 @@ def test_a_scans_stacked_traffic_is_priced_out_of_cache():
     eager = dataclasses.replace(hardware.get("h100"), fusion=False)
     assert all(moved_bytes(r, eager) == 0 and moved_bytes(r, hw) == r.bytes > 0 for r in cold)
     assert all(moved_bytes(r, eager) == r.bytes for r in rows if not r.scan_stack)
+
+
+def test_a_body_indexing_its_own_stacks_is_charged_as_a_scans_stacking():
+    """A scan body that reads layer i's row of a stack it closes over and writes its
+    output into a carried [N, ...] buffer (as the prefetching layer scans do) moves what
+    a scan of the same stacked input and output moves: its slice and its update are
+    `scan_stack` rows of the bytes the scan's own slice and update rows carry (index
+    scalars aside). A row of an array the body computes, and the same slice outside a
+    loop, are not."""
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+
+    from engine.cost.ledger import ledger
+
+    def scanned(x_BD, w_NDD):
+        def body(c_BD, w_DD):
+            h_BD = jnp.tanh(c_BD @ w_DD)
+            return h_BD, h_BD
+        return lax.scan(body, x_BD, w_NDD)
+
+    def indexed(x_BD, w_NDD):
+        def body(carry, i):
+            c_BD, h_NBD = carry
+            w_DD = lax.dynamic_index_in_dim(w_NDD, i, keepdims=False)
+            h_BD = jnp.tanh(c_BD @ w_DD)
+            row_1D = lax.dynamic_slice_in_dim(h_BD, i % 2, 1)  # a row the body made
+            h_NBD = lax.dynamic_update_index_in_dim(h_NBD, h_BD * row_1D.sum(), i, 0)
+            return (h_BD, h_NBD), None
+        first_DD = lax.dynamic_index_in_dim(w_NDD, x_BD.shape[0] % 3, keepdims=False)
+        h_NBD = jnp.zeros((w_NDD.shape[0], *x_BD.shape)) + first_DD.sum()
+        return lax.scan(body, (x_BD, h_NBD), jnp.arange(w_NDD.shape[0]))[0]
+
+    x, w = jnp.ones((16, 32)), jnp.ones((4, 32, 32))
+    mine = ledger(jax.make_jaxpr(indexed)(x, w), Layout.parse("single"))
+    theirs = ledger(jax.make_jaxpr(scanned)(x, w), Layout.parse("single"))
+
+    def stacked(rows, primitive, shape):
+        return [r for r in rows if r.primitive == primitive and r.scan_stack
+                and r.count == 4 and r.shape[-2:] == shape]
+
+    for primitive, shape in (("dynamic_slice", (32, 32)), ("dynamic_update_slice", (16, 32))):
+        (a,), (b,) = stacked(mine, primitive, shape), stacked(theirs, primitive, shape)
+        assert a.bytes == pytest.approx(b.bytes, abs=16), primitive  # 4-byte indices
+    slices = [r for r in mine if r.primitive == "dynamic_slice" and r.count in (1, 4)
+              and r.shape in ((1, 32), (1, 32, 32))]
+    assert {(r.shape, r.count, r.scan_stack) for r in slices} == {
+        ((1, 32), 4, False), ((1, 32, 32), 4, True), ((1, 32, 32), 1, False)}

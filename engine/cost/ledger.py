@@ -95,7 +95,9 @@ class Row:
     pp: tuple = ()
     # the row is traffic XLA adds to lower a `lax.scan` to a loop (`_scan_copy_rows`:
     # the slices of its stacked inputs, the updates of its stacked outputs, their
-    # zero-fills and upcasts). Two consequences in pricing (engine/cost/price.py): the
+    # zero-fills and upcasts), or the same traffic written in the body (`_indexes_stack`:
+    # a row of a stack from outside the body read or written, as the prefetching layer
+    # scans index their stacked weights and fill their carried grads). Two consequences in pricing (engine/cost/price.py): the
     # data is written an iteration loop before it is read, so out of a host's caches
     # (`Hardware.cold_hbm`); and an eager framework's layer loop, which stacks and
     # slices nothing, does not move it
@@ -312,6 +314,24 @@ def _sliced_invars(jaxpr, targets) -> set:
     return found
 
 
+def _indexes_stack(eqn, made: set) -> bool:
+    """Whether a loop body's equation reads one row of a stack with a `dynamic_slice`
+    or writes one with a `dynamic_update_slice` (a piece of leading size 1 of an operand
+    with a leading size above 1), the stack coming from outside the body (not in
+    `made`, the vars the body computes): the body's own form of what a scan does to its
+    stacked inputs and outputs, the same traffic (`Row.scan_stack`)."""
+    name = eqn.primitive.name
+    if name == "dynamic_slice":
+        piece = eqn.outvars[0].aval
+    elif name == "dynamic_update_slice":
+        piece = eqn.invars[1].aval
+    else:
+        return False
+    stack = eqn.invars[0]
+    return (stack not in made and stack.aval.ndim >= 1 and stack.aval.shape[0] > 1
+            and piece.ndim == stack.aval.ndim and piece.shape[0] == 1)
+
+
 def _scan_copy_rows(eqn, phase, scope, count, pp=()) -> list[Row]:
     """What XLA adds when it lowers a `lax.scan` to a while loop, which the scan's jaxpr
     does not show, in the scan's own scope and phase:
@@ -397,13 +417,16 @@ def _scan_copy_rows(eqn, phase, scope, count, pp=()) -> list[Row]:
     return rows
 
 
-def _walk(jaxpr, stack, count, mesh_shape, rows, domain=None, alias=None, site=0):
+def _walk(jaxpr, stack, count, mesh_shape, rows, domain=None, alias=None, site=0,
+          in_loop=False):
     """Rows of `jaxpr`'s equations into `rows`; compute rows join `domain` (a new one
-    for the top call and for every loop body) for the accelerator fusion model."""
+    for the top call and for every loop body) for the accelerator fusion model.
+    `in_loop`: `jaxpr` is a scan's body or inlined into one (`_indexes_stack`)."""
     own = domain is None
     if own:
         domain, alias = Domain(), {}
     fused, spilled = loop_fusion_sets(jaxpr)
+    made = {v for e in jaxpr.eqns for v in e.outvars} if in_loop else set()
     labels = {}  # id of an equation's name stack -> (stack, phase, scope, pp scopes)
     for eqn in jaxpr.eqns:
         # equations share a few name stacks (objects the jaxpr keeps alive, so ids hold)
@@ -424,7 +447,7 @@ def _walk(jaxpr, stack, count, mesh_shape, rows, domain=None, alias=None, site=0
             inner_site = object()
             inner = {iv: canon(ov, alias, site) for iv, ov in zip(sub.invars, eqn.invars)
                      if not isinstance(ov, jcore.Literal)}
-            _walk(sub, here, count, mesh_shape, rows, domain, inner, inner_site)
+            _walk(sub, here, count, mesh_shape, rows, domain, inner, inner_site, in_loop)
             for ov, iv in zip(eqn.outvars, sub.outvars):
                 key = canon(iv, inner, inner_site)
                 if key is not None:
@@ -433,7 +456,8 @@ def _walk(jaxpr, stack, count, mesh_shape, rows, domain=None, alias=None, site=0
         if subs:
             start = len(rows)
             for sub, mult in subs:
-                _walk(sub, here, count * mult, mesh_shape, rows)
+                _walk(sub, here, count * mult, mesh_shape, rows,
+                      in_loop=in_loop or name == "scan")
             if name == "scan":
                 rows.extend(_scan_copy_rows(eqn, phase, scope, count, pp))
             body = rows[start:]
@@ -453,6 +477,8 @@ def _walk(jaxpr, stack, count, mesh_shape, rows, domain=None, alias=None, site=0
         else:
             rows.append(_compute_row(eqn, phase, scope, count,
                                      loop_fusion_bytes(eqn, fused, spilled), pp))
+            if in_loop and _indexes_stack(eqn, made):
+                rows[-1] = rows[-1].replace(scan_stack=True)
             in_b, out_b = io_bytes(eqn)
             ins = [(canon(v, alias, site), b) for v, b in zip(eqn.invars, in_b)]
             twin = domain.twin(name, eqn.params, [k for k, _ in ins]) if name in FUSIBLE \
