@@ -11,8 +11,8 @@ seeded, from the rest of the ranked list), runs each one warm-up step, and times
 candidate before moving to the next (the default, one, interleaves single steps, so a
 slow spell on the shared cores falls on every candidate alike). A candidate's measured
 step is its fastest timed step: 8 device threads on 2 cores only ever lose time to
-scheduling and other jobs, and one step of the same program measures 0.54 to 0.92 s on
-`small`. Prints each one's predicted and measured step (and the median step) and rank,
+scheduling and other jobs, which spread one program's steps over a fifth to a third of
+its time on `small`. Prints each one's predicted and measured step (and the median step) and rank,
 the Spearman rank correlation of predicted vs measured (and over the candidates without
 pp, which are the close calls), and where the planner's first choice lands:
 `auto_vs_best` = measured step of the first choice / the best measured step (and the
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import random
 import statistics
