@@ -95,10 +95,11 @@ class Row:
     pp: tuple = ()
     # the row is traffic XLA adds to lower a `lax.scan` to a loop (`_scan_copy_rows`:
     # the slices of its stacked inputs, the updates of its stacked outputs, their
-    # zero-fills and upcasts), or the same traffic written in the body (`_indexes_stack`:
-    # a row of a stack from outside the body read or written, as the prefetching layer
-    # scans index their stacked weights and fill their carried grads). Two consequences in pricing (engine/cost/price.py): the
-    # data is written an iteration loop before it is read, so out of a host's caches
+    # zero-fills and upcasts), or the same traffic written in the body
+    # (`_indexes_stack`: a row of a stack from outside the body read or written, as the
+    # prefetching layer scans index their stacked weights and fill their carried
+    # grads). Two consequences in pricing (engine/cost/price.py): the data is written
+    # an iteration loop before it is read, so out of a host's caches
     # (`Hardware.cold_hbm`); and an eager framework's layer loop, which stacks and
     # slices nothing, does not move it
     scan_stack: bool = False
@@ -328,8 +329,8 @@ def _indexes_stack(eqn, made: set) -> bool:
     else:
         return False
     stack = eqn.invars[0]
-    return (stack not in made and stack.aval.ndim >= 1 and stack.aval.shape[0] > 1
-            and piece.ndim == stack.aval.ndim and piece.shape[0] == 1)
+    return (stack.aval.ndim >= 1 and stack.aval.shape[0] > 1 and piece.ndim == stack.aval.ndim
+            and piece.shape[0] == 1 and stack not in made)
 
 
 def _scan_copy_rows(eqn, phase, scope, count, pp=()) -> list[Row]:
