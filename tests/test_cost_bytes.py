@@ -135,7 +135,8 @@ def test_a_bf16_stacked_input_is_charged_as_the_host_compiler_lowers_it():
     from jax import lax
 
     from engine.cost import hlo
-    from engine.cost.ledger import cpu_upcasts_bf16_stacks, ledger
+    from engine.cost.ledger import ledger
+    from engine.cost.scan_rows import cpu_upcasts_bf16_stacks
 
     def f(c_BD, w_NDD):
         def body(c_BD, w_DD):
@@ -175,7 +176,8 @@ def test_a_bf16_stack_the_body_indexes_is_charged_as_the_host_compiler_lowers_it
     from jax import lax
 
     from engine.cost import hlo
-    from engine.cost.ledger import cpu_upcasts_bf16_stacks, ledger
+    from engine.cost.ledger import ledger
+    from engine.cost.scan_rows import cpu_upcasts_bf16_stacks
 
     def scan_of(consume):
         def f(c_BD, w_NXD, v_BD):

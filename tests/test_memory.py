@@ -129,7 +129,7 @@ def test_remat_none_prices_its_saved_dot_operands_as_the_host_compiler_stacks_th
     [N, ...] stack to f32 for the backward's dots (a convert hoisted out of the loop):
     priced in the compute dtype there these put small fsdp8 (bf16, L = 256) at 0.83x of
     the compiler's peak. jax 0.12's keeps the stacks in bf16
-    (`ledger.cpu_upcasts_bf16_stacks`), and priced in f32 there they come out 1.48x."""
+    (`scan_rows.cpu_upcasts_bf16_stacks`), and priced in f32 there they come out 1.48x."""
     cfg = model_config("small", dtype="bf16", remat="none", attention="chunked")
     tcfg, layout = TrainConfig(batch=16, seq=256), Layout.parse("fsdp8")
     trainer = Trainer(cfg, tcfg, layout, layout.mesh(), ParallelConfig())

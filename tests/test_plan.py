@@ -422,50 +422,6 @@ def test_layout_auto_with_several_processes_is_one_line():
     assert "--layout auto plans for the devices of one process" in run.stderr
 
 
-def test_plan_check_spearman_matches_the_textbook_formula():
-    from bench import plan_check
-
-    a, b = [0.3, 0.1, 0.2, 0.5, 0.4], [1.0, 3.0, 2.0, 5.0, 4.0]
-    d = plan_check.ranks(a) - plan_check.ranks(b)
-    n = len(a)
-    assert plan_check.spearman(a, b) == pytest.approx(1 - 6 * (d * d).sum() / (n * (n * n - 1)))
-    assert plan_check.spearman(a, a) == pytest.approx(1.0)
-    assert plan_check.spearman(a, [-x for x in a]) == pytest.approx(-1.0)
-    assert list(plan_check.ranks([2.0, 1.0, 2.0])) == [2.5, 1.0, 2.5]
-
-
-def test_plan_check_times_single_steps_round_robin_after_a_warm_up(monkeypatch):
-    from types import SimpleNamespace
-
-    from bench import plan_check, timing
-
-    calls = []
-
-    def compiled(cand, tcfg):
-        def step(params, opt_state, tokens):
-            calls.append(cand.describe())
-            return params + 1, opt_state, {}
-        return step, 0, None, None
-
-    clock = iter(range(1000))
-    monkeypatch.setattr(plan_check, "compiled", compiled)
-    monkeypatch.setattr(timing, "timed_step", lambda step, params, opt, tokens: (
-        *step(params, opt, tokens), float(next(clock))))
-    cands = [SimpleNamespace(candidate=SimpleNamespace(describe=lambda n=n: n), step_s=1.0)
-             for n in "abc"]
-    times = plan_check.measure(cands, None, steps=1, rounds=3, say=lambda *a, **k: None)
-    # one warm-up each, then the candidates in turn, one step at a time
-    assert calls == ["a", "b", "c"] + ["a", "b", "c"] * 3
-    assert [len(t) for t in times] == [3, 3, 3]
-    assert times == [[3.0, 6.0, 9.0], [4.0, 7.0, 10.0], [5.0, 8.0, 11.0]]
-    assert timing.split_half_noise(times) == pytest.approx(1.0)  # a: fastest 3 vs 6
-    assert timing.split_half_noise([[1.0, 1.1, 1.2, 1.05], [2.0, 2.0], [5.0]]) == (
-        pytest.approx(0.05))
-    calls.clear()
-    plan_check.measure(cands[:2], None, steps=2, rounds=2, say=lambda *a, **k: None)
-    assert calls == ["a", "b", "a", "a", "b", "b", "a", "a", "b", "b"]
-
-
 def test_ledger_cache_returns_what_a_trace_gives(tmp_path, monkeypatch):
     from engine.cost import cache
 
@@ -481,39 +437,3 @@ def test_ledger_cache_returns_what_a_trace_gives(tmp_path, monkeypatch):
     assert not hit
     monkeypatch.setenv("SHARDWISE_LEDGER_CACHE", "off")
     assert cache.step_ledger(cfg, tcfg, a, par) == (rows, False)
-
-
-def test_published_plan_names_what_changed_and_refuses_bad_flags(capsys):
-    from bench import published_plan
-
-    cfg = model_config("small")
-    cand = lambda text, remat="none", **par: plan.Candidate(
-        Layout.parse(text), validate.ParallelConfig(**par), dataclasses.replace(cfg, remat=remat))
-    a = cand("fsdp4xtp2", zero=3, prefetch=True, tp_comm="sequence")
-    assert published_plan.changes(a, a) == "none"
-    # tp-comm stops applying on fsdp8 ("-"); zero does not apply to dp8
-    assert published_plan.changes(a, cand("fsdp8", "dots", zero=3)) == (
-        "layout fsdp4xtp2 -> fsdp8; prefetch True -> False; tp_comm sequence -> -; "
-        "remat none -> dots")
-    # prefetch applies under zero 3 only
-    assert published_plan.changes(cand("dp8"), cand("fsdp8", zero=2)) == (
-        "layout dp8 -> fsdp8; zero - -> 2")
-    assert published_plan.changes(cand("dp8"), cand("fsdp8", zero=3)) == (
-        "layout dp8 -> fsdp8; zero - -> 3; prefetch - -> False")
-    for argv, word in ((["--rounds", "-1"], "rounds=-1"), (["--only", "no such run"], "no run")):
-        assert published_plan.main(argv) == 2
-        err = capsys.readouterr().err
-        assert err.startswith("error: ") and err.count("\n") == 1 and word in err, err
-
-
-def test_switches_order_check_counts_only_pairs_apart_by_more_than_the_noise():
-    from bench.switches import order_pairs
-
-    measured = [1.00, 1.02, 1.20, 0.90]
-    predicted = [1.0, 0.9, 1.1, 1.05]
-    pairs = order_pairs(predicted, measured, noise=0.05)
-    # (0, 1) are 2% apart: within the noise, not counted
-    assert [q["pair"] for q in pairs] == [(0, 2), (0, 3), (1, 2), (1, 3), (2, 3)]
-    assert [q["right"] for q in pairs] == [True, False, True, False, True]
-    assert pairs[0]["measured_gap"] == pytest.approx(0.2)
-    assert order_pairs(predicted, measured, noise=0.5) == []

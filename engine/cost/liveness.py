@@ -74,7 +74,7 @@ from jax.extend import core as jcore
 
 from engine.cost.fusion import nbytes
 from engine.cost.fusion import FUSIBLE, REDUCTIONS
-from engine.cost.ledger import scan_counts
+from engine.cost.scan_rows import scan_counts
 
 # ops XLA turns into bitcasts of their operand (or that only mark it): no new buffer
 ALIASES = {"reshape", "squeeze", "expand_dims", "pvary", "stop_gradient",

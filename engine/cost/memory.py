@@ -34,7 +34,7 @@ kv sliced to the rank (G_tp);
 c = bytes of the compute dtype; u = bytes of a compute-dtype operand of a mixed
 (compute dtype x f32) dot: 4 on `cpu` (XLA:CPU upcasts it to f32), else c; under remat
 none, whose saved operands are the layer scan's stacks, c where the host's XLA:CPU
-keeps a bf16 stack as it is (jax 0.12; `ledger.cpu_upcasts_bf16_stacks`). Matmuls run
+keeps a bf16 stack as it is (jax 0.12; `scan_rows.cpu_upcasts_bf16_stacks`). Matmuls run
 through `layers.common.einsum`, whose backward casts the f32 cotangent to the compute
 dtype, so the backward's matmul operands are compute-dtype tensors; the layer's weights
 are cast to the compute dtype and all-gathered as one flat buffer
@@ -55,7 +55,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from engine.config import TrainConfig
-from engine.cost.ledger import cpu_upcasts_bf16_stacks
+from engine.cost.scan_rows import cpu_upcasts_bf16_stacks
 from engine.layout import Layout
 from layers.attention import cp_kernel, resolve_attention
 from layers.config import ModelConfig

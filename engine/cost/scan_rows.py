@@ -1,0 +1,179 @@
+"""What a `lax.scan` costs beyond its body's equations: the rows XLA adds to lower it
+to a while loop (`scan_copy_rows`: its stacked inputs sliced, its stacked outputs filled,
+bf16 stacks upcast on jax 0.10's XLA:CPU), and the body's own equations that do the same
+to a stack from outside it (`indexes_stack`). Both are `Row.scan_stack` rows.
+"""
+from __future__ import annotations
+
+import collections
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.extend import core as jcore
+
+from engine.cost.fusion import FREE, FUSIBLE, INLINED, nbytes
+from engine.cost.rows import Row, dtype_name
+
+
+def sub_jaxprs(eqn):
+    """(jaxpr, trip multiplier) for every body an equation carries."""
+    name = eqn.primitive.name
+    mult = eqn.params["length"] if name == "scan" else 1
+    for value in eqn.params.values():
+        for item in value if isinstance(value, (tuple, list)) else (value,):
+            if isinstance(item, jcore.ClosedJaxpr):
+                yield item.jaxpr, mult
+            elif isinstance(item, jcore.Jaxpr):
+                yield item, mult
+
+
+def scan_counts(eqn) -> tuple[int, int]:
+    """(consts, carry) operand counts of a `scan` equation: jax 0.10 names them in its
+    params; newer jax keeps one flat tree of (consts, carry, xs) (`ft_in`)."""
+    p = eqn.params
+    if "num_carry" in p:
+        return p["num_consts"], p["num_carry"]
+    consts, carry, _ = p["ft_in"].update(list(eqn.invars)).unpack()
+    return len(list(consts)), len(list(carry))
+
+
+@functools.cache
+def cpu_upcasts_bf16_stacks() -> bool:
+    """Whether this host's XLA:CPU upcasts a scan's bf16 stacked input whole to f32
+    before the loop (jax 0.10's does, jax 0.12's does not): read off the compiled module
+    of a four-step scan of a dot over a bf16 [4, 32, 32] stack, once per process."""
+    from jax import lax
+
+    from engine.cost import hlo
+
+    def f(c_BD, w_NDD):
+        def body(c_BD, w_DD):
+            return jnp.dot(c_BD, w_DD, preferred_element_type=jnp.float32
+                           ).astype(c_BD.dtype), None
+
+        return lax.scan(body, c_BD, w_NDD)[0]
+
+    on_cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+    c, w = (jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=on_cpu)
+            for shape in ((16, 32), (4, 32, 32)))
+    module = hlo.parse(jax.jit(f).lower(c, w).compile().as_text())
+    return any(i.result.startswith("f32[4,32,32]") for i in module.computations[module.entry])
+
+
+def sliced_invars(jaxpr, targets) -> set:
+    """The vars of `targets` (invars of `jaxpr`) that reach the operand of a
+    `dynamic_slice`, in `jaxpr` or through the body of a call (`INLINED`: jit, ...)."""
+    found = set()
+    target = lambda v: not isinstance(v, jcore.Literal) and v in targets
+    for e in jaxpr.eqns:
+        if e.primitive.name == "dynamic_slice" and target(e.invars[0]):
+            found.add(e.invars[0])
+        elif e.primitive.name in INLINED:
+            for sub, _ in sub_jaxprs(e):
+                inner = {iv: ov for iv, ov in zip(sub.invars, e.invars) if target(ov)}
+                found |= {inner[v] for v in sliced_invars(sub, set(inner))}
+    return found
+
+
+def indexes_stack(eqn, made: set) -> bool:
+    """Whether a loop body's equation reads one row of a stack with a `dynamic_slice`
+    or writes one with a `dynamic_update_slice` (a piece of leading size 1 of an operand
+    with a leading size above 1), the stack coming from outside the body (not in
+    `made`, the vars the body computes): the body's own form of what a scan does to its
+    stacked inputs and outputs, the same traffic (`Row.scan_stack`)."""
+    name = eqn.primitive.name
+    if name == "dynamic_slice":
+        piece = eqn.outvars[0].aval
+    elif name == "dynamic_update_slice":
+        piece = eqn.invars[1].aval
+    else:
+        return False
+    stack = eqn.invars[0]
+    return (stack.aval.ndim >= 1 and stack.aval.shape[0] > 1 and piece.ndim == stack.aval.ndim
+            and piece.shape[0] == 1 and stack not in made)
+
+
+def scan_copy_rows(eqn, phase, scope, count, pp=()) -> list[Row]:
+    """What XLA adds when it lowers a `lax.scan` to a while loop, which the scan's jaxpr
+    does not show, in the scan's own scope and phase:
+
+    - each stacked output (ys) is a buffer filled with zeros before the loop (one write
+      of the whole [N, ...] buffer per execution of the scan: a `broadcast_in_dim` row),
+      into which each iteration writes its slice with a `dynamic_update_slice`;
+    - each stacked input (xs) is sliced once per iteration with a `dynamic_slice`;
+    - XLA:CPU of jax 0.10 upcasts a bf16 stacked input whole to f32 before the loop (a
+      `convert_element_type` row reading the stack and writing it twice as wide), and
+      each iteration slices the f32 stack and converts the slice back to bf16; jax
+      0.12's slices the bf16 stack as it is (`cpu_upcasts_bf16_stacks` asks the host's).
+      It does the same to a bf16 operand the body indexes itself (a loop-invariant
+      operand reaching a `dynamic_slice`: the residual stacks of the prefetching layer
+      scan's backward, `layers/block.py`), charged the same whole-stack convert; the
+      body's own `dynamic_slice` row keeps its bf16 bytes.
+
+    Both slices are priced as `fusion.io_bytes` prices the explicit ops: the update slice is
+    written in place (read the update, write the slice), the input slice is read and
+    written out, 2x the slice's bytes each. XLA:CPU fuses a slice with elementwise
+    neighbours: an xs read only by fusible ops (not bitcasts: `FREE`) is sliced inside
+    their loop fusion and a ys made by a fusible op used only there is written by it into
+    the buffer, so those cost nothing beyond the rows of the body's own ops (which already
+    read the slice or write the result). What `jax.jit(f).lower(...).compile().as_text()`
+    shows on XLA:CPU for a scan of `c @ w`, `tanh` of it and `2 * c`, each stacked
+    (tests/test_cost.py): a `dynamic-slice` fusion feeding the dot, one
+    `dynamic-update-slice` fusion per stacked output aliasing the loop's buffer (the
+    multiply inside its own), a `broadcast` of each stacked buffer in the entry; for a
+    scan of a dot of bf16 `xs`, a `wrapped_convert` fusion of the whole f32[N, ...] stack
+    in the entry and a `convert_bitcast_fusion` of the slice to bf16 in the loop, before
+    the dot (tests/test_cost.py; jax 0.10's XLA:CPU).
+
+    Accelerators (`Hardware.fusion`): XLA on TPU and GPU emits a scan's ys update as a
+    dynamic-update-slice fused in place with the op producing the update, and fuses an
+    xs dynamic-slice into its consumers as a producer, so the traffic is the producer's
+    write and the consumer's read the fusion model already charges: these rows carry
+    `fused_bytes = lib_bytes = 0` (their zero-fills are not charged there either). Not
+    checked against an accelerator compiler here; a slice feeding a GPU library matmul
+    (cuBLAS) or a library matmul's product stacked would be a copy of its own there."""
+    body = eqn.params["jaxpr"].jaxpr
+    length = eqn.params["length"]
+    n_consts, n_carry = scan_counts(eqn)
+    first = n_consts + n_carry
+    consumers, producer = {}, {}
+    for e in body.eqns:
+        for v in e.invars:
+            if not isinstance(v, jcore.Literal):
+                consumers.setdefault(v, []).append(e.primitive.name)
+        for v in e.outvars:
+            producer[v] = e
+    uses = collections.Counter(v for v in body.outvars if not isinstance(v, jcore.Literal))
+    rows = []
+
+    def row(primitive, aval, moved, n):
+        rows.append(Row(scope, phase, "memory", primitive, dtype_name(aval.dtype),
+                        tuple(aval.shape), 0.0, float(moved), n, fused_bytes=0.0,
+                        lib_bytes=0.0, pp=pp, scan_stack=True))
+
+    if cpu_upcasts_bf16_stacks():
+        bf16 = {v for v in body.invars[:n_consts] if v.aval.dtype == jnp.bfloat16}
+        for inner in sorted(sliced_invars(body, bf16), key=body.invars.index):
+            row("convert_element_type", inner.aval, 3 * nbytes(inner.aval), count)
+    for outer, inner in zip(eqn.invars[first:], body.invars[first:]):
+        names = consumers.get(inner, [])
+        fused = bool(names) and all(n in FUSIBLE and n not in FREE for n in names) \
+            and inner not in uses
+        piece = nbytes(inner.aval)
+        if inner.aval.dtype == jnp.bfloat16 and cpu_upcasts_bf16_stacks():
+            # the stack upcast whole to f32 before the loop (read it, write it twice as
+            # wide); each slice read from that, twice its bytes, and written back in
+            # bf16 (its fusible consumers are charged the bf16 read: the rest is here)
+            row("convert_element_type", outer.aval, 3 * piece * length, count)
+            row("dynamic_slice", inner.aval, piece if fused else 3 * piece, count * length)
+        elif not fused:
+            row("dynamic_slice", inner.aval, 2 * piece, count * length)
+    for outer, inner in zip(eqn.outvars[n_carry:], body.outvars[n_carry:]):
+        row("broadcast_in_dim", outer.aval, nbytes(outer.aval), count)
+        made = producer.get(inner)
+        fused = (made is not None and made.primitive.name in FUSIBLE - FREE and uses[inner] == 1
+                 and not consumers.get(inner))
+        if not fused:
+            row("dynamic_update_slice", inner.aval, 2 * nbytes(inner.aval), count * length)
+    return rows
