@@ -13,18 +13,31 @@ class MallInfo2(ctypes.Structure):
         "fordblks", "keepcost")]
 
 
-@pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc",
-                    reason="mallopt is glibc's")
-def test_a_step_sized_block_comes_from_the_heap_and_stays_there():
-    """A 16 MiB block (an activation of `small`) is neither mmapped at malloc nor given
-    back to the kernel at free: both happen with glibc's defaults (mmap threshold
-    128 KiB, trimming above 128 KiB)."""
-    assert host.keep_freed_memory()
+GLIBC = pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc",
+                           reason="mallopt is glibc's")
+
+
+def _libc():
     libc = ctypes.CDLL("libc.so.6")
     libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
     libc.free.argtypes = [ctypes.c_void_p]
     libc.mallinfo2.restype = MallInfo2
-    size = 16 << 20
+    return libc
+
+
+@GLIBC
+@pytest.mark.parametrize("mib", [16, 48])
+def test_a_step_sized_block_comes_from_the_heap_and_stays_there(mib):
+    """A 16 MiB block (an activation of `small`) and a 48 MiB one (a device's
+    temporaries of tp8 `small`, above glibc's largest mmap threshold, 32 MiB) are
+    neither mmapped at malloc nor given back to the kernel at free: both happen with
+    glibc's defaults (mmap threshold 128 KiB, trimming above 128 KiB), and the second
+    with any threshold while mmap is allowed. Each block is asked for beyond the free
+    top of the heap (`keepcost`), so the heap cannot serve it without growing: the
+    growth is where glibc chooses mmap."""
+    assert host.keep_freed_memory()
+    libc = _libc()
+    size = (mib << 20) + libc.mallinfo2().keepcost
     mapped = libc.mallinfo2().hblkhd
     block = libc.malloc(size)
     assert block and libc.mallinfo2().hblkhd - mapped < size, "block was mmapped"
