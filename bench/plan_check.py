@@ -16,8 +16,12 @@ its time on `small`. Prints each one's predicted and measured step (and the medi
 the Spearman rank correlation of predicted vs measured (and over the candidates without
 pp, which are the close calls), and where the planner's first choice lands:
 `auto_vs_best` = measured step of the first choice / the best measured step (and the
-same ratio of medians). On a shared machine the measured steps are noisy; compare runs,
-not single figures.
+same ratio of medians), and `auto_vs_best_paired`: the first choice's step over each
+other candidate's in the same round, the median over the rounds, against the candidate
+that comes out furthest ahead (`bench.timing.paired_ratio`: a slow spell of the shared
+cores that lasts a round falls on both steps of each ratio; below 1, the first choice
+beat every candidate round by round). On a shared machine the measured steps are noisy;
+compare runs, not single figures.
 """
 from __future__ import annotations
 
@@ -120,6 +124,7 @@ def main(argv=None) -> int:
     import jax
     from tabulate import tabulate
 
+    from bench.timing import paired_ratio
     from engine import plan
 
     if len(jax.devices()) < mine.devices:
@@ -165,6 +170,9 @@ def main(argv=None) -> int:
     rho_flat = spearman(*zip(*flat)) if len(flat) > 2 else None
     auto_vs_best = measured[0] / min(measured)
     median_vs_best = medians[0] / min(medians)
+    # round by round: the first choice against the candidate it trails most
+    paired, ahead = max(((paired_ratio(times[0], t), j) for j, t in enumerate(times) if j),
+                        default=(1.0, 0))
     n = mine.rounds * mine.timed_steps
     print(f"Spearman {rho:.3f} over {len(chosen)} candidates"
           + (f" ({rho_flat:.3f} over the {len(flat)} without pp)" if rho_flat is not None
@@ -172,12 +180,15 @@ def main(argv=None) -> int:
           + f"; the first choice measured "
           f"{measured[0]:.4g} s, rank {mr[0]:g} of {len(chosen)}: auto_vs_best "
           f"{auto_vs_best:.3f} over the fastest of {n} steps, {median_vs_best:.3f} over "
-          f"their medians (load average {load[0]:.1f} before, {load[1]:.1f} after "
-          f"measuring: timings on shared cores are noisy)")
+          f"their medians, {paired:.3f} round by round against "
+          f"{chosen[ahead].candidate.describe()} (median of the rounds' ratios; load "
+          f"average {load[0]:.1f} before, {load[1]:.1f} after measuring: timings on "
+          f"shared cores are noisy)")
     if mine.json:
         Path(mine.json).write_text(json.dumps({
             "spearman": rho, "spearman_without_pp": rho_flat, "auto_vs_best": auto_vs_best,
-            "auto_vs_best_median": median_vs_best, "hardware_source": hw.source,
+            "auto_vs_best_median": median_vs_best, "auto_vs_best_paired": paired,
+            "paired_against": chosen[ahead].candidate.describe(), "hardware_source": hw.source,
             "timed_steps": mine.timed_steps, "rounds": mine.rounds, "load_average": load,
             "candidates": [dict(p.record(), measured_step_s=m, median_step_s=med,
                                 step_times_s=t, predicted_rank=float(a),

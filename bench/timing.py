@@ -43,6 +43,14 @@ def round_robin(held: list, rounds: int, steps: int = 1, say=None) -> list[list[
     return times
 
 
+def paired_ratio(a: list[float], b: list[float]) -> float:
+    """How much slower program a runs than program b, with the machine's drift taken
+    out: the median over their calls of a's seconds / b's seconds in the same place of
+    `round_robin`'s output (the k-th call of each ran in the same pass, so a slow spell
+    of the shared cores that lasts a pass falls on both)."""
+    return statistics.median(x / y for x, y in zip(a, b))
+
+
 def split_half_noise(times: list[list[float]]) -> float:
     """How far two measurements of one program disagree in this run: the largest, over
     the programs, of |fastest of the even-numbered calls - fastest of the odd-numbered| /

@@ -53,6 +53,14 @@ def test_plan_check_times_single_steps_round_robin_after_a_warm_up(monkeypatch):
     assert timing.split_half_noise(times) == pytest.approx(1.0)  # a: fastest 3 vs 6
     assert timing.split_half_noise([[1.0, 1.1, 1.2, 1.05], [2.0, 2.0], [5.0]]) == (
         pytest.approx(0.05))
+    # a drift common to each round cancels in the paired ratio, not in the fastest steps
+    drift = [1.0, 1.6, 0.7, 1.3, 0.9]
+    a, b = [1.06 * d for d in drift], [1.0 * d for d in drift]
+    assert timing.paired_ratio(a, b) == pytest.approx(1.06)
+    assert min(a) / min(b) == pytest.approx(1.06)  # the same here; not once b has a lucky step
+    b[1] = 0.5
+    assert timing.paired_ratio(a, b) == pytest.approx(1.06)
+    assert min(a) / min(b) == pytest.approx(0.742 / 0.5)  # one lucky step of b: 1.48
     calls.clear()
     plan_check.measure(cands[:2], None, steps=2, rounds=2, say=lambda *a, **k: None)
     assert calls == ["a", "b", "a", "a", "b", "b", "a", "a", "b", "b"]
