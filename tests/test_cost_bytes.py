@@ -235,7 +235,8 @@ def test_a_scans_stacked_traffic_is_priced_out_of_cache():
             assert after == before
     eager = dataclasses.replace(hardware.get("h100"), fusion=False)
     assert all(moved_bytes(r, eager) == 0 and moved_bytes(r, hw) == r.bytes > 0 for r in cold)
-    assert all(moved_bytes(r, eager) == r.bytes for r in rows if not r.scan_stack)
+    assert all(moved_bytes(r, eager) == r.bytes for r in rows
+               if not (r.scan_stack or r.loop_copy))
 
 
 def test_a_body_indexing_its_own_stacks_is_charged_as_a_scans_stacking():
@@ -284,3 +285,63 @@ def test_a_body_indexing_its_own_stacks_is_charged_as_a_scans_stacking():
               and r.shape in ((1, 32), (1, 32, 32))]
     assert {(r.shape, r.count, r.scan_stack) for r in slices} == {
         ((1, 32), 4, False), ((1, 32, 32), 4, True), ((1, 32, 32), 1, False)}
+
+
+def _body_copies(f, *args) -> list[tuple]:
+    """Shapes of the `copy` instructions inside the while bodies of `f`'s compiled module
+    on this host (not the s32[] loop counter's)."""
+    import re
+
+    import jax
+
+    from engine.cost import hlo
+
+    module = hlo.parse(jax.jit(f).lower(*args).compile().as_text())
+    bodies = {ins.callee for ins in module.instructions() if ins.opcode == "while"}
+    bodies |= set(re.findall(r"body=%?([\w.\-]+)", "\n".join(
+        ins.attributes for ins in module.instructions() if ins.opcode == "while")))
+    return sorted(tuple(int(d) for d in m.group(1).split(",") if d)
+                  for name in bodies for ins in module.computations.get(name, [])
+                  if ins.opcode == "copy" and (m := re.match(r"f32\[([0-9,]+)\]", ins.result)))
+
+
+def test_a_carry_the_body_still_reads_after_replacing_it_is_copied_every_iteration():
+    """A carried w replaced by a value made from the scanned input (prefetch's next
+    layer's weights) or updated while a matmul reads the old one: XLA:CPU copies it in
+    the loop body, and the ledger charges one copy of it per iteration (read and
+    written: `Row.loop_copy`). The carried x -> tanh(x @ w) reads its old value only on
+    the way to the new one: no copy, no row. The rows are priced in cache on the CPU and
+    move nothing on an eager or a fusion profile."""
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+
+    from engine.cost.ledger import ledger
+    from engine.cost.price import moved_bytes
+
+    def scan_of(new_w):
+        def f(x, w0, ws):
+            def body(carry, w_next):
+                x, w = carry
+                return (jnp.tanh(x @ w), new_w(w, w_next)), None
+            return lax.scan(body, (x, w0), ws)[0][0]
+        return f
+
+    args = (jnp.ones((64, 128)), jnp.ones((128, 128)), jnp.ones((6, 128, 128)))
+    cases = {"fresh": (scan_of(lambda w, w_next: jnp.sin(w_next)), 1),
+             "updated": (scan_of(lambda w, w_next: w + jnp.sin(w_next)), 1),
+             "carried through": (scan_of(lambda w, w_next: w), 0)}
+    for name, (f, want) in cases.items():
+        rows = [r for r in ledger(jax.make_jaxpr(f)(*args), Layout.parse("single"))
+                if r.loop_copy]
+        assert len(rows) == want, name
+        copied = set(_body_copies(f, *args))
+        assert {r.shape for r in rows} <= copied, name  # the compiler copies what is charged
+        assert (64, 128) not in copied, name  # and not x
+        for r in rows:
+            assert (r.primitive, r.bytes, r.count) == ("copy", 2 * 128 * 128 * 4, 6)
+            assert not r.scan_stack
+            assert moved_bytes(r, hardware.cpu_defaults()) == r.bytes
+            assert moved_bytes(r, dataclasses.replace(hardware.get("h100"), fusion=False)) == 0
+            assert moved_bytes(r, hardware.get("v5e")) == 0
+

@@ -29,7 +29,7 @@ from engine.cost.fusion import (  # noqa: F401  (the op sets, as the ledger's)
 )
 from engine.cost.rows import Row, dtype_name  # noqa: F401  (Row, as the ledger's)
 from engine.cost.scan_rows import (  # noqa: F401  (scan_counts, as the ledger's)
-    indexes_stack, scan_copy_rows, scan_counts, sub_jaxprs,
+    carry_copy_rows, indexes_stack, scan_copy_rows, scan_counts, sub_jaxprs,
 )
 from layers.scopes import PP_SCOPES, SCOPES  # the named scopes, outermost first
 
@@ -222,6 +222,7 @@ def _walk(jaxpr, stack, count, mesh_shape, rows, domain=None, alias=None, site=0
                       in_loop=in_loop or name == "scan")
             if name == "scan":
                 rows.extend(scan_copy_rows(eqn, phase, scope, count, pp))
+                rows.extend(carry_copy_rows(eqn, phase, scope, count, pp))
             body = rows[start:]
             if name == "scan" and scope == "attention" and all(
                     v.aval.dtype == jnp.bool_ for v in eqn.outvars):

@@ -205,10 +205,10 @@ def priced_rows(rows: list[Row], hw: Hardware) -> list[Row]:
 def moved_bytes(row: Row, hw: Hardware) -> float:
     """Bytes one execution of a compute row moves on `hw`: its fusion group share with
     `hw.fusion`, else `Row.bytes`; but nothing for the rows XLA adds to lower a scan
-    (`Row.scan_stack`) on an unfused accelerator (an eager framework, whose layer loop
-    stacks and slices nothing)."""
+    (`Row.scan_stack`, `Row.loop_copy`) on an unfused accelerator (an eager framework,
+    whose layer loop stacks, slices and copies nothing)."""
     if not hw.fusion:
-        return 0.0 if row.scan_stack and not hw.shared_host else row.bytes
+        return 0.0 if (row.scan_stack or row.loop_copy) and not hw.shared_host else row.bytes
     fused = row.fused_bytes if hw.epilogue_fusion else row.lib_bytes
     return fused if fused >= 0 else row.bytes
 

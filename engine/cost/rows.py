@@ -58,6 +58,10 @@ class Row:
     # (`Hardware.cold_hbm`); and an eager framework's layer loop, which stacks and
     # slices nothing, does not move it
     scan_stack: bool = False
+    # the row is a copy XLA adds to a loop body to keep a carried value it overwrites
+    # (`scan_rows.carry_copy_rows`): an in-cache copy on the CPU; an eager framework's
+    # layer loop carries nothing, so it does not move it there
+    loop_copy: bool = False
 
     def replace(self, **changes) -> Row:
         """`dataclasses.replace(self, **changes)` without its per-field loop (the walk

@@ -1,7 +1,9 @@
 """What a `lax.scan` costs beyond its body's equations: the rows XLA adds to lower it
 to a while loop (`scan_copy_rows`: its stacked inputs sliced, its stacked outputs filled,
 bf16 stacks upcast on jax 0.10's XLA:CPU), and the body's own equations that do the same
-to a stack from outside it (`indexes_stack`). Both are `Row.scan_stack` rows.
+to a stack from outside it (`indexes_stack`), both `Row.scan_stack` rows; and the copies
+XLA adds to keep a carried value the body still reads after it makes the new one
+(`carry_copy_rows`, `Row.loop_copy`).
 """
 from __future__ import annotations
 
@@ -176,4 +178,58 @@ def scan_copy_rows(eqn, phase, scope, count, pp=()) -> list[Row]:
                  and not consumers.get(inner))
         if not fused:
             row("dynamic_update_slice", inner.aval, 2 * nbytes(inner.aval), count * length)
+    return rows
+
+
+def _ancestors(eqns, producer: dict, var) -> set:
+    """Indices of the equations `var` depends on (its producer and theirs), in one body."""
+    seen, todo = set(), [var]
+    while todo:
+        v = todo.pop()
+        k = producer.get(v)
+        if k is None or k in seen:
+            continue
+        seen.add(k)
+        todo.extend(u for u in eqns[k].invars if not isinstance(u, jcore.Literal))
+    return seen
+
+
+def carry_copy_rows(eqn, phase, scope, count, pp=()) -> list[Row]:
+    """The copies XLA adds to a `lax.scan`'s loop body to keep a carried value, one per
+    carry whose old value the body reads somewhere the new value does not depend on (or
+    stacks as an output): the new value cannot be written over the old one in place, so
+    XLA:CPU's copy insertion copies it every iteration, read and written once (an
+    in-cache `copy` row, `Row.loop_copy`, in the scan's scope and phase).
+
+    The prefetching layer scans (layers/block.py) carry each layer's gathered weights and
+    replace them by the next layer's gather while the layer's compute still reads them,
+    and every remat scan stacks its carried input for the backward: on fsdp8 `small`
+    (zero 3, remat full) XLA:CPU's compiled forward and backward loop bodies each copy
+    the nine carried weights and the [B, L, D] carry with prefetch, and the carry
+    without it. A body whose new value depends on every read of the old one (x ->
+    f(x), a buffer updated in place) gets no row. A body that makes the new value from
+    scratch can get two copies from XLA, the old value's and the new one's; one is
+    counted. On a fusion profile the rows move nothing (not checked against an
+    accelerator compiler); an eager framework has no loop to copy for."""
+    body = eqn.params["jaxpr"].jaxpr
+    n_consts, n_carry = scan_counts(eqn)
+    carry_in, carry_out = body.invars[n_consts:n_consts + n_carry], body.outvars[:n_carry]
+    stacked = {v for v in body.outvars[n_carry:] if not isinstance(v, jcore.Literal)}
+    producer = {v: k for k, e in enumerate(body.eqns) for v in e.outvars}
+    readers = collections.defaultdict(list)
+    for k, e in enumerate(body.eqns):
+        for v in e.invars:
+            if not isinstance(v, jcore.Literal):
+                readers[v].append(k)
+    rows = []
+    for old, new in zip(carry_in, carry_out):
+        if isinstance(new, jcore.Literal) or new is old or not hasattr(new.aval, "shape"):
+            continue
+        before = _ancestors(body.eqns, producer, new)
+        if old in stacked or any(k not in before for k in readers[old]):
+            moved = 2 * nbytes(new.aval)
+            rows.append(Row(scope, phase, "memory", "copy", dtype_name(new.aval.dtype),
+                            tuple(new.aval.shape), 0.0, float(moved),
+                            count * eqn.params["length"], fused_bytes=0.0, lib_bytes=0.0,
+                            pp=pp, loop_copy=True))
     return rows
