@@ -19,7 +19,9 @@ memory kept in the process as the training step runs (engine/host.py); elementwi
 arithmetic (`vector_flops`: 32 multiply-adds an element, one fused loop) and exponentials
 per second (`transcendental_flops`: one an element a pass), one device; and all-gather / reduce-scatter /
 all-reduce / ppermute time vs bytes on the forced 8-device mesh, fitted to
-`t = latency * hops + ring_fraction * bytes / bandwidth` (engine/cost/price.py).
+`t = latency * hops + ring_fraction * bytes / bandwidth` (engine/cost/price.py); and
+what a collective run beside compute adds to it, over its own time (`beside_cost`:
+a layer's matmuls and a weight all-gather alone and in one program).
 `bench/roofline.py` re-measures the rates its step needs in the same run
 (engine/cost/microbench.py); this file is the profile for `--predict-only --hardware cpu`.
 """
@@ -46,8 +48,8 @@ from engine.cost.hardware import CALIBRATION_PATH  # noqa: E402
 from engine.cost.ledger import step_ledger  # noqa: E402
 from engine.layout import Layout  # noqa: E402
 from engine.train import keep_freed_memory  # noqa: E402
-from engine.cost.microbench import (arithmetic_chain, bandwidth, call_overhead,  # noqa: E402
-                                     cold_elems, collective_times, dot_seconds, exp_pass, fit,
+from engine.cost.microbench import (arithmetic_chain, bandwidth, beside_cost,  # noqa: E402
+                                     call_overhead, cold_elems, collective_times, dot_seconds, exp_pass, fit,
                                      last_level_cache, stacking_bandwidth, timed)
 
 
@@ -117,13 +119,14 @@ def main(argv=None) -> int:
         "hbm_cold_scan": mesh.size * stacking_bandwidth(mesh, 1 << 18),
         "vector_flops": vector_flops(), "transcendental_flops": transcendental_flops(),
         "collective_fit": {k: fit(k, v, mesh.size) for k, v in points.items()},
+        "beside_cost": beside_cost(mesh),
         "collective_points": points,
         "when": time.strftime("%Y-%m-%d %H:%M"), "load_avg": os.getloadavg(),
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(profile, indent=1))
     shown = ("peak_flops", "mfu_peak", "hbm", "hbm_cold", "hbm_cold_scan", "vector_flops",
-             "transcendental_flops", "collective_fit", "load_avg")
+             "transcendental_flops", "collective_fit", "beside_cost", "load_avg")
     print(json.dumps({k: profile[k] for k in shown}, indent=1))
     print(f"wrote {args.out}")
     return 0

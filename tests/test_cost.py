@@ -248,7 +248,7 @@ def test_in_run_rates_price_every_dot_and_collective_by_its_measurement():
     import jax
 
     from engine.cost.microbench import in_run_profile
-    from engine.cost.price import collective_key
+    from engine.cost.price import collective_key, hideable
 
     lay = Layout.parse("fsdp2")
     rows = step_ledger(_cfg(), TCFG, lay)
@@ -268,8 +268,10 @@ def test_in_run_rates_price_every_dot_and_collective_by_its_measurement():
     assert set(hw.collective_seconds) == {collective_key(r) for r in moved}
     assert all(t > 0 for t in hw.collective_seconds.values())
     priced = sum(p.seconds for p in pred.rows if p.row in moved)
+    beside = lambda r: 1 + hw.beside_cost if hideable(r) else 1  # noqa: E731
+    assert hw.beside_cost >= 0 and any(hideable(r) for r in moved)
     assert priced == pytest.approx(
-        sum(hw.collective_seconds[collective_key(r)] * r.count for r in moved))
+        sum(hw.collective_seconds[collective_key(r)] * r.count * beside(r) for r in moved))
 
 
 def test_group_collectives_run_in_groups_of_the_rows_size():

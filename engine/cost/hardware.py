@@ -62,6 +62,11 @@ class Hardware:
     # their time alone; a hidden collective still costs slowdown / (1 + slowdown) of its
     # own time (engine/cost/price.py)
     overlap_slowdown: float = 0.0
+    # without `overlap` (a shared host): a collective the overlap model would hide
+    # (`price.hideable`) still runs beside compute there, as XLA:CPU runs a device's
+    # independent ops at once, and the two contend for the cores: it costs 1 +
+    # beside_cost times its own time (engine/cost/microbench.py `beside_cost`)
+    beside_cost: float = 0.0
     shared_host: bool = False
     bf16_collectives_in_f32: bool = False
     collective_fit: dict = dataclasses.field(default_factory=dict)
@@ -270,6 +275,11 @@ PROFILES["h100-gt"] = dataclasses.replace(
 # (1.1e-4, 5.1e8), about 1/4 of its figure above, so this one is as pessimistic.
 # hbm: that calibration's one device on 64 MiB arrays (out of cache), not today's sum
 # over 8 devices in cache, and no hbm_cold: all traffic at an out-of-cache rate.
+# beside_cost: `microbench.beside_cost` (median of 21 rounds) three times on 2026-11-27 at
+# load average ~1.2, `python -c "from engine.train import force_host_devices as f; f(8);
+# import jax, numpy as np; from engine.cost.microbench import beside_cost as b;
+# m = jax.sharding.Mesh(np.array(jax.devices()), ('d',)); print([b(m) for _ in range(3)])"`:
+# 1.18, 0.84, 0.88 (the middle one here).
 # vector_flops and transcendental_flops: bench/calibrate.py's one-device rates, median of
 # 5 each, on 2026-11-25 at load average ~1.6: `python -c "from bench.calibrate import
 # vector_flops as v, transcendental_flops as t; print(v(), t())"` (32 multiply-adds an
@@ -277,7 +287,7 @@ PROFILES["h100-gt"] = dataclasses.replace(
 CPU_DEFAULTS = {
     "peak_flops": {"float32": 6.5e10, "bfloat16": 4.5e10},
     "mfu_peak": {"float32": 9.71e10, "bfloat16": 5.39e10},
-    "vector_flops": 3.62e10, "transcendental_flops": 2.17e9, "hbm": 2.5e9,
+    "vector_flops": 3.62e10, "transcendental_flops": 2.17e9, "hbm": 2.5e9, "beside_cost": 0.88,
     "collective_fit": {"all-gather": (1.0e-4, 1.9e9), "reduce-scatter": (9.2e-5, 1.4e9),
                        "all-reduce": (4.1e-5, 1.1e9), "collective-permute": (7.1e-5, 8.1e8),
                        "all-to-all": (1.9e-5, 1.5e8)},
@@ -312,6 +322,8 @@ def load_calibration(path: Path | str) -> dict:
     for key in ("hbm_cold", "transcendental_flops"):
         if key in data and not _positive(data[key]):
             problems.append(f"{key} must be a positive number")
+    if "beside_cost" in data and not (_positive(data["beside_cost"]) or data["beside_cost"] == 0):
+        problems.append("beside_cost must be a number >= 0")
     for key in ("peak_flops", "mfu_peak"):
         rates = data.get(key, {} if key == "mfu_peak" else None)
         if not isinstance(rates, dict) or (key == "peak_flops" and "float32" not in rates) \
@@ -357,6 +369,7 @@ def _cpu(data: dict, source: str) -> Hardware:
                     bf16_collectives_in_f32=True, collective_fit=fit,
                     cold_hbm=data.get("hbm_cold", 0.0),
                     transcendental_flops=data.get("transcendental_flops", 0.0),
+                    beside_cost=data.get("beside_cost", 0.0),
                     mfu_peak=dict(data.get("mfu_peak", {})), source=source)
 
 

@@ -282,18 +282,56 @@ def fit(kind: str, points, n: int) -> tuple[float, float]:
     return max(float(intercept) / hops, 0.0), 1.0 / max(float(slope), 1e-15)
 
 
+def beside_cost(mesh: Mesh, reps: int = 21) -> float:
+    """Seconds a collective run beside compute adds to that compute, over its own
+    seconds, every device at once: a layer's matmuls (six pairs of `small`'s fsdp8 MLP
+    dots, [512, 256] x [256, 768] and back, bf16) and a layer's weight all-gather
+    (768 KiB a device), each alone and both in one program, independent of each other
+    as a prefetched gather is of the layer it runs under. XLA:CPU runs a device's
+    independent ops at once, so on shared cores the two contend instead of overlapping:
+    (both - matmuls - gather) / gather, the median over `reps` rounds of the three."""
+    n = mesh.size
+
+    def matmuls(x, w):
+        for _ in range(6):
+            y = jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+            x = jnp.tanh(y) @ w.T
+        return x
+
+    gather = lambda s: lax.all_gather(s, "d", tiled=True)  # noqa: E731
+    sharding = NamedSharding(mesh, P("d"))
+    put = lambda shape: jax.device_put(jnp.ones(shape, jnp.bfloat16), sharding)  # noqa: E731
+    x, w, s = put((n * 512, 256)), put((n * 256, 768)), put((n * 4 * 256 * 768 // n,))
+    program = lambda f, k: jax.jit(jax.shard_map(  # noqa: E731
+        f, mesh=mesh, in_specs=(P("d"),) * k, out_specs=P("d") if k < 3 else (P("d"),) * 2))
+    runs = [(program(matmuls, 2), (x, w)), (program(gather, 1), (s,)),
+            (program(lambda x, w, s: (matmuls(x, w), gather(s)), 3), (x, w, s))]
+    for f, args in runs:
+        jax.block_until_ready(f(*args))
+    extra = []
+    for _ in range(reps):
+        t = []
+        for f, args in runs:
+            t0 = time.perf_counter()
+            jax.block_until_ready(f(*args))
+            t.append(time.perf_counter() - t0)
+        extra.append((t[2] - t[0] - t[1]) / t[1])
+    return max(statistics.median(extra), 0.0)
+
+
 def in_run_profile(hw: Hardware, rows, devices, collective_sizes=None) -> Hardware:
     """`hw` with every rate the ledger's rows need measured now on `devices`, all at
     once: per-dot seconds, bandwidth and vector rate at the step's activation size, the
-    bandwidth out of cache, and (with more than one device) per-collective seconds and
-    the collective fits. Compute is then not multiplied by the device count
+    bandwidth out of cache, and (with more than one device) per-collective seconds, the
+    collective fits and what a collective beside compute adds (`beside_cost`). Compute is then not multiplied by the device count
     (`concurrent_rates`: the measurements already share the host)."""
     mesh = _flat_mesh(devices)
     overhead = call_overhead(mesh)
     elems = typical_elems(rows)
-    fit_, measured = dict(hw.collective_fit), {}
+    fit_, measured, beside = dict(hw.collective_fit), {}, 0.0
     if mesh.size > 1:
         measured = group_collective_seconds(rows, devices, overhead=overhead)
+        beside = beside_cost(mesh)
         big = max((r.bytes for r in rows if r.kind == "collective"), default=1 << 20)
         sizes = collective_sizes or sorted({1 << 14, 1 << 17, 1 << 20,
                                             max(1 << 14, int(big) // 64 * 64)})
@@ -305,4 +343,5 @@ def in_run_profile(hw: Hardware, rows, devices, collective_sizes=None) -> Hardwa
         hbm=bandwidth(mesh, elems), cold_hbm=bandwidth(mesh, cold_elems(), k=2),
         vector_flops=vector_rate(mesh, elems), transcendental_flops=transcendental_rate(mesh, elems),
         mem_eff=1.0, concurrent_rates=True, collective_fit=fit_, collective_seconds=measured,
+        beside_cost=beside,
         source=f"measured in this run on {mesh.size} devices at once")

@@ -32,6 +32,10 @@ waits for it:
   the gather feeds the very next matmul and is exposed;
 - collective-permutes of the ring collective matmuls (`--tp-comm ring`): each step's
   ppermute runs under the partial matmul of the chunk already held.
+Without overlap (a shared host) the same collectives are exposed and still run beside
+the blocks' compute, XLA:CPU running a device's independent ops at once, and contend
+with it for the cores: each costs 1 + `hw.beside_cost` times its own time (measured by
+`microbench.beside_cost`: a layer's matmuls and a weight gather alone and together).
 Everything else (tp all-reduces, sequence-parallel gathers / reduce-scatters, grad
 all-reduces over dp, the loss's reductions) sits between dependent computations and is
 exposed. Hideable time beyond the blocks' compute is exposed too (scaled evenly). A
@@ -257,6 +261,8 @@ def predict(rows: list[Row], hw: Hardware, mesh_axes, prefetch: bool = False) ->
         if r.kind == "collective":
             t = collective_seconds(r, hw, mesh_axes) * r.count
             hides = hw.overlap and hideable(r, prefetch)
+            if not hw.overlap and hideable(r, prefetch):  # beside compute on shared cores
+                t *= 1 + hw.beside_cost
             comm += t
             hidable += t if hides else 0.0
             priced.append((r, t, "comm", hides))
