@@ -49,8 +49,9 @@ from engine.cost.ledger import step_ledger  # noqa: E402
 from engine.layout import Layout  # noqa: E402
 from engine.train import keep_freed_memory  # noqa: E402
 from engine.cost.microbench import (arithmetic_chain, bandwidth, beside_cost,  # noqa: E402
-                                     call_overhead, cold_elems, collective_times, dot_seconds, exp_pass, fit,
-                                     last_level_cache, stacking_bandwidth, timed)
+                                     call_overhead, cold_elems, collective_times,
+                                     dot_seconds, exp_pass, fit, last_level_cache,
+                                     stacking_bandwidth, timed)
 
 
 def matmul_flops(m: int, k: int, n: int, dtype) -> float:

@@ -297,8 +297,7 @@ def _body_copies(f, *args) -> list[tuple]:
     from engine.cost import hlo
 
     module = hlo.parse(jax.jit(f).lower(*args).compile().as_text())
-    bodies = {ins.callee for ins in module.instructions() if ins.opcode == "while"}
-    bodies |= set(re.findall(r"body=%?([\w.\-]+)", "\n".join(
+    bodies = set(re.findall(r"body=%?([\w.\-]+)", "\n".join(
         ins.attributes for ins in module.instructions() if ins.opcode == "while")))
     return sorted(tuple(int(d) for d in m.group(1).split(",") if d)
                   for name in bodies for ins in module.computations.get(name, [])

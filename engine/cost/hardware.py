@@ -298,8 +298,12 @@ class ProfileError(ValueError):
     """A calibration file that is missing, unreadable or not a cpu profile (one line)."""
 
 
+def _non_negative(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x >= 0
+
+
 def _positive(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0
+    return _non_negative(x) and x > 0
 
 
 def load_calibration(path: Path | str) -> dict:
@@ -322,7 +326,7 @@ def load_calibration(path: Path | str) -> dict:
     for key in ("hbm_cold", "transcendental_flops"):
         if key in data and not _positive(data[key]):
             problems.append(f"{key} must be a positive number")
-    if "beside_cost" in data and not (_positive(data["beside_cost"]) or data["beside_cost"] == 0):
+    if "beside_cost" in data and not _non_negative(data["beside_cost"]):
         problems.append("beside_cost must be a number >= 0")
     for key in ("peak_flops", "mfu_peak"):
         rates = data.get(key, {} if key == "mfu_peak" else None)

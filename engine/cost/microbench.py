@@ -323,8 +323,9 @@ def in_run_profile(hw: Hardware, rows, devices, collective_sizes=None) -> Hardwa
     """`hw` with every rate the ledger's rows need measured now on `devices`, all at
     once: per-dot seconds, bandwidth and vector rate at the step's activation size, the
     bandwidth out of cache, and (with more than one device) per-collective seconds, the
-    collective fits and what a collective beside compute adds (`beside_cost`). Compute is then not multiplied by the device count
-    (`concurrent_rates`: the measurements already share the host)."""
+    collective fits and what a collective beside compute adds (`beside_cost`). Compute
+    is then not multiplied by the device count (`concurrent_rates`: the measurements
+    already share the host)."""
     mesh = _flat_mesh(devices)
     overhead = call_overhead(mesh)
     elems = typical_elems(rows)

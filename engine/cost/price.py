@@ -260,9 +260,10 @@ def predict(rows: list[Row], hw: Hardware, mesh_axes, prefetch: bool = False) ->
     for r in priced_rows(rows, hw):  # (row, seconds, bound, may hide under block compute)
         if r.kind == "collective":
             t = collective_seconds(r, hw, mesh_axes) * r.count
-            hides = hw.overlap and hideable(r, prefetch)
-            if not hw.overlap and hideable(r, prefetch):  # beside compute on shared cores
+            beside = hideable(r, prefetch)
+            if beside and not hw.overlap:  # run beside compute on shared cores
                 t *= 1 + hw.beside_cost
+            hides = beside and hw.overlap
             comm += t
             hidable += t if hides else 0.0
             priced.append((r, t, "comm", hides))
