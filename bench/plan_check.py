@@ -4,9 +4,11 @@
     python bench/plan_check.py --model small [--top 8] [--random 8] [--json out.json]
 
 Plans for the devices on the cpu profile (engine/plan.py; `--calibration`, else the
-calibration file if bench/calibrate.py wrote one, else the built-in defaults), then
-compiles every chosen candidate (the planner's first `--top` plus `--random` drawn,
-seeded, from the rest of the ranked list), runs each one warm-up step, and times
+calibration file if bench/calibrate.py wrote one, else the built-in defaults; the
+candidates within `--refine` of the first priced again with their matmuls timed on the
+devices, `plan.refine`), then compiles every chosen candidate (the planner's first
+`--top` plus `--random` drawn, seeded, from the rest of the ranked list, priced with
+their matmuls timed too), runs each one warm-up step, and times
 `--rounds` round-robin passes over them, each pass timing `--timed-steps` steps of one
 candidate before moving to the next (the default, one, interleaves single steps, so a
 slow spell on the shared cores falls on every candidate alike). A candidate's measured
@@ -35,6 +37,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from engine.plan import REFINE_WITHIN  # noqa: E402
 from engine.train import force_host_devices, keep_freed_memory, parse_or_exit  # noqa: E402
 from engine.train import build_parser as train_parser  # noqa: E402
 
@@ -54,6 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--calibration", default=None,
                    help="cpu profile JSON (bench/calibrate.py --out); default: the one "
                         "bench/calibrate.py writes, else the built-in defaults")
+    g.add_argument("--refine", type=float, default=REFINE_WITHIN, metavar="F",
+                   help="the planner prices again the candidates predicted within F of the "
+                        "first with their matmuls timed on the devices (engine/plan.py "
+                        "refine), and the random ones measured too; 0 = one matmul rate")
     g.add_argument("--json", default=None, help="write figures as JSON")
     p = train_parser(prog="python bench/plan_check.py", description=__doc__.split("\n\n")[0],
                      parents=[own], groups=("model", "training"))
@@ -113,7 +120,8 @@ def measure(cands, tcfg, steps: int, rounds: int, say=print) -> list[list[float]
 
 def main(argv=None) -> int:
     cfg, tcfg, _, _, mine = parse_or_exit(argv, build_parser())
-    minimum = {"devices": 1, "top": 1, "random": 0, "timed_steps": 1, "rounds": 1}
+    minimum = {"devices": 1, "top": 1, "random": 0, "timed_steps": 1, "rounds": 1,
+               "refine": 0}
     problems = [f"{k}={getattr(mine, k)} must be >= {m}" for k, m in minimum.items()
                 if getattr(mine, k) < m]
     if problems:
@@ -139,15 +147,24 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     pinned = {"remat": mine.remat} if mine.remat else {}
-    result = plan.plan(cfg, tcfg, mine.devices, hw, pinned=pinned, workers=2)
+    devices = jax.devices()[:mine.devices]
+    result = plan.plan(cfg, tcfg, mine.devices, hw, pinned=pinned, workers=2,
+                       devices=devices, within=mine.refine)
     if not result.ranked:
         print(f"error: {plan.no_plan_message(result, mine.devices)}", file=sys.stderr)
         return 2
     chosen = result.ranked[:mine.top]
     rest = result.ranked[mine.top:]
     chosen += random.Random(mine.sample_seed).sample(rest, min(mine.random, len(rest)))
+    if result.refined:  # every candidate measured is priced alike: its matmuls timed
+        again = [i for i, p in enumerate(chosen) if not p.dots_timed]
+        repriced, _ = plan.timed_prices([chosen[i] for i in again], tcfg, result.hw,
+                                        mine.devices, devices)
+        for i, p in zip(again, repriced):
+            chosen[i] = p
     print(f"plan: {len(result.ranked)} candidates in {result.seconds:.1f} s on {hw.name} "
-          f"({hw.source}); measuring {len(chosen)} on {mine.devices} host devices, "
+          f"({hw.source}; the first {result.refined} priced again with their matmuls timed "
+          f"here); measuring {len(chosen)} on {mine.devices} host devices, "
           f"{mine.rounds} round(s) of {mine.timed_steps} step(s) each")
     load = [os.getloadavg()[0]]
     times = measure(chosen, tcfg, mine.timed_steps, mine.rounds)

@@ -55,13 +55,15 @@ class Priced:
     exposed_comm_s: float
     mfu: float
     peak_bytes: int | None
+    dots_timed: bool = False  # its matmuls priced by their time on the host (`timed_prices`)
 
     def record(self) -> dict:
         return dict(layout=str(self.candidate.layout), flags=self.candidate.flags,
                     predicted_step_s=self.step_s, predicted_mfu=self.mfu,
                     predicted_peak_bytes=self.peak_bytes,
                     predicted_compute_s=self.compute_s, predicted_comm_s=self.comm_s,
-                    predicted_exposed_comm_s=self.exposed_comm_s)
+                    predicted_exposed_comm_s=self.exposed_comm_s,
+                    dots_timed=self.dots_timed)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,7 +71,9 @@ class Plan:
     """ranked: fitting candidates, fastest first; refused: [(candidate, reason)] by
     engine.validate; over: [(candidate, predicted peak bytes)] over `capacity` bytes
     per device; programs: distinct programs priced; cached: how many of them came from
-    the ledger cache; workers: processes that traced; seconds: wall clock of `plan`."""
+    the ledger cache; workers: processes that traced; seconds: wall clock of `plan`;
+    hw: the profile the first candidates are priced with (with their timed matmuls,
+    `Hardware.dot_seconds`, when `refine` ran); refined: candidates `refine` re-priced."""
 
     ranked: list
     refused: list
@@ -79,6 +83,8 @@ class Plan:
     cached: int
     workers: int
     seconds: float
+    hw: object = None
+    refined: int = 0
 
 
 def predict_candidate(cand: Candidate, tcfg: TrainConfig, hw):
@@ -257,13 +263,71 @@ def _rank(p: Priced) -> tuple:
     return p.step_s, str(p.candidate.layout), p.candidate.describe()
 
 
+def timed_prices(priced: list, tcfg: TrainConfig, hw, n: int, devices,
+                 time_dots=None) -> tuple[list, object]:
+    """`priced` [Priced] priced again with every matmul of their steps timed on the first
+    n of `devices`, all at once (engine/cost/microbench.py `dot_seconds`, as
+    `bench/roofline.py`'s in-run profile times them), instead of the profile's one
+    matmul rate. Returns ([Priced] in the same order, the profile with those times).
+    `time_dots(rows, mesh)` -> {Row.dot: seconds} replaces the timing (tests)."""
+    from engine.cost import cache
+    from engine.cost.microbench import _flat_mesh, dot_seconds
+    from engine.cost.pipeline import predict_step
+    from engine.cost.price import mfu
+
+    rows_of: dict = {}
+    for p in priced:
+        c = p.candidate
+        if c.program not in rows_of:
+            rows_of[c.program] = cache.step_ledger(c.cfg, tcfg, c.layout, c.parallel,
+                                                   hw.bf16_collectives_in_f32)[0]
+    todo = [r for rows in rows_of.values() for r in rows
+            if r.dot is not None and r.dot not in hw.dot_seconds]
+    timed = (time_dots or dot_seconds)(todo, _flat_mesh(list(devices)[:n])) if todo else {}
+    hw = dataclasses.replace(hw, dot_seconds={**hw.dot_seconds, **timed})
+    out = []
+    for p in priced:
+        c = p.candidate
+        pred = predict_step(rows_of[c.program], hw, c.layout, c.parallel)[0]
+        out.append(Priced(c, pred.step_s, pred.compute_s, pred.comm_s, pred.exposed_comm_s,
+                          mfu(c.cfg, tcfg, hw, n, pred.step_s), p.peak_bytes, True))
+    return out, hw
+
+
+# The cpu profile prices every matmul at one rate: the rate of one model's dots
+# (bench/calibrate.py: `small` on fsdp8). XLA:CPU runs other shapes at other rates:
+# 0.75e10-9.3e10 FLOP/s per device over the dots of `medium` on fsdp8 against 3.5e10
+# over `small`'s (8 devices at once on the 2-core host, 2026-11-27): timed, two
+# `medium` candidates predicted 9.7% apart came out 1.8% apart, the one rate's relative
+# error between them 8%. So on the host the planner prices again, with their matmuls
+# timed, every candidate predicted within this fraction of the first (`refine`): a search
+# margin, about twice that error, not a price.
+REFINE_WITHIN = 0.15
+
+
+def refine(ranked: list, tcfg: TrainConfig, hw, n: int, devices,
+           within: float = REFINE_WITHIN, time_dots=None) -> tuple[list, object, int]:
+    """The candidates of `ranked` (fastest first) predicted within `within` of the first
+    priced again with their matmuls timed on `devices` (`timed_prices`) and ranked
+    among themselves, ahead of the rest. Returns (ranked, the profile they are priced
+    with, how many were priced again)."""
+    if not ranked:
+        return ranked, hw, 0
+    near = [p for p in ranked if p.step_s <= ranked[0].step_s * (1 + within)]
+    again, hw = timed_prices(near, tcfg, hw, n, devices, time_dots)
+    return sorted(again, key=_rank) + ranked[len(near):], hw, len(near)
+
+
 def plan(cfg: ModelConfig, tcfg: TrainConfig, n: int, hw, hbm_bytes: float | None = None,
          pinned: dict | None = None, workers: int = 1, names: tuple[str, ...] = AXIS_ROLES,
-         limits: dict | None = None, executor=None, progress=None) -> Plan:
+         limits: dict | None = None, executor=None, progress=None, devices=None,
+         within: float = REFINE_WITHIN, say=None) -> Plan:
     """Enumerate (`candidates`), validate, check memory, trace and price each program
     once (`price`), rank by predicted step. A candidate without pp over memory is
     priced at the fewest of 2, 4, ... microbatches that fit while they divide its batch
-    (`price`'s `grow`)."""
+    (`price`'s `grow`). On a shared host (the cpu profile) with `devices` (at least n
+    of them), the candidates within `within` of the first are priced again with their
+    matmuls timed on those devices (`refine`; `say` gets one line before it)."""
     from engine.cost import fit
 
     t0 = time.perf_counter()
@@ -271,8 +335,14 @@ def plan(cfg: ModelConfig, tcfg: TrainConfig, n: int, hw, hbm_bytes: float | Non
     capacity = fit.capacity(hw, n, hbm_bytes)
     ranked, over, programs, cached, workers = price(ok, tcfg, hw, n, capacity, workers,
                                                     executor, progress, grow=True)
+    refined = 0
+    if ranked and hw.shared_host and devices is not None and len(devices) >= n and within > 0:
+        if say is not None:
+            say(f"planning: timing the matmuls of the candidates predicted within "
+                f"{within:.0%} of the first on {n} host devices")
+        ranked, hw, refined = refine(ranked, tcfg, hw, n, devices, within)
     return Plan(ranked, refused, over, capacity, programs, cached, workers,
-                time.perf_counter() - t0)
+                time.perf_counter() - t0, hw, refined)
 
 
 def gib(x) -> str:
@@ -327,12 +397,13 @@ def auto(cfg: ModelConfig, tcfg: TrainConfig, say=print):
                           f"name a layout")
     hw = hardware_profile(name, None, say)
     result = plan(cfg, tcfg, len(devices), hw, workers=os.cpu_count() or 1,
-                  progress=progress_line(say))
+                  progress=progress_line(say), devices=devices, say=say)
     if not result.ranked:
         raise ConfigError(no_plan_message(result, len(devices)))
     best = result.ranked[0]
-    say(f"layout auto: {best.candidate.describe()}, predicted {best.step_s:.4g} s/step, "
-        f"MFU {100 * best.mfu:.1f}%, peak {gib(best.peak_bytes)} per device on {hw.name}; "
+    timed = ", its matmuls timed here" if best.dots_timed else ""
+    say(f"layout auto: {best.candidate.describe()}, predicted {best.step_s:.4g} s/step"
+        f"{timed}, MFU {100 * best.mfu:.1f}%, peak {gib(best.peak_bytes)} per device on {hw.name}; "
         f"first of {len(result.ranked)} candidates for {len(devices)} devices "
         f"({result.seconds:.1f} s; python -m engine.plan ranks them)")
     c = best.candidate
@@ -358,6 +429,10 @@ def build_parser():
     g.add_argument("--json", default=None, help="write the ranked candidates as JSON")
     g.add_argument("--workers", type=int, default=os.cpu_count() or 1,
                    help="processes tracing programs")
+    g.add_argument("--refine", type=float, default=REFINE_WITHIN, metavar="F",
+                   help="on the cpu, price again the candidates predicted within F of the "
+                        "first (0.15 = 15%%) with their matmuls timed on this host's "
+                        "devices; 0 = one matmul rate for every candidate")
     g.add_argument("--axes", default=",".join(AXIS_ROLES),
                    help="the roles a layout may use, comma-separated (default: every role)")
     g.add_argument("--max", default="", metavar="ROLE=SIZE,...",
@@ -395,10 +470,31 @@ def flag_problems(mine) -> list[str]:
         problems.append(f"devices={mine.devices} is absurd (limit 65,536)")
     if mine.hbm_gib is not None and not mine.hbm_gib > 0:
         problems.append(f"hbm_gib={mine.hbm_gib} must be > 0")
+    if not mine.refine >= 0:
+        problems.append(f"refine={mine.refine} must be >= 0")
     if mine.calibration is not None and mine.hardware != "cpu":
         problems.append(f"--calibration is the cpu profile; --hardware {mine.hardware} "
                         f"does not use it")
     return problems
+
+
+def host_devices(mine, say) -> list | None:
+    """The host's devices to time matmuls on (`refine`) when planning for the cpu: the
+    `--devices` count forced on XLA's CPU backend, or None (with a line saying why) when
+    jax already runs with fewer."""
+    if mine.hardware != "cpu" or mine.refine == 0:
+        return None
+    from engine.train import force_host_devices
+
+    force_host_devices(mine.devices)
+    import jax
+
+    devices = jax.devices("cpu")
+    if len(devices) < mine.devices:
+        say(f"planning: {len(devices)} host devices (XLA_FLAGS sets the count), not "
+            f"{mine.devices}: every matmul priced at the profile's one rate")
+        return None
+    return devices
 
 
 def main(argv=None) -> int:
@@ -418,9 +514,10 @@ def main(argv=None) -> int:
         except ProfileError as e:
             raise UsageError(str(e)) from None
         pinned = {"remat": mine.remat} if mine.remat else {}
+        say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
         result = plan(cfg, tcfg, mine.devices, hw, mine.hbm_gib and mine.hbm_gib * 2**30,
-                      pinned, mine.workers, names, limits,
-                      progress=progress_line(lambda m: print(m, file=sys.stderr, flush=True)))
+                      pinned, mine.workers, names, limits, progress=progress_line(say),
+                      devices=host_devices(mine, say), within=mine.refine, say=say)
         if not result.ranked:
             raise ConfigError(no_plan_message(result, mine.devices))
     except (UsageError, ConfigError) as e:
@@ -435,11 +532,15 @@ def main(argv=None) -> int:
           f"{result.programs - result.cached} traced with {result.workers} worker(s), "
           f"{result.cached} from the ledger cache) in {result.seconds:.1f} s; {len(result.refused)} "
           f"refused by engine.validate, {len(result.over)} over memory")
+    if result.refined:
+        print(f"the first {result.refined} priced again with their matmuls timed on "
+              f"{mine.devices} host devices (those predicted within {mine.refine:.0%} of the "
+              f"first at the profile's one matmul rate)")
     from engine.plan_report import runner_up, table, why
 
     print(table(result.ranked, mine.top))
     if (k := runner_up(result.ranked)) is not None:
-        print(why(result.ranked[0], result.ranked[k], tcfg, hw, (1, k + 1)))
+        print(why(result.ranked[0], result.ranked[k], tcfg, result.hw, (1, k + 1)))
     if mine.json:
         with open(mine.json, "w") as f:
             json.dump({"devices": mine.devices, "hardware": mine.hardware,
@@ -447,6 +548,7 @@ def main(argv=None) -> int:
                        "priced": total, "programs": result.programs,
                        "programs_cached": result.cached,
                        "refused": len(result.refused), "over_memory": len(result.over),
+                       "refined": result.refined,
                        "seconds": result.seconds, "axes": list(names), "max": limits,
                        "candidates": [p.record() for p in result.ranked]}, f, indent=1)
     return 0

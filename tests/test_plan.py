@@ -23,8 +23,9 @@ from engine.cost.ledger import step_ledger  # noqa: E402
 from engine.cost.price import predict  # noqa: E402
 from engine.layout import Layout  # noqa: E402
 
+# one matmul rate for every candidate, as `bench/roofline.py --predict-only` prices
 SMALL_PLAN = ["--devices", "2", "--model", "tiny", "--seq", "32", "--batch", "4",
-              "--remat", "full", "--workers", "1"]
+              "--remat", "full", "--workers", "1", "--refine", "0"]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -349,6 +350,58 @@ def test_first_choice_is_the_roofline_prediction(planned, tmp_path, capsys):
     assert json.loads(out.read_text())["predicted_step_s"] == first["predicted_step_s"]
 
 
+def test_refine_prices_the_near_candidates_with_their_timed_matmuls():
+    """`refine` prices again, with `time_dots`' seconds for their matmuls, exactly the
+    candidates within `within` of the first: each as the roofline's prediction with
+    those seconds in the profile, ranked among themselves ahead of the rest. Timing every
+    dot at what the profile's one rate gives it changes no step."""
+    import jax
+
+    from engine.cost.price import compute_seconds
+
+    cfg, tcfg = model_config("tiny"), TrainConfig(batch=4, seq=32)
+    hw = hardware.cpu_defaults()
+    ranked = plan.plan(cfg, tcfg, 2, hw, None, {"remat": "full"}).ranked
+    near = [p for p in ranked if p.step_s <= 1.15 * ranked[0].step_s]
+    assert 1 < len(near) < len(ranked)
+    asked = []
+
+    def at_the_rate(rows, mesh):
+        asked.append((mesh.size, [r.dot for r in rows]))
+        return {r.dot: compute_seconds(r, hw, 2)[0] for r in rows}
+
+    same, _, k = plan.refine(ranked, tcfg, hw, 2, jax.devices(), 0.15, at_the_rate)
+    assert k == len(near) and asked[0][0] == 2
+    assert {p.candidate.describe(): p.step_s for p in same[:k]} == pytest.approx(
+        {p.candidate.describe(): p.step_s for p in near}, rel=1e-12)
+    assert all(p.dots_timed for p in same[:k]) and same[k:] == ranked[k:]
+
+    def mlp_slow(rows, mesh):  # the MLP's matmuls 20x what the rate gives, the rest as is
+        return {r.dot: compute_seconds(r, hw, 2)[0] * (20 if r.scope == "mlp" else 1)
+                for r in rows}
+
+    again, hw_t, k = plan.refine(ranked, tcfg, hw, 2, jax.devices(), 0.15, mlp_slow)
+    assert k == len(near) and [p.step_s for p in again[:k]] == sorted(p.step_s for p in again[:k])
+    assert {p.candidate.describe() for p in again[:k]} == {p.candidate.describe() for p in near}
+    for p in again[:k]:
+        assert p.step_s == plan.predict_candidate(p.candidate, tcfg, hw_t).step_s
+    was = {p.candidate.describe(): p.step_s for p in near}
+    assert all(p.step_s > was[p.candidate.describe()] for p in again[:k])
+    assert again[k:] == ranked[k:]
+
+
+def test_the_cli_plan_on_the_cpu_times_the_first_ones_matmuls(tmp_path, capsys):
+    path = tmp_path / "plan.json"
+    argv = SMALL_PLAN[:-2] + ["--refine", "0.1", "--json", str(path)]
+    assert plan.main(argv) == 0
+    out = capsys.readouterr().out
+    got = json.loads(path.read_text())
+    k = got["refined"]
+    assert k >= 1 and f"the first {k} priced again with their matmuls timed" in out
+    flags = [c["dots_timed"] for c in got["candidates"]]
+    assert flags == [True] * k + [False] * (len(flags) - k)
+
+
 def _one_line_error(capsys, argv, *words):
     try:
         code = plan.main(argv)
@@ -370,6 +423,7 @@ def test_bad_flags_are_one_line(capsys):
     _one_line_error(capsys, ["--devices", "0", "--model", "tiny"], "devices=0")
     _one_line_error(capsys, SMALL_PLAN + ["--hbm-gib", "-1"], "hbm_gib")
     _one_line_error(capsys, SMALL_PLAN + ["--top", "0"], "top=0")
+    _one_line_error(capsys, SMALL_PLAN + ["--refine", "-0.1"], "refine=-0.1")
     _one_line_error(capsys, ["--model", "tiny"], "devices")
     _one_line_error(capsys, SMALL_PLAN + ["--axes", "fsdp,sp"], "unknown role 'sp'")
     _one_line_error(capsys, SMALL_PLAN + ["--axes", ","], "no role")
@@ -403,11 +457,15 @@ def test_layout_auto_trains_with_the_first_choice():
                          text=True, timeout=900)
     assert run.returncode == 0, run.stderr
     cfg, tcfg = model_config("tiny"), TrainConfig(batch=4, seq=32)
-    first = plan.plan(cfg, tcfg, 2, plan.hardware_profile("cpu", say=lambda s: None))
-    first = first.ranked[0].candidate
+    # the host's timings rank the candidates near the first at the one matmul rate
+    ranked = plan.plan(cfg, tcfg, 2, plan.hardware_profile("cpu", say=lambda s: None)).ranked
+    near = {p.candidate.describe(): p.candidate for p in ranked
+            if p.step_s <= (1 + plan.REFINE_WITHIN) * ranked[0].step_s}
     lines = run.stdout.splitlines()
     chosen = next(line for line in lines if line.startswith("layout auto: "))
-    assert chosen.startswith(f"layout auto: {first.describe()}, predicted"), chosen
+    name = chosen.removeprefix("layout auto: ").partition(", predicted")[0]
+    assert name in near and ", its matmuls timed here," in chosen, chosen
+    first = near[name]
     header = next(line for line in lines if line.startswith(f"layout {first.layout} on 2 cpu"))
     assert f"remat {first.cfg.remat}," in header
     assert any(line.startswith("step     1/1 | loss") for line in lines), run.stdout
