@@ -271,7 +271,7 @@ def timed_prices(priced: list, tcfg: TrainConfig, hw, n: int, devices,
     matmul rate. Returns ([Priced] in the same order, the profile with those times).
     `time_dots(rows, mesh)` -> {Row.dot: seconds} replaces the timing (tests)."""
     from engine.cost import cache
-    from engine.cost.microbench import _flat_mesh, dot_seconds
+    from engine.cost.microbench import dot_seconds, flat_mesh
     from engine.cost.pipeline import predict_step
     from engine.cost.price import mfu
 
@@ -283,7 +283,7 @@ def timed_prices(priced: list, tcfg: TrainConfig, hw, n: int, devices,
                                                    hw.bf16_collectives_in_f32)[0]
     todo = [r for rows in rows_of.values() for r in rows
             if r.dot is not None and r.dot not in hw.dot_seconds]
-    timed = (time_dots or dot_seconds)(todo, _flat_mesh(list(devices)[:n])) if todo else {}
+    timed = (time_dots or dot_seconds)(todo, flat_mesh(list(devices)[:n])) if todo else {}
     hw = dataclasses.replace(hw, dot_seconds={**hw.dot_seconds, **timed})
     out = []
     for p in priced:

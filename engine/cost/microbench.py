@@ -58,7 +58,8 @@ def timed(f, *args, reps: int = 5) -> float:
     return statistics.median(ts)
 
 
-def _flat_mesh(devices) -> Mesh:
+def flat_mesh(devices) -> Mesh:
+    """One axis "d" over `devices`: each times the same program on its own operands."""
     return Mesh(np.array(devices), ("d",))
 
 
@@ -326,7 +327,7 @@ def in_run_profile(hw: Hardware, rows, devices, collective_sizes=None) -> Hardwa
     collective fits and what a collective beside compute adds (`beside_cost`). Compute
     is then not multiplied by the device count (`concurrent_rates`: the measurements
     already share the host)."""
-    mesh = _flat_mesh(devices)
+    mesh = flat_mesh(devices)
     overhead = call_overhead(mesh)
     elems = typical_elems(rows)
     fit_, measured, beside = dict(hw.collective_fit), {}, 0.0
