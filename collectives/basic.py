@@ -53,21 +53,42 @@ def axis_index(axis: AxisNames) -> jax.Array:
     return lax.axis_index(names if len(names) > 1 else names[0])
 
 
-def gather(x: jax.Array, axis: AxisNames, dim: int, *, replicated: bool = False) -> jax.Array:
+def gather(x: jax.Array, axis: AxisNames, dim: int, *, replicated: bool = False,
+           cast=None) -> jax.Array:
     """All-gather: `[.., X_axis, ..] -> [.., X, ..]` along `dim`; transpose is reduce_scatter.
 
     The result stays typed per-device (so its grad is a reduce-scatter); `replicated=True`
     types it as the same on every device of `axis`, for values returned or compared as
-    replicated (its transpose is then a slice, not a reduce-scatter)."""
+    replicated (its transpose is then a slice, not a reduce-scatter). cast (not with
+    `replicated`): gather x cast to this dtype, as `gather(x.astype(cast))` does, but
+    reduce-scatter the grad in x's own dtype (the cotangent is cast back first)."""
     names = _names(axis)
+    if cast is not None:
+        return (_gather_cast(names, dim, jnp.dtype(cast), x.dtype)(x) if names
+                else x.astype(cast))
     if not names:
         return x
     to = "invarying" if replicated else "varying"
     return lax.all_gather(x, names, axis=dim, tiled=True, to=to)
 
 
+@functools.cache
+def _gather_cast(names: tuple[str, ...], dim: int, cast, dtype):
+    """x (of `dtype`) -> all_gather(x.astype(cast)) along `dim`, typed per-device; the
+    cotangent is cast to `dtype`, then reduce-scattered."""
+
+    def gather(x):
+        return lax.all_gather(x.astype(cast), names, axis=dim, tiled=True, to="varying")
+
+    f = jax.custom_vjp(gather)
+    f.defvjp(lambda x: (gather(x), None),
+             lambda _, ct: (lax.psum_scatter(ct.astype(dtype), names,
+                                             scatter_dimension=dim, tiled=True),))
+    return f
+
+
 def gather_many(xs: Sequence[jax.Array], axis: AxisNames, dims: Sequence[int],
-                pack: bool = True) -> list:
+                pack: bool = True, cast=None) -> list:
     """`[gather(x, axis, dim) for x, dim in zip(xs, dims)]` as ONE all-gather.
 
     Each `[.., X_axis, ..]` is laid out with its gathered dim first and flattened; the
@@ -77,13 +98,17 @@ def gather_many(xs: Sequence[jax.Array], axis: AxisNames, dims: Sequence[int],
     the copies around it move the same bytes once more, on the device. Its transpose is
     one reduce-scatter of the concatenated grads. All xs must share a dtype. pack: 2-byte
     dtypes travel as uint32 pairs (`_gather_packed`), for a backend that widens 2-byte
-    collectives (`widens_2byte`)."""
+    collectives (`widens_2byte`). cast: the buffer is cast to this dtype just before the
+    all-gather, and the transpose casts the grads back to xs' dtype before its
+    reduce-scatter (grads reduced in the params' precision, gathered in the compute
+    dtype); None: both in xs' dtype."""
     names = _names(axis)
     if not names:
-        return list(xs)
+        return list(xs) if cast is None else [x.astype(cast) for x in xs]
     moved = [jnp.moveaxis(x, d, 0) for x, d in zip(xs, dims)]
     flat_P = jnp.concatenate([m.reshape(-1) for m in moved])
-    whole_nP = _gather_packed(names, pack)(flat_P)
+    cast = None if cast is None else jnp.dtype(cast)
+    whole_nP = _gather_packed(names, pack, cast, flat_P.dtype)(flat_P)
     # split, not slices: its transpose concatenates the grads (slices' would pad each
     # to the whole buffer and add them up)
     pieces = jnp.split(whole_nP, np.cumsum([m.size for m in moved])[:-1], axis=1)
@@ -104,13 +129,16 @@ def widens_2byte(mesh) -> bool:
 
 
 @functools.cache
-def _gather_packed(names: tuple[str, ...], pack: bool = True):
+def _gather_packed(names: tuple[str, ...], pack: bool = True, cast=None, dtype=None):
     """[P] -> [n, P] all-gather (typed per-device) whose transpose is a reduce-scatter;
     with `pack`, 2-byte dtypes travel as pairs bitcast to uint32, so a backend that
     widens bf16 collectives (XLA:CPU runs them in f32) moves them at their own size,
-    unconverted."""
+    unconverted. cast: gather the buffer (of `dtype`) cast to this dtype; the cotangent
+    is cast back to `dtype` before the reduce-scatter."""
 
     def gather(flat_P):
+        if cast is not None:
+            flat_P = flat_P.astype(cast)
         if flat_P.dtype.itemsize != 2 or not pack:
             return lax.all_gather(flat_P, names, axis=0, tiled=False, to="varying")
         P = flat_P.shape[0]
@@ -122,8 +150,8 @@ def _gather_packed(names: tuple[str, ...], pack: bool = True):
 
     f = jax.custom_vjp(gather)
     f.defvjp(lambda flat_P: (gather(flat_P), None),
-             lambda _, ct_nP: (lax.psum_scatter(ct_nP, names, scatter_dimension=0,
-                                                tiled=False),))
+             lambda _, ct_nP: (lax.psum_scatter(ct_nP if cast is None else ct_nP.astype(dtype),
+                                                names, scatter_dimension=0, tiled=False),))
     return f
 
 

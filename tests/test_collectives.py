@@ -288,6 +288,47 @@ def test_gather_many_is_each_gather(shape, axis, dtype, pack):
     assert gathered == ("u32" if dtype == jnp.bfloat16 and pack else "f32"), gathered
 
 
+@pytest.mark.parametrize("many", [False, True], ids=["gather", "gather_many"])
+def test_cast_gathers_in_bf16_and_reduces_grads_in_f32(many):
+    """`cast`: f32 inputs gathered as bf16 (the values of gathering x.astype(bf16), to the
+    bit), the transpose reduce-scattering the bf16 cotangents in f32: each device's grad
+    is the f32 sum of the 8 cotangent blocks (bf16 values, so exact in f32 but for
+    f32's rounding of the sum: 1e-6). Without `cast` the sum is rounded to bf16 (one
+    rounding, 2^-9 relative), which this tolerance tells apart. The compiled
+    reduce-scatter is f32."""
+    mesh, spec = make_mesh((8,)), P("a")
+    rng = np.random.default_rng(7)
+    X = jnp.asarray(rng.normal(size=(8, 4, 6)), jnp.float32)
+    R = jnp.asarray(rng.normal(size=(8, 32, 6)), jnp.bfloat16)  # each device's cotangent
+
+    def f(cast):
+        if many:
+            g = lambda x: collectives.gather_many([x], "a", [0], cast=cast)[0]
+        else:
+            g = lambda x: collectives.gather(x, "a", 0, cast=cast)
+        return jax.shard_map(lambda x: g(x[0])[None], mesh=mesh, in_specs=spec,
+                             out_specs=spec)
+
+    cast_f = f(jnp.bfloat16)
+    plain = jax.shard_map(lambda x: collectives.gather(x[0].astype(jnp.bfloat16), "a", 0)[None],
+                          mesh=mesh, in_specs=spec, out_specs=spec)
+    got = jax.jit(cast_f)(X)
+    assert got.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(got, np.float32),
+                                  np.asarray(jax.jit(plain)(X), np.float32))
+    loss = lambda g: lambda x: jnp.sum((g(x) * R).astype(jnp.float32))
+    grad = jax.jit(jax.grad(loss(cast_f)))(X)
+    assert grad.dtype == jnp.float32
+    # device d's grad: rows 4d..4d+3 of every device's cotangent, summed
+    want = np.sum(np.asarray(R, np.float64), axis=0).reshape(8, 4, 6)
+    np.testing.assert_allclose(np.asarray(grad), want, rtol=1e-6, atol=1e-6)
+    rounded = np.asarray(jax.jit(jax.grad(loss(plain)))(X))
+    assert np.max(np.abs(rounded - want)) > 1e-4  # the bf16 reduce rounds: told apart
+    hlo = jax.jit(jax.grad(loss(cast_f))).lower(X).compile().as_text()
+    reduced = re.search(r"= (\w+)\[[\d,]*\]\S* reduce-scatter(?:-start)?\(", hlo).group(1)
+    assert reduced == "f32", reduced
+
+
 def test_gather_many_without_an_axis_returns_its_inputs():
     xs = [jnp.arange(6.0).reshape(2, 3), jnp.arange(4.0)]
     for got, want in zip(collectives.gather_many(xs, None, [0, 0]), xs):
