@@ -74,6 +74,11 @@ class ParallelConfig:
               of N/(pp·V) layers per device, device s running chunks s, s+pp, ...
               (circular, GPipe order: V·M chunk inputs stashed).
     pp_virtual: the chunks per device of the interleaved schedule (1 otherwise).
+    grad_reduce: the dtype fsdp reduce-scatters weight grads in (zero 2 and 3): compute =
+              the compute dtype the weights were gathered in (half the bytes of f32);
+              f32 = the params' (the cotangent cast back before the reduce-scatter),
+              as PyTorch FSDP's mixed precision in torchtitan and llm-foundry
+              (reduce_dtype float32). dp and zero 1 all-reduce grads in f32 either way.
     """
 
     zero: int = 3
@@ -83,6 +88,7 @@ class ParallelConfig:
     microbatches: int = 1
     pp_schedule: str = "1f1b"
     pp_virtual: int = 1
+    grad_reduce: str = "compute"
 
 
 def model_config(preset: str, **overrides) -> ModelConfig:

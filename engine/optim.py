@@ -145,13 +145,19 @@ class Resident:
     whole: jax.Array
     axis: str
 
-    def gather(self, dim: int, dtype=None) -> jax.Array:
+    def gather(self, dim: int, dtype=None, grad_reduce: str = "compute") -> jax.Array:
         """`whole`, typed per-device like `collectives.gather(shard)`'s result, with no
         bytes moved; the backward reduce-scatters the cotangent onto `shard` over `axis`
-        along `dim`, as the transpose of that gather would. Both cast to `dtype` first."""
-        shard, whole = ((self.shard, self.whole) if dtype is None
-                        else (self.shard.astype(dtype), self.whole.astype(dtype)))
-        return _resident_gather(self.axis, dim)(shard, whole)
+        along `dim`, as the transpose of that gather would. Both cast to `dtype` first;
+        grad_reduce "f32": only `whole`, the cotangent cast back to the shard's f32
+        before the reduce-scatter (`layers.axes.Axes.grad_reduce`)."""
+        if dtype is None:
+            shard, whole = self.shard, self.whole
+        elif grad_reduce == "f32":
+            shard, whole = self.shard, self.whole.astype(dtype)
+        else:
+            shard, whole = self.shard.astype(dtype), self.whole.astype(dtype)
+        return _resident_gather(self.axis, dim, shard.dtype)(shard, whole)
 
 
 def _mark_like(shard, whole):
@@ -159,12 +165,16 @@ def _mark_like(shard, whole):
 
 
 @functools.cache
-def _resident_gather(axis: str, dim: int):
-    """custom_vjp (shard, whole) -> whole; cotangent -> reduce_scatter onto the shard
-    (`whole` is a constant of the step: its cotangent is zero)."""
+def _resident_gather(axis: str, dim: int, dtype):
+    """custom_vjp (shard, whole) -> whole; cotangent -> reduce_scatter onto the shard,
+    in the shard's `dtype` (`whole` is a constant of the step: its cotangent is zero)."""
+    def reduce(ct):
+        return collectives.reduce_scatter(ct if ct.dtype == dtype else ct.astype(dtype),
+                                          axis, dim)
+
     gather = jax.custom_vjp(_mark_like)
     gather.defvjp(lambda shard, whole: (_mark_like(shard, whole), None),
-                  lambda _, ct: (collectives.reduce_scatter(ct, axis, dim), None))
+                  lambda _, ct: (reduce(ct), None))
     return gather
 
 
@@ -174,6 +184,6 @@ class ResidentWeights:
     weight the param table shards over fsdp is a `Resident`, whose `gather` returns the
     stored whole without moving bytes; the others (norm scales) pass through in f32."""
 
-    def __call__(self, p: dict, fsdp_dims, axis, dtype) -> dict:
-        return {name: w if fsdp_dims[name] is None else w.gather(fsdp_dims[name], dtype)
-                for name, w in p.items()}
+    def __call__(self, p: dict, fsdp_dims, axis, dtype, grad_reduce: str = "compute") -> dict:
+        return {name: w if fsdp_dims[name] is None
+                else w.gather(fsdp_dims[name], dtype, grad_reduce) for name, w in p.items()}

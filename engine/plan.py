@@ -34,7 +34,7 @@ import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 
-from engine.config import ConfigError, TrainConfig
+from engine.config import ConfigError, ParallelConfig, TrainConfig
 from engine.layout import AXIS_ROLES
 from engine.plan_space import (  # noqa: F401  (the candidate space, as engine.plan's)
     SHARED_TRACE, SWITCHES, Candidate, Switch, accumulated, candidates, degree,
@@ -321,17 +321,19 @@ def refine(ranked: list, tcfg: TrainConfig, hw, n: int, devices,
 def plan(cfg: ModelConfig, tcfg: TrainConfig, n: int, hw, hbm_bytes: float | None = None,
          pinned: dict | None = None, workers: int = 1, names: tuple[str, ...] = AXIS_ROLES,
          limits: dict | None = None, executor=None, progress=None, devices=None,
-         within: float = REFINE_WITHIN, say=None) -> Plan:
+         within: float = REFINE_WITHIN, say=None,
+         base: ParallelConfig = ParallelConfig()) -> Plan:
     """Enumerate (`candidates`), validate, check memory, trace and price each program
     once (`price`), rank by predicted step. A candidate without pp over memory is
     priced at the fewest of 2, 4, ... microbatches that fit while they divide its batch
     (`price`'s `grow`). On a shared host (the cpu profile) with `devices` (at least n
     of them), the candidates within `within` of the first are priced again with their
-    matmuls timed on those devices (`refine`; `say` gets one line before it)."""
+    matmuls timed on those devices (`refine`; `say` gets one line before it). `base`:
+    the ParallelConfig fields that are not the plan's switches (grad_reduce)."""
     from engine.cost import fit
 
     t0 = time.perf_counter()
-    ok, refused = candidates(cfg, tcfg, n, pinned, names, limits)
+    ok, refused = candidates(cfg, tcfg, n, pinned, names, limits, base)
     capacity = fit.capacity(hw, n, hbm_bytes)
     ranked, over, programs, cached, workers = price(ok, tcfg, hw, n, capacity, workers,
                                                     executor, progress, grow=True)
@@ -380,11 +382,12 @@ DEVICE_KINDS = {"h100": "h100", "a100": "a100", "v5 lite": "v5e", "v5e": "v5e", 
                 "v4": "v4"}
 
 
-def auto(cfg: ModelConfig, tcfg: TrainConfig, say=print):
+def auto(cfg: ModelConfig, tcfg: TrainConfig, say=print,
+         base: ParallelConfig = ParallelConfig()):
     """`--layout auto`: plan for every device jax finds (the cpu profile on the host,
     else the profile of the accelerator's kind) and return the first choice as (model
     config with its remat, ParallelConfig, Layout); raises ConfigError (one line) when
-    nothing fits or the accelerator has no profile."""
+    nothing fits or the accelerator has no profile. base: as `plan`'s."""
     import jax
 
     devices = jax.devices()
@@ -397,7 +400,7 @@ def auto(cfg: ModelConfig, tcfg: TrainConfig, say=print):
                           f"name a layout")
     hw = hardware_profile(name, None, say)
     result = plan(cfg, tcfg, len(devices), hw, workers=os.cpu_count() or 1,
-                  progress=progress_line(say), devices=devices, say=say)
+                  progress=progress_line(say), devices=devices, say=say, base=base)
     if not result.ranked:
         raise ConfigError(no_plan_message(result, len(devices)))
     best = result.ranked[0]
@@ -433,6 +436,9 @@ def build_parser():
                    help="on the cpu, price again the candidates predicted within F of the "
                         "first (0.15 = 15%%) with their matmuls timed on this host's "
                         "devices; 0 = one matmul rate for every candidate")
+    g.add_argument("--grad-reduce", default="compute", choices=("compute", "f32"),
+                   help="the dtype every candidate's fsdp grad reduce-scatters run in "
+                        "(python -m engine.train --help)")
     g.add_argument("--axes", default=",".join(AXIS_ROLES),
                    help="the roles a layout may use, comma-separated (default: every role)")
     g.add_argument("--max", default="", metavar="ROLE=SIZE,...",
@@ -517,7 +523,8 @@ def main(argv=None) -> int:
         say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
         result = plan(cfg, tcfg, mine.devices, hw, mine.hbm_gib and mine.hbm_gib * 2**30,
                       pinned, mine.workers, names, limits, progress=progress_line(say),
-                      devices=host_devices(mine, say), within=mine.refine, say=say)
+                      devices=host_devices(mine, say), within=mine.refine, say=say,
+                      base=ParallelConfig(grad_reduce=mine.grad_reduce))
         if not result.ranked:
             raise ConfigError(no_plan_message(result, mine.devices))
     except (UsageError, ConfigError) as e:

@@ -52,7 +52,8 @@ class Trainer:
         self.cfg, self.tcfg, self.layout, self.mesh = cfg, tcfg, layout, mesh
         self.parallel = parallel
         self.axes = layout.role_axes(tp_comm=collectives.TP_COMMS[parallel.tp_comm],
-                                     cp_comm=parallel.cp_comm, prefetch=parallel.prefetch)
+                                     cp_comm=parallel.cp_comm, prefetch=parallel.prefetch,
+                                     grad_reduce=parallel.grad_reduce)
         self.zero = zero.level(parallel.zero, self.axes.fsdp)
         self.shard_specs = param_specs(cfg, layout)  # sharded over fsdp as the table says
         self.specs = self.zero.storage_specs(self.shard_specs, self.axes.fsdp)  # between steps

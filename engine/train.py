@@ -108,6 +108,11 @@ def build_parser(prog: str = "python -m engine.train", description: str | None =
     x.add_argument("--zero", type=int, default=3, choices=ZERO,
                    help="on the fsdp axis: 1 shards optimizer state, 2 also grads, 3 also "
                         "params (gathered per layer inside the scan)")
+    x.add_argument("--grad-reduce", default="compute", choices=("compute", "f32"),
+                   help="zero 2 and 3: the dtype fsdp reduce-scatters weight grads in: "
+                        "compute = the compute dtype the weights were gathered in; f32 = "
+                        "the params' (twice the bytes; as PyTorch FSDP's mixed precision "
+                        "by default)")
     x.add_argument("--microbatches", type=int, default=1,
                    help="split each device's batch into M microbatches and accumulate "
                         "their grads before one optimizer update")
@@ -182,7 +187,8 @@ def parse(argv, parser: argparse.ArgumentParser | None = None, auto: bool = Fals
                        warmup=args.warmup, seed=args.seed)
     parallel = ParallelConfig(zero=args.zero, prefetch=args.prefetch, tp_comm=args.tp_comm,
                               cp_comm=args.cp_comm, microbatches=args.microbatches,
-                              pp_schedule=args.pp_schedule, pp_virtual=args.pp_virtual)
+                              pp_schedule=args.pp_schedule, pp_virtual=args.pp_virtual,
+                              grad_reduce=args.grad_reduce)
     problems = validate.config_problems(cfg, tcfg, parallel) + _flag_problems(args, cfg, tcfg)
     if problems:
         raise UsageError("; ".join(problems))
@@ -440,7 +446,8 @@ def main(argv=None) -> int:
             from engine import plan
 
             force_host_devices(plan.AUTO_HOST_DEVICES)
-            cfg, parallel, layout = plan.auto(cfg, tcfg)
+            cfg, parallel, layout = plan.auto(
+                cfg, tcfg, base=ParallelConfig(grad_reduce=parallel.grad_reduce))
         force_host_devices(layout.size // distributed.process_count(args))
         return run(cfg, tcfg, parallel, layout, args)
     except (UsageError, ConfigError, DataError) as e:

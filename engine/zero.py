@@ -136,7 +136,8 @@ class Zero2(_Replicated):
             if name.startswith("['blocks']"):
                 return resident
             with jax.named_scope(scopes.EMBED if name == "['embed']" else scopes.LOSS):
-                return resident.gather(dim, dtype if name == "['unembed']" else None)
+                return resident.gather(dim, dtype if name == "['unembed']" else None,
+                                       axes.grad_reduce)
 
         return diff, lambda shards: jax.tree_util.tree_map_with_path(one, shards, params,
                                                                      shard_specs)

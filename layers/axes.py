@@ -15,18 +15,24 @@ from engine.roles import data_roles, roles_sharding
 class GatherWeights:
     """How a layer's weights are made whole (ZeRO-3): every weight the param table
     shards over fsdp is cast to the compute dtype and all-gathered over fsdp, all in one
-    collective (`collectives.gather_many`; its backward is one reduce-scatter). Weights
-    not sharded over fsdp (norm scales) pass through in f32. pack: the gather's 2-byte
-    packing (`collectives.widens_2byte` of the mesh)."""
+    collective (`collectives.gather_many`; its backward is one reduce-scatter, in the
+    compute dtype, or in the params' f32 when grad_reduce is "f32"). Weights not sharded
+    over fsdp (norm scales) pass through in f32. pack: the gather's 2-byte packing
+    (`collectives.widens_2byte` of the mesh)."""
 
     pack: bool = True
 
     def __call__(self, p: dict, fsdp_dims: Mapping[str, int | None], axis: str | None,
-                 dtype) -> dict:
+                 dtype, grad_reduce: str = "compute") -> dict:
         out = dict(p)
         sharded = [name for name in p if fsdp_dims[name] is not None]
-        wholes = collectives.gather_many([p[name].astype(dtype) for name in sharded], axis,
-                                         [fsdp_dims[name] for name in sharded], self.pack)
+        dims = [fsdp_dims[name] for name in sharded]
+        if grad_reduce == "f32":
+            wholes = collectives.gather_many([p[name] for name in sharded], axis, dims,
+                                             self.pack, cast=dtype)
+        else:
+            wholes = collectives.gather_many([p[name].astype(dtype) for name in sharded],
+                                             axis, dims, self.pack)
         out.update(zip(sharded, wholes))
         return out
 
@@ -53,6 +59,9 @@ class Axes:
     weights:  how a layer's weights are made whole (`GatherWeights` for ZeRO-3; ZeRO-2's
               `engine.optim.ResidentWeights`).
     prefetch: gather layer i+1's weights before layer i's compute (layers/block.py).
+    grad_reduce: the dtype fsdp reduce-scatters weight grads in: "compute" (the dtype
+              the weights were gathered in) or "f32" (the params', as PyTorch FSDP's
+              mixed precision does by default: reduce_dtype float32).
     """
 
     dp: str | None = None
@@ -71,6 +80,7 @@ class Axes:
     cp_comm: str = "allgather"
     weights: object = GATHER
     prefetch: bool = False
+    grad_reduce: str = "compute"
 
     @property
     def batch(self) -> tuple[str, ...]:
@@ -106,5 +116,5 @@ class Axes:
 
     def gather_weights(self, p: dict, fsdp_dims: Mapping[str, int | None], dtype) -> dict:
         """One layer's weights, whole, as `weights` makes them."""
-        return self.weights(p, fsdp_dims, self.fsdp, dtype)
+        return self.weights(p, fsdp_dims, self.fsdp, dtype, self.grad_reduce)
 

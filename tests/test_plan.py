@@ -72,6 +72,22 @@ def test_switches_multiply_only_where_they_change_the_program():
     assert {c.remat for _, c in pinned} == {"dots"}
 
 
+def test_candidates_keep_the_grad_reduce_they_are_given():
+    """`--grad-reduce` is not a switch of the plan: every candidate, and every neighbour
+    of one, carries the base's (as `--layout auto` and `python -m engine.plan` pass it)."""
+    from engine.config import ParallelConfig
+    from engine.train import parse
+
+    par = parse(["--layout", "fsdp8", "--model", "tiny", "--grad-reduce", "f32"])[2]
+    assert par.grad_reduce == "f32"
+    cfg, tcfg = model_config("tiny"), TrainConfig(batch=8, seq=32)
+    ok, _ = plan.candidates(cfg, tcfg, 8, base=ParallelConfig(grad_reduce="f32"))
+    assert ok and {c.parallel.grad_reduce for c in ok} == {"f32"}
+    fsdp = next(c for c in ok if c.layout.degree("fsdp") > 1)
+    assert {c.parallel.grad_reduce for c in plan.neighbours(fsdp, tcfg)} == {"f32"}
+    assert {c.parallel.grad_reduce for c in plan.candidates(cfg, tcfg, 8)[0]} == {"compute"}
+
+
 def test_restricted_layouts_are_the_brute_force_ones_within_the_limits():
     def within(text, names, limits):
         lay = Layout.parse(text)
