@@ -48,6 +48,12 @@ runs are PyTorch eager (`submit_benchmarks.py` launches `composer train/train.py
 of its own that reads and writes HBM: those rows are priced unfused (`Run.fused`), each
 op moving its own bytes as on the CPU. Megatron's 2021 runs used its fused kernels
 (bias-GeLU, scale-mask-softmax, layernorm), priced as fused.
+Grads are reduce-scattered as the source reduced them: in f32 (`--grad-reduce f32`) for
+PyTorch FSDP, whose mixed precision both PyTorch sources run with reduce_dtype float32
+(llm-foundry's table: "MP Mode DEFAULT", Composer's `get_mixed_precision`: param_dtype
+bf16, reduce_dtype float32; torchtitan: `mixed_precision_reduce = "float32"`, its only
+choice); MaxText's dtype is not stated (left in the compute dtype); Megatron's rows have
+no fsdp axis (dp all-reduces grads in f32 here either way).
 Gradient accumulation is modelled per microbatch (batch = microbatch x data-parallel
 ranks) where the source's grads are reduced on every microbatch (PyTorch FSDP) or its
 count is not given: the optimizer step, amortized over the microbatches in the source,
@@ -115,6 +121,8 @@ class Run:
     fused: bool = True
     # gradient accumulation the step runs itself (--microbatches), its grads reduced once
     microbatches: int = 1
+    # the dtype fsdp reduce-scatters grads in (--grad-reduce)
+    grad_reduce: str = "compute"
 
     def argv(self) -> list[str]:
         # every source's FSDP issues the next layer's weight gather before the current
@@ -128,7 +136,8 @@ class Run:
                 "--vocab", str(self.vocab), "--seq", str(self.seq), "--batch", str(self.batch),
                 "--layout", self.layout, "--remat", self.remat, "--zero", str(self.zero),
                 "--tp-comm", self.tp_comm, "--attention", self.attention,
-                "--activations", "bf16", "--microbatches", str(self.microbatches)]
+                "--activations", "bf16", "--microbatches", str(self.microbatches),
+                "--grad-reduce", self.grad_reduce]
 
 
 def gelu_match(d: int, tp: int = 1) -> int:
@@ -139,7 +148,8 @@ def gelu_match(d: int, tp: int = 1) -> int:
 def _mpt(name, hw, chips, d, heads, layers, micro, remat, tps, mfu, zero=3, note=""):
     return Run(f"llm-foundry MPT-{name} {chips}x{hw}", hw, chips, layers, d, heads, heads,
                d // heads, gelu_match(d), 50368, 2048, micro * chips, f"fsdp{chips}", remat,
-               zero, tps, "tps", mfu, FOUNDRY, note, kernel="flash2", fused=False)
+               zero, tps, "tps", mfu, FOUNDRY, note, kernel="flash2", fused=False,
+               grad_reduce="f32")
 
 
 def _maxtext(name, hw, chips, scale_dims, micro, layout, remat, tflops, mfu, seq=2048,
@@ -175,7 +185,7 @@ def _titan(name, chips, layers, d, heads, kv, mlp, batch, layout, remat, tps, so
     return Run(f"torchtitan {name} {chips}xh100", "h100-gt", chips, layers, d, heads, kv,
                d // heads, mlp, 128256, 8192, batch, layout, remat, 3, tps, "tps", None,
                source, note, tp_comm="sequence" if "tp" in layout else "allreduce",
-               kernel="flash2")
+               kernel="flash2", grad_reduce="f32")
 
 
 TITAN_NOTE = ("Grand Teton H100 at 500 W with 96 GB HBM2e (2.4 TB/s), below the SXM5 profile; "
