@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench import roofline  # noqa: E402
-from engine import plan, roles, validate  # noqa: E402
+from engine import plan, plan_cli, roles, validate  # noqa: E402
 from engine.config import TrainConfig, model_config  # noqa: E402
 from engine.cost import hardware  # noqa: E402
 from engine.cost.ledger import step_ledger  # noqa: E402
@@ -266,7 +266,7 @@ def test_progress_is_said_only_for_slow_plans():
 @pytest.fixture(scope="module")
 def planned(tmp_path_factory):
     path = tmp_path_factory.mktemp("plan") / "plan.json"
-    assert plan.main(SMALL_PLAN + ["--json", str(path)]) == 0
+    assert plan_cli.main(SMALL_PLAN + ["--json", str(path)]) == 0
     return json.loads(path.read_text())
 
 
@@ -287,7 +287,7 @@ def test_axes_and_max_restrict_the_plan_to_its_part_of_the_space(planned, tmp_pa
     """--axes and --max rank the candidates of the full plan within them, in its order,
     and the JSON and the header say what was searched."""
     path = tmp_path / "part.json"
-    assert plan.main(SMALL_PLAN + ["--axes", "fsdp, dp,tp", "--max", "tp = 1",
+    assert plan_cli.main(SMALL_PLAN + ["--axes", "fsdp, dp,tp", "--max", "tp = 1",
                                    "--json", str(path)]) == 0
     out = capsys.readouterr().out
     assert "axes dp, fsdp, tp <= 1" in out
@@ -409,7 +409,7 @@ def test_refine_prices_the_near_candidates_with_their_timed_matmuls():
 def test_the_cli_plan_on_the_cpu_times_the_first_ones_matmuls(tmp_path, capsys):
     path = tmp_path / "plan.json"
     argv = SMALL_PLAN[:-2] + ["--refine", "0.1", "--json", str(path)]
-    assert plan.main(argv) == 0
+    assert plan_cli.main(argv) == 0
     out = capsys.readouterr().out
     got = json.loads(path.read_text())
     k = got["refined"]
@@ -420,7 +420,7 @@ def test_the_cli_plan_on_the_cpu_times_the_first_ones_matmuls(tmp_path, capsys):
 
 def _one_line_error(capsys, argv, *words):
     try:
-        code = plan.main(argv)
+        code = plan_cli.main(argv)
     except SystemExit as e:
         code = e.code
     out, err = capsys.readouterr()
