@@ -172,7 +172,10 @@ def test_checkpoints_move_between_zero_levels(single, tmp_path):
     assert_tree_close(host(params), single["params"], atol=PARAM_ATOL, what="resumed params ")
 
 
-@pytest.mark.parametrize("remat", ["full", "none", "dots"])
+# none takes the same hand-written backward scan as dots (`block.prefetched_saving`):
+# run by -m slow
+@pytest.mark.parametrize("remat", ["full", pytest.param("none", marks=pytest.mark.slow),
+                                   "dots"])
 def test_prefetch_over_three_layers_matches_the_plain_model(remat):
     """Three layers, so the scan body runs twice and hands a gathered layer through the
     carry (with two it runs once): loss and grads equal the plain model's, under each
