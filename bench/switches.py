@@ -95,7 +95,8 @@ def parse_config(text: str, cfg, parallel) -> tuple:
 
 def label(cfg, parallel) -> str:
     return (f"{parallel.tp_comm} zero{parallel.zero}{' +prefetch' if parallel.prefetch else ''}"
-            f"{'' if cfg.remat == 'full' else f' remat {cfg.remat}'}")
+            f"{'' if cfg.remat == 'full' else f' remat {cfg.remat}'}"
+            f"{'' if parallel.grad_reduce == 'compute' else f' grads {parallel.grad_reduce}'}")
 
 
 def check(cfg, tcfg, parallel, layout) -> None:
