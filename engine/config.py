@@ -45,6 +45,10 @@ class TrainConfig:
     seed: int = 0
 
 
+# the dtypes fsdp may reduce-scatter weight grads in (ParallelConfig.grad_reduce)
+GRAD_REDUCES = ("compute", "f32")
+
+
 @dataclasses.dataclass(frozen=True)
 class ParallelConfig:
     """How the layout's axes are used, apart from the model's shape.

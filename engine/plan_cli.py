@@ -12,7 +12,7 @@ import json
 import os
 import sys
 
-from engine.config import ConfigError, ParallelConfig
+from engine.config import GRAD_REDUCES, ConfigError, ParallelConfig
 from engine.layout import AXIS_ROLES
 from engine.plan import (REFINE_WITHIN, gib, hardware_profile, no_plan_message, plan,
                          progress_line)
@@ -41,7 +41,7 @@ def build_parser():
                    help="on the cpu, price again the candidates predicted within F of the "
                         "first (0.15 = 15%%) with their matmuls timed on this host's "
                         "devices; 0 = one matmul rate for every candidate")
-    g.add_argument("--grad-reduce", default="compute", choices=("compute", "f32"),
+    g.add_argument("--grad-reduce", default="compute", choices=GRAD_REDUCES,
                    help="the dtype every candidate's fsdp grad reduce-scatters run in "
                         "(python -m engine.train --help)")
     g.add_argument("--axes", default=",".join(AXIS_ROLES),

@@ -17,7 +17,8 @@ import time
 
 from collectives.ring import COMMS
 from engine import distributed, profile, roles, validate
-from engine.config import PRESETS, ConfigError, ParallelConfig, TrainConfig, model_config
+from engine.config import (GRAD_REDUCES, PRESETS, ConfigError, ParallelConfig, TrainConfig,
+                           model_config)
 from engine.data import BIN_DTYPES, DataError, data_problems, load_data
 from engine.layout import Layout
 from engine.zero import ZERO
@@ -108,7 +109,7 @@ def build_parser(prog: str = "python -m engine.train", description: str | None =
     x.add_argument("--zero", type=int, default=3, choices=ZERO,
                    help="on the fsdp axis: 1 shards optimizer state, 2 also grads, 3 also "
                         "params (gathered per layer inside the scan)")
-    x.add_argument("--grad-reduce", default="compute", choices=("compute", "f32"),
+    x.add_argument("--grad-reduce", default="compute", choices=GRAD_REDUCES,
                    help="zero 2 and 3: the dtype fsdp reduce-scatters weight grads in: "
                         "compute = the compute dtype the weights were gathered in; f32 = "
                         "the params' (twice the bytes; as PyTorch FSDP's mixed precision "

@@ -15,7 +15,7 @@ import numpy as np
 
 from collectives.ring import COMMS, TP_COMMS
 from engine import roles
-from engine.config import ConfigError, ParallelConfig, TrainConfig
+from engine.config import GRAD_REDUCES, ConfigError, ParallelConfig, TrainConfig
 from engine.pipeline import SCHEDULES
 from engine.zero import ZERO
 from layers.block import REMAT
@@ -52,6 +52,8 @@ def config_problems(cfg: ModelConfig, tcfg: TrainConfig,
         problems.append(f"cp_comm={parallel.cp_comm!r} not one of {list(CP_COMMS)}")
     if parallel.pp_schedule not in SCHEDULES:
         problems.append(f"pp_schedule={parallel.pp_schedule!r} not one of {list(SCHEDULES)}")
+    if parallel.grad_reduce not in GRAD_REDUCES:
+        problems.append(f"grad_reduce={parallel.grad_reduce!r} not one of {list(GRAD_REDUCES)}")
     if parallel.zero not in ZERO:
         problems.append(f"zero={parallel.zero} not one of {list(ZERO)}")
     if parallel.prefetch and parallel.zero != 3:

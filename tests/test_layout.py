@@ -118,6 +118,7 @@ def test_allowed_values_come_from_their_registries():
     (dict(zero=4, tp_comm="bus"), 16,
      ["zero=4 not one of [1, 2, 3]", "tp_comm='bus' not one of ['allreduce', 'sequence', 'ring']"]),
     (dict(zero=2, prefetch=True), 16, ["--prefetch needs --zero 3"]),
+    (dict(grad_reduce="bf16"), 16, ["grad_reduce='bf16' not one of ['compute', 'f32']"]),
 ])
 def test_trainer_refuses_bad_settings_at_construction(parallel, seq, phrases):
     """Refused in one line before anything is traced (no devices used: an abstract
