@@ -64,6 +64,8 @@ def gather(x: jax.Array, axis: AxisNames, dim: int, *, replicated: bool = False,
     reduce-scatter the grad in x's own dtype (the cotangent is cast back first)."""
     names = _names(axis)
     if cast is not None:
+        if replicated:
+            raise ValueError("gather: cast= reduce-scatters the grad, replicated=True has none")
         return (_gather_cast(names, dim, jnp.dtype(cast), x.dtype)(x) if names
                 else x.astype(cast))
     if not names:
