@@ -23,11 +23,16 @@ other candidate's in the same round, the median over the rounds, against the can
 that comes out furthest ahead (`bench.timing.paired_ratio`: a slow spell of the shared
 cores that lasts a round falls on both steps of each ratio; below 1, the first choice
 beat every candidate round by round). On a shared machine the measured steps are noisy;
-compare runs, not single figures.
+compare runs, not single figures. Two measures of that noise close the report (and the
+JSON): `noise`, how far two halves of one candidate's steps disagree
+(`bench.timing.split_half_noise`), and `same_program_gap`, how far apart one program
+measured in two axis orders (fsdp4xtp2 and tp2xfsdp4 are one traced step: their gap is
+the host's), over the fastest steps and round by round (`_paired`).
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import random
@@ -102,6 +107,27 @@ def compiled(cand, tcfg):
     return step, params, opt_state, tokens
 
 
+def same_program_gaps(cands, times) -> tuple[float, float] | None:
+    """How far apart one program measured in two axis orders (`Candidate.program`
+    equal: the same traced step, on devices that share the host's cores, so their gap is
+    the host's noise): the largest, over such pairs among `cands`, of the slower fastest
+    step over the faster, and of the round-by-round ratio (`paired_ratio`, the larger of
+    a/b and b/a), each less 1. None without such a pair."""
+    from bench.timing import paired_ratio
+
+    fastest = paired = None
+    for i, j in itertools.combinations(range(len(cands)), 2):
+        if cands[i].candidate.program != cands[j].candidate.program:
+            continue
+        a, b = min(times[i]), min(times[j])
+        gap = max(a, b) / min(a, b) - 1
+        ratio = paired_ratio(times[i], times[j])
+        both = max(ratio, 1 / ratio) - 1
+        fastest = gap if fastest is None else max(fastest, gap)
+        paired = both if paired is None else max(paired, both)
+    return None if fastest is None else (fastest, paired)
+
+
 def measure(cands, tcfg, steps: int, rounds: int, say=print) -> list[list[float]]:
     """Every candidate's timed step seconds, `rounds` x `steps` of them: each compiled
     and run one untimed warm-up step, then `rounds` round-robin passes that time `steps`
@@ -132,7 +158,7 @@ def main(argv=None) -> int:
     import jax
     from tabulate import tabulate
 
-    from bench.timing import paired_ratio
+    from bench.timing import paired_ratio, split_half_noise
     from engine import plan
 
     if len(jax.devices()) < mine.devices:
@@ -201,12 +227,20 @@ def main(argv=None) -> int:
           f"{chosen[ahead].candidate.describe()} (median of the rounds' ratios; load "
           f"average {load[0]:.1f} before, {load[1]:.1f} after measuring: timings on "
           f"shared cores are noisy)")
+    noise = split_half_noise(times)
+    gaps = same_program_gaps(chosen, times)
+    print(f"noise: two halves of one candidate's steps disagree by up to {100 * noise:.1f}%"
+          + ("" if gaps is None else f"; one program in two axis orders measured up to "
+             f"{100 * gaps[0]:.1f}% apart (fastest steps), {100 * gaps[1]:.1f}% round by "
+             f"round"))
     if mine.json:
         Path(mine.json).write_text(json.dumps({
             "spearman": rho, "spearman_without_pp": rho_flat, "auto_vs_best": auto_vs_best,
             "auto_vs_best_median": median_vs_best, "auto_vs_best_paired": paired,
             "paired_against": chosen[ahead].candidate.describe(), "hardware_source": hw.source,
             "timed_steps": mine.timed_steps, "rounds": mine.rounds, "load_average": load,
+            "noise": noise, "same_program_gap": None if gaps is None else gaps[0],
+            "same_program_gap_paired": None if gaps is None else gaps[1],
             "candidates": [dict(p.record(), measured_step_s=m, median_step_s=med,
                                 step_times_s=t, predicted_rank=float(a),
                                 measured_rank=float(b))

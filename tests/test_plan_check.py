@@ -26,6 +26,23 @@ def test_plan_check_spearman_matches_the_textbook_formula():
     assert list(plan_check.ranks([2.0, 1.0, 2.0])) == [2.5, 1.0, 2.5]
 
 
+def test_same_program_gaps_compare_only_one_program_in_two_orders():
+    from types import SimpleNamespace
+
+    from bench import plan_check
+
+    cand = lambda program: SimpleNamespace(candidate=SimpleNamespace(program=program))
+    cands = [cand("p"), cand("q"), cand("p"), cand("q"), cand("r")]
+    times = [[2.0, 2.2], [1.0, 1.0], [2.1, 2.3], [1.0, 1.25], [9.0, 0.5]]
+    fastest, paired = plan_check.same_program_gaps(cands, times)
+    # p: fastest 2.0 vs 2.1 (5%), rounds 2.0/2.1 and 2.2/2.3; q: fastest 1.0 vs 1.0, rounds
+    # 1.0/1.0 and 1.0/1.25, median 0.9, so 1/0.9 - 1; r has no second order, however far
+    # its steps are from the others'
+    assert fastest == pytest.approx(0.05)
+    assert paired == pytest.approx(1 / 0.9 - 1)
+    assert plan_check.same_program_gaps(cands[:2], times[:2]) is None
+
+
 def test_plan_check_times_single_steps_round_robin_after_a_warm_up(monkeypatch):
     from types import SimpleNamespace
 
