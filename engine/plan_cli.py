@@ -141,8 +141,10 @@ def main(argv=None) -> int:
     total = len(result.ranked) + len(result.over)
     space = "" if names == AXIS_ROLES and not limits else "; axes " + ", ".join(
         f"{r} <= {limits[r]}" if r in limits else r for r in names)
+    grads = "" if mine.grad_reduce == "compute" else f"; grads reduced in {mine.grad_reduce}"
     print(f"hardware {hw.name} ({hw.source}); model {mine.model}, seq {tcfg.seq}, batch "
-          f"{tcfg.batch}; {mine.devices} devices, {gib(result.capacity)} per device{space}")
+          f"{tcfg.batch}; {mine.devices} devices, {gib(result.capacity)} per device{space}"
+          f"{grads}")
     print(f"priced {total} candidates ({result.programs} distinct programs: "
           f"{result.programs - result.cached} traced with {result.workers} worker(s), "
           f"{result.cached} from the ledger cache) in {result.seconds:.1f} s; {len(result.refused)} "
@@ -163,7 +165,7 @@ def main(argv=None) -> int:
                        "priced": total, "programs": result.programs,
                        "programs_cached": result.cached,
                        "refused": len(result.refused), "over_memory": len(result.over),
-                       "refined": result.refined,
+                       "refined": result.refined, "grad_reduce": mine.grad_reduce,
                        "seconds": result.seconds, "axes": list(names), "max": limits,
                        "candidates": [p.record() for p in result.ranked]}, f, indent=1)
     return 0

@@ -281,6 +281,7 @@ def test_json_holds_the_ranked_candidates(planned):
         assert set(c["flags"]) == {s.name for s in plan.SWITCHES}
     steps = [c["predicted_step_s"] for c in cands]
     assert steps == sorted(steps) and all(s > 0 for s in steps)
+    assert planned["grad_reduce"] == "compute"  # every candidate's (not a switch)
 
 
 def test_axes_and_max_restrict_the_plan_to_its_part_of_the_space(planned, tmp_path, capsys):
