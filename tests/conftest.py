@@ -19,3 +19,15 @@ os.environ["XLA_FLAGS"] = flags.strip()
 import jax  # noqa: E402
 
 assert len(jax.devices()) >= 8, "tests need 8 devices; XLA_FLAGS was set too late"
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def own_ledger_cache(tmp_path_factory):
+    """The planner's ledger cache in a directory of the requesting module, not the
+    user's (tests/test_plan.py, tests/test_plan_cli.py)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SHARDWISE_LEDGER_CACHE", str(tmp_path_factory.mktemp("ledgers")))
+        yield

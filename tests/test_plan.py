@@ -1,12 +1,10 @@
 """The planner (engine/plan.py): it enumerates every layout, never ranks what
-engine.validate refuses or what does not fit, ranks by the same prediction as
-`bench/roofline.py --predict-only`, and `--layout auto` trains with its choice."""
+engine.validate refuses or what does not fit, prices as the cost model does (in worker
+processes, from the ledger cache, with `refine`'s timed matmuls). Its command lines:
+tests/test_plan_cli.py."""
 import dataclasses
 import itertools
-import json
 import math
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -15,25 +13,14 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench import roofline  # noqa: E402
-from engine import plan, plan_cli, roles, validate  # noqa: E402
+from engine import plan, roles, validate  # noqa: E402
 from engine.config import TrainConfig, model_config  # noqa: E402
 from engine.cost import hardware  # noqa: E402
 from engine.cost.ledger import step_ledger  # noqa: E402
 from engine.cost.price import predict  # noqa: E402
 from engine.layout import Layout  # noqa: E402
 
-# one matmul rate for every candidate, as `bench/roofline.py --predict-only` prices
-SMALL_PLAN = ["--devices", "2", "--model", "tiny", "--seq", "32", "--batch", "4",
-              "--remat", "full", "--workers", "1", "--refine", "0"]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def own_ledger_cache(tmp_path_factory):
-    """The planner's ledger cache in a directory of this module, not the user's."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("SHARDWISE_LEDGER_CACHE", str(tmp_path_factory.mktemp("ledgers")))
-        yield
+pytestmark = pytest.mark.usefixtures("own_ledger_cache")
 
 
 def _brute_force_layouts(n: int) -> set[str]:
@@ -263,41 +250,6 @@ def test_progress_is_said_only_for_slow_plans():
     assert said[-1] == "planning: 4/6 programs priced (30 s, about 15 s left)"
 
 
-@pytest.fixture(scope="module")
-def planned(tmp_path_factory):
-    path = tmp_path_factory.mktemp("plan") / "plan.json"
-    assert plan_cli.main(SMALL_PLAN + ["--json", str(path)]) == 0
-    return json.loads(path.read_text())
-
-
-def test_json_holds_the_ranked_candidates(planned):
-    cands = planned["candidates"]
-    # 2 devices: dp2 (1), fsdp2 (zero 1, 2, 3, 3 + prefetch), tp2 (3 tp-comms),
-    # cp2 (2 cp-comms), remat pinned
-    assert len(cands) == 1 + 4 + 3 + 2
-    for c in cands:
-        assert {"layout", "flags", "predicted_step_s", "predicted_mfu",
-                "predicted_peak_bytes"} <= set(c)
-        assert set(c["flags"]) == {s.name for s in plan.SWITCHES}
-    steps = [c["predicted_step_s"] for c in cands]
-    assert steps == sorted(steps) and all(s > 0 for s in steps)
-    assert planned["grad_reduce"] == "compute"  # every candidate's (not a switch)
-
-
-def test_axes_and_max_restrict_the_plan_to_its_part_of_the_space(planned, tmp_path, capsys):
-    """--axes and --max rank the candidates of the full plan within them, in its order,
-    and the JSON and the header say what was searched."""
-    path = tmp_path / "part.json"
-    assert plan_cli.main(SMALL_PLAN + ["--axes", "fsdp, dp,tp", "--max", "tp = 1",
-                                   "--json", str(path)]) == 0
-    out = capsys.readouterr().out
-    assert "axes dp, fsdp, tp <= 1" in out
-    part = json.loads(path.read_text())
-    assert part["axes"] == ["dp", "fsdp", "tp"] and part["max"] == {"tp": 1}
-    want = [c for c in planned["candidates"] if c["layout"] in ("dp2", "fsdp2")]
-    assert len(want) == 1 + 4 and part["candidates"] == want
-
-
 def test_the_reason_line_skips_the_first_choice_in_another_order():
     """With one link tier the orders of a layout price alike: the line says why the first
     choice beats the next other program, not itself with its axes swapped."""
@@ -354,19 +306,6 @@ def test_worker_processes_price_as_this_process_does():
         [(c.describe(), peak) for c, peak in grown_here.over]
 
 
-def test_first_choice_is_the_roofline_prediction(planned, tmp_path, capsys):
-    first = planned["candidates"][0]
-    argv = ["--predict-only", "--model", "tiny", "--seq", "32", "--batch", "4",
-            "--layout", first["layout"]]
-    for name, value in first["flags"].items():
-        flag = "--" + name.replace("_", "-")
-        argv += ([flag] if value else []) if isinstance(value, bool) else [flag, str(value)]
-    out = tmp_path / "roofline.json"
-    assert roofline.main(argv + ["--json", str(out)]) == 0
-    capsys.readouterr()
-    assert json.loads(out.read_text())["predicted_step_s"] == first["predicted_step_s"]
-
-
 def test_refine_prices_the_near_candidates_with_their_timed_matmuls():
     """`refine` prices again, with `time_dots`' seconds for their matmuls, exactly the
     candidates within `within` of the first: each as the roofline's prediction with
@@ -407,49 +346,6 @@ def test_refine_prices_the_near_candidates_with_their_timed_matmuls():
     assert again[k:] == ranked[k:]
 
 
-def test_the_cli_plan_on_the_cpu_times_the_first_ones_matmuls(tmp_path, capsys):
-    path = tmp_path / "plan.json"
-    argv = SMALL_PLAN[:-2] + ["--refine", "0.1", "--json", str(path)]
-    assert plan_cli.main(argv) == 0
-    out = capsys.readouterr().out
-    got = json.loads(path.read_text())
-    k = got["refined"]
-    assert k >= 1 and f"the first {k} priced again with their matmuls timed" in out
-    flags = [c["dots_timed"] for c in got["candidates"]]
-    assert flags == [True] * k + [False] * (len(flags) - k)
-
-
-def _one_line_error(capsys, argv, *words):
-    try:
-        code = plan_cli.main(argv)
-    except SystemExit as e:
-        code = e.code
-    out, err = capsys.readouterr()
-    assert code == 2, (out, err)
-    assert err.startswith("error: ") and err.count("\n") == 1, err
-    assert "Traceback" not in err and "layout" not in out
-    for w in words:
-        assert w in err, err
-
-
-def test_what_cannot_fit_is_one_line(capsys):
-    _one_line_error(capsys, SMALL_PLAN + ["--hbm-gib", "0.0001"], "fits", "peak")
-
-
-def test_bad_flags_are_one_line(capsys):
-    _one_line_error(capsys, ["--devices", "0", "--model", "tiny"], "devices=0")
-    _one_line_error(capsys, SMALL_PLAN + ["--hbm-gib", "-1"], "hbm_gib")
-    _one_line_error(capsys, SMALL_PLAN + ["--top", "0"], "top=0")
-    _one_line_error(capsys, SMALL_PLAN + ["--refine", "-0.1"], "refine=-0.1")
-    _one_line_error(capsys, ["--model", "tiny"], "devices")
-    _one_line_error(capsys, SMALL_PLAN + ["--axes", "fsdp,sp"], "unknown role 'sp'")
-    _one_line_error(capsys, SMALL_PLAN + ["--axes", ","], "no role")
-    _one_line_error(capsys, SMALL_PLAN + ["--max", "tp=0"], "--max 'tp=0'")
-    _one_line_error(capsys, SMALL_PLAN + ["--max", "tp"], "--max 'tp'")
-    _one_line_error(capsys, ["--devices", "3", "--model", "tiny", "--seq", "32",
-                             "--batch", "4", "--workers", "1"], "can run")
-
-
 @pytest.mark.slow
 def test_over_memory_candidates_are_dropped():
     cfg, tcfg = model_config("tiny"), TrainConfig(batch=4, seq=32)
@@ -462,39 +358,6 @@ def test_over_memory_candidates_are_dropped():
     assert all(p.peak_bytes <= cut for p in part.ranked)
     assert all(peak > cut for _, peak in part.over)
     assert len(part.ranked) + len(part.over) == len(full.ranked)
-
-
-@pytest.mark.slow
-def test_layout_auto_trains_with_the_first_choice():
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
-           "PYTHONPATH": str(ROOT)}
-    args = ["--model", "tiny", "--seq", "32", "--batch", "4"]
-    run = subprocess.run([sys.executable, "-m", "engine.train", "--layout", "auto",
-                          "--steps", "1", *args], cwd=ROOT, env=env, capture_output=True,
-                         text=True, timeout=900)
-    assert run.returncode == 0, run.stderr
-    cfg, tcfg = model_config("tiny"), TrainConfig(batch=4, seq=32)
-    # the host's timings rank the candidates near the first at the one matmul rate
-    ranked = plan.plan(cfg, tcfg, 2, plan.hardware_profile("cpu", say=lambda s: None)).ranked
-    near = {p.candidate.describe(): p.candidate for p in ranked
-            if p.step_s <= (1 + plan.REFINE_WITHIN) * ranked[0].step_s}
-    lines = run.stdout.splitlines()
-    chosen = next(line for line in lines if line.startswith("layout auto: "))
-    name = chosen.removeprefix("layout auto: ").partition(", predicted")[0]
-    assert name in near and ", its matmuls timed here," in chosen, chosen
-    first = near[name]
-    header = next(line for line in lines if line.startswith(f"layout {first.layout} on 2 cpu"))
-    assert f"remat {first.cfg.remat}," in header
-    assert any(line.startswith("step     1/1 | loss") for line in lines), run.stdout
-
-
-def test_layout_auto_with_several_processes_is_one_line():
-    run = subprocess.run([sys.executable, "-m", "engine.train", "--layout", "auto",
-                          "--model", "tiny", "--num-processes", "2", "--process-id", "0",
-                          "--coordinator", "localhost:1234"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=120)
-    assert run.returncode == 2 and run.stderr.count("\n") == 1, run.stderr
-    assert "--layout auto plans for the devices of one process" in run.stderr
 
 
 def test_ledger_cache_returns_what_a_trace_gives(tmp_path, monkeypatch):
