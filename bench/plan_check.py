@@ -115,17 +115,13 @@ def same_program_gaps(cands, times) -> tuple[float, float] | None:
     a/b and b/a), each less 1. None without such a pair."""
     from bench.timing import paired_ratio
 
-    fastest = paired = None
-    for i, j in itertools.combinations(range(len(cands)), 2):
-        if cands[i].candidate.program != cands[j].candidate.program:
-            continue
-        a, b = min(times[i]), min(times[j])
-        gap = max(a, b) / min(a, b) - 1
-        ratio = paired_ratio(times[i], times[j])
-        both = max(ratio, 1 / ratio) - 1
-        fastest = gap if fastest is None else max(fastest, gap)
-        paired = both if paired is None else max(paired, both)
-    return None if fastest is None else (fastest, paired)
+    pairs = [(times[i], times[j]) for i, j in itertools.combinations(range(len(cands)), 2)
+             if cands[i].candidate.program == cands[j].candidate.program]
+    if not pairs:
+        return None
+    spread = lambda r: max(r, 1 / r) - 1  # noqa: E731
+    return (max(spread(min(a) / min(b)) for a, b in pairs),
+            max(spread(paired_ratio(a, b)) for a, b in pairs))
 
 
 def measure(cands, tcfg, steps: int, rounds: int, say=print) -> list[list[float]]:
