@@ -54,18 +54,21 @@ def axis_index(axis: AxisNames) -> jax.Array:
 
 
 def gather(x: jax.Array, axis: AxisNames, dim: int, *, replicated: bool = False,
-           cast=None) -> jax.Array:
+           cast=None, keep_grad_dtype: bool = False) -> jax.Array:
     """All-gather: `[.., X_axis, ..] -> [.., X, ..]` along `dim`; transpose is reduce_scatter.
 
     The result stays typed per-device (so its grad is a reduce-scatter); `replicated=True`
     types it as the same on every device of `axis`, for values returned or compared as
-    replicated (its transpose is then a slice, not a reduce-scatter). cast (not with
-    `replicated`): gather x cast to this dtype, as `gather(x.astype(cast))` does, but
-    reduce-scatter the grad in x's own dtype (the cotangent is cast back first)."""
+    replicated (its transpose is then a slice, not a reduce-scatter). cast: gather
+    `x.astype(cast)`; with `keep_grad_dtype` (not with `replicated`) the transpose
+    casts the cotangent back to x's own dtype and reduce-scatters it there."""
     names = _names(axis)
+    if cast is not None and not keep_grad_dtype:
+        x, cast = x.astype(cast), None
     if cast is not None:
         if replicated:
-            raise ValueError("gather: cast= reduce-scatters the grad, replicated=True has none")
+            raise ValueError("gather: keep_grad_dtype reduce-scatters the grad, "
+                             "replicated=True has none")
         return (_gather_cast(names, dim, jnp.dtype(cast), x.dtype)(x) if names
                 else x.astype(cast))
     if not names:
@@ -90,7 +93,7 @@ def _gather_cast(names: tuple[str, ...], dim: int, cast, dtype):
 
 
 def gather_many(xs: Sequence[jax.Array], axis: AxisNames, dims: Sequence[int],
-                pack: bool = True, cast=None) -> list:
+                pack: bool = True, cast=None, keep_grad_dtype: bool = False) -> list:
     """`[gather(x, axis, dim) for x, dim in zip(xs, dims)]` as ONE all-gather.
 
     Each `[.., X_axis, ..]` is laid out with its gathered dim first and flattened; the
@@ -100,10 +103,13 @@ def gather_many(xs: Sequence[jax.Array], axis: AxisNames, dims: Sequence[int],
     the copies around it move the same bytes once more, on the device. Its transpose is
     one reduce-scatter of the concatenated grads. All xs must share a dtype. pack: 2-byte
     dtypes travel as uint32 pairs (`_gather_packed`), for a backend that widens 2-byte
-    collectives (`widens_2byte`). cast: the buffer is cast to this dtype just before the
-    all-gather, and the transpose casts the grads back to xs' dtype before its
-    reduce-scatter (grads reduced in the params' precision, gathered in the compute
-    dtype); None: both in xs' dtype."""
+    collectives (`widens_2byte`). cast: gather the xs cast to this dtype (each cast
+    before the concatenation); with `keep_grad_dtype` the buffer is cast just before
+    the all-gather instead, and the transpose casts the grads back to xs' dtype before
+    its reduce-scatter (grads reduced in the params' precision, gathered in the
+    compute dtype)."""
+    if cast is not None and not keep_grad_dtype:
+        xs, cast = [x.astype(cast) for x in xs], None
     names = _names(axis)
     if not names:
         return list(xs) if cast is None else [x.astype(cast) for x in xs]

@@ -26,13 +26,9 @@ class GatherWeights:
                  dtype, grad_reduce: str = "compute") -> dict:
         out = dict(p)
         sharded = [name for name in p if fsdp_dims[name] is not None]
-        dims = [fsdp_dims[name] for name in sharded]
-        if grad_reduce == "f32":
-            wholes = collectives.gather_many([p[name] for name in sharded], axis, dims,
-                                             self.pack, cast=dtype)
-        else:
-            wholes = collectives.gather_many([p[name].astype(dtype) for name in sharded],
-                                             axis, dims, self.pack)
+        wholes = collectives.gather_many([p[name] for name in sharded], axis,
+                                         [fsdp_dims[name] for name in sharded], self.pack,
+                                         cast=dtype, keep_grad_dtype=grad_reduce == "f32")
         out.update(zip(sharded, wholes))
         return out
 

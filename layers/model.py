@@ -49,12 +49,9 @@ def head(params: dict, x_BLD: jax.Array, fsdp_dims: Mapping, cfg: ModelConfig,
     # all-reduced by the broadcast's bwd (allreduce: x replicated, nothing to reduce)
     h_BLD = rms_norm(x_BLD, collectives.broadcast(params["final_norm"], axes.seq_tp),
                      cfg.norm_eps)
-    if axes.grad_reduce == "f32":  # gathered in the compute dtype, its grad reduced in f32
-        unembed_DV = collectives.gather(params["unembed"], axes.fsdp, dim=fsdp_dims["unembed"],
-                                        cast=cfg.compute_dtype)
-    else:
-        unembed_DV = collectives.gather(params["unembed"].astype(cfg.compute_dtype),
-                                        axes.fsdp, dim=fsdp_dims["unembed"])
+    unembed_DV = collectives.gather(params["unembed"], axes.fsdp, dim=fsdp_dims["unembed"],
+                                    cast=cfg.compute_dtype,
+                                    keep_grad_dtype=axes.grad_reduce == "f32")
     return h_BLD, unembed_DV
 
 

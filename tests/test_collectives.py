@@ -290,10 +290,10 @@ def test_gather_many_is_each_gather(shape, axis, dtype, pack):
 
 @pytest.mark.parametrize("many", [False, True], ids=["gather", "gather_many"])
 def test_cast_gathers_in_bf16_and_reduces_grads_in_f32(many):
-    """`cast`: f32 inputs gathered as bf16 (the values of gathering x.astype(bf16), to the
+    """`cast` with `keep_grad_dtype`: f32 inputs gathered as bf16 (the values of gathering x.astype(bf16), to the
     bit), the transpose reduce-scattering the bf16 cotangents in f32: each device's grad
     is the f32 sum of the 8 cotangent blocks (bf16 values, so exact in f32 but for
-    f32's rounding of the sum: 1e-6). Without `cast` the sum is rounded to bf16 (one
+    f32's rounding of the sum: 1e-6). Without `keep_grad_dtype` the sum is rounded to bf16 (one
     rounding, 2^-9 relative), which this tolerance tells apart. The compiled
     reduce-scatter is f32."""
     mesh, spec = make_mesh((8,)), P("a")
@@ -303,9 +303,10 @@ def test_cast_gathers_in_bf16_and_reduces_grads_in_f32(many):
 
     def f(cast):
         if many:
-            g = lambda x: collectives.gather_many([x], "a", [0], cast=cast)[0]
+            g = lambda x: collectives.gather_many([x], "a", [0], cast=cast,
+                                                  keep_grad_dtype=True)[0]
         else:
-            g = lambda x: collectives.gather(x, "a", 0, cast=cast)
+            g = lambda x: collectives.gather(x, "a", 0, cast=cast, keep_grad_dtype=True)
         return jax.shard_map(lambda x: g(x[0])[None], mesh=mesh, in_specs=spec,
                              out_specs=spec)
 
