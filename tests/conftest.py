@@ -31,3 +31,22 @@ def own_ledger_cache(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("SHARDWISE_LEDGER_CACHE", str(tmp_path_factory.mktemp("ledgers")))
         yield
+
+
+@pytest.fixture
+def one_line_error(capsys):
+    """check(main, argv, *words, table=word): main(argv) exits 2 with one stderr line
+    that starts "error: " and names every one of `words`, no traceback, and prints
+    nothing containing `table` (the report's header word) on stdout."""
+    def check(main, argv, *words, table):
+        try:
+            code = main(argv)
+        except SystemExit as e:
+            code = e.code
+        out, err = capsys.readouterr()
+        assert code == 2, (out, err)
+        assert err.startswith("error: ") and err.count("\n") == 1, err
+        assert "Traceback" not in err and table not in out
+        for w in words:
+            assert w in err, err
+    return check

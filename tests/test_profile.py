@@ -1,5 +1,6 @@
 """engine.train --profile-steps A:B: a trace of those steps that TensorBoard and Perfetto
 open, and at the end a table of where their time went, measured vs predicted."""
+import functools
 import glob
 import gzip
 import json
@@ -9,28 +10,26 @@ import pytest
 from engine import train
 
 
-def _one_line_error(capsys, argv, *words):
-    assert train.main(argv) == 2
-    out, err = capsys.readouterr()
-    assert err.startswith("error: ") and err.count("\n") == 1, err
-    assert "compiled" not in out
-    for w in words:
-        assert w in err, err
+@pytest.fixture
+def refused(one_line_error):
+    """refused(argv, *words): train.main(argv) exits 2 in one line naming `words`, before
+    compiling."""
+    return functools.partial(one_line_error, train.main, table="compiled")
 
 
 @pytest.mark.parametrize("steps,word", [("0:2", ">= 1"), ("3:2", ">= the first"),
                                         ("2:4", "<= --steps 3"), ("2", "A:B"),
                                         ("a:b", "A:B")])
-def test_profile_steps_checked_up_front(capsys, tmp_path, steps, word):
-    _one_line_error(capsys, ["--model", "tiny", "--steps", "3", "--profile-steps", steps,
-                             "--profile-dir", str(tmp_path)], "--profile-steps", word)
+def test_profile_steps_checked_up_front(refused, tmp_path, steps, word):
+    refused(["--model", "tiny", "--steps", "3", "--profile-steps", steps,
+             "--profile-dir", str(tmp_path)], "--profile-steps", word)
 
 
-def test_profile_dir_that_is_a_file(capsys, tmp_path):
+def test_profile_dir_that_is_a_file(refused, tmp_path):
     f = tmp_path / "f"
     f.write_text("")
-    _one_line_error(capsys, ["--model", "tiny", "--steps", "3", "--profile-steps", "1:2",
-                             "--profile-dir", str(f)], "--profile-dir", "not a directory")
+    refused(["--model", "tiny", "--steps", "3", "--profile-steps", "1:2",
+             "--profile-dir", str(f)], "--profile-dir", "not a directory")
 
 
 def test_profile_writes_trace_and_prints_table(capsys, tmp_path):
