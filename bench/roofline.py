@@ -42,6 +42,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "at once (engine/cost/microbench.py), instead of the calibration file")
     g.add_argument("--trace-steps", type=int, default=2, help="steps to profile")
     g.add_argument("--json", default=None, help="write figures as JSON")
+    g.add_argument("--top-ops", type=int, default=0, metavar="N",
+                   help="when running: also list the N compiled ops that took the most "
+                        "measured time, with their scope, result and what each fusion "
+                        "computes (a transpose there is a layout change XLA added)")
     g.add_argument("--by", default="scope", choices=("scope", "fusion"),
                    help="compute table per named scope, or per fusion group (the "
                         "accelerator fusion model, engine/cost/fusion.py)")
@@ -53,7 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def measure(cfg, tcfg, layout, trainer, steps: int, trace_steps: int):
-    """(median step seconds, attributed {category: s}, hlo text)."""
+    """(median step seconds, attributed {category: s}, hlo text, {op: (s, runs)} per
+    compiled op, {op: trace.OpInfo})."""
     import jax
 
     from bench.timing import compiled_step, time_steps
@@ -70,7 +75,8 @@ def measure(cfg, tcfg, layout, trainer, steps: int, trace_steps: int):
                 jax.block_until_ready(m)
         events = trace.op_events(d)
     info = trace.classify(text, axes_by_groups(layout.mesh_axes()))
-    return step_s, trace.attribute(events, info, step_s, trace_steps), text
+    return (step_s, trace.attribute(events, info, step_s, trace_steps), text,
+            trace.op_seconds(events, info, step_s, trace_steps), info)
 
 
 def output_problem(flag: str, path: str | None) -> str | None:
@@ -97,6 +103,10 @@ def flag_problem(mine) -> str | None:
         return f"--calibration is the cpu profile; --hardware {mine.hardware} does not use it"
     if mine.trace_steps < 1:
         return f"trace_steps={mine.trace_steps} must be >= 1"
+    if mine.top_ops < 0:
+        return f"top_ops={mine.top_ops} must be >= 0"
+    if mine.top_ops and mine.predict_only:
+        return "--top-ops lists measured ops; --predict-only measures nothing"
     if problem := output_problem("--json", mine.json) or output_problem("--plot", mine.plot):
         return problem
     if mine.plot and importlib.util.find_spec("matplotlib") is None:
@@ -135,7 +145,7 @@ def main(argv=None) -> int:
     from engine.cost.price import mfu_peak, model_flops, predicted_mfu
 
     rows = step_ledger(cfg, tcfg, layout, parallel, hw.bf16_collectives_in_f32)
-    measured, step_s, audit_clean = None, None, None
+    measured, step_s, audit_clean, orows = None, None, None, []
     if not mine.predict_only:
         from engine.cost.audit import audit
         from engine.step import Trainer
@@ -149,7 +159,9 @@ def main(argv=None) -> int:
         hw = dataclasses.replace(hw, mfu_peak={dtype: run_peak(cfg, trainer)})
     pred, pipe = predict_step(rows, hw, layout, parallel)
     if not mine.predict_only:
-        step_s, measured, text = measure(cfg, tcfg, layout, trainer, tcfg.steps, mine.trace_steps)
+        step_s, measured, text, op_s, info = measure(cfg, tcfg, layout, trainer, tcfg.steps,
+                                                     mine.trace_steps)
+        orows = report.op_table(op_s, info, text, mine.top_ops)
         a = audit(rows, text, layout.mesh_axes(), "cpu")
         audit_clean = a.clean
         print(f"audit: {'clean' if a.clean else 'NOT clean'}; rules applied: {a.rules}")
@@ -166,6 +178,8 @@ def main(argv=None) -> int:
     if not hw.overlap:
         print("  (no overlap on this hardware: every collective is exposed; on forced CPU "
               "devices collectives run synchronously, so measured time is all exposed)")
+    if orows:
+        print(report.format_ops(orows))
     if pipe is not None:
         fwd, bwd = pipe.unit_s[1:].max(axis=1)
         print(f"pipeline {parallel.pp_schedule}, pp={layout.degree('pp')}, "
@@ -237,6 +251,8 @@ def main(argv=None) -> int:
                                  bytes=r[2], count=r[3], predicted_s=r[4],
                                  predicted_exposed_s=r[5], predicted_hidden_s=r[4] - r[5],
                                  measured_s=r[6], wait_s=r[7]) for r in crows],
+            "ops": [dict(zip(["op", "kind", "scope", "phase", "result", "runs_per_step",
+                              "computes", "measured_s", "share"], r)) for r in orows],
         }, indent=1))
     if mine.plot:
         report.plot_roofline(srows, pred, hw, layout.size, mine.plot)

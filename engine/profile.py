@@ -11,13 +11,16 @@ bench/roofline.py does (engine/cost/trace.py: op events, classified by the compi
 step's HLO, split in proportion to summed op time) and sets the cost model's prediction
 beside it: `price.predict` (with pp, `engine.cost.pipeline.predict_step` along the
 schedule) on the ledger of the same step, on the `cpu` profile (engine/cost/hardware.py:
-the calibration file, else the built-in defaults).
+the calibration file, else the built-in defaults). Last, the compiled ops that took the
+most of the measured time, each with what it computes (a fusion's opcodes).
 """
 from __future__ import annotations
 
 import os
 import statistics
 from pathlib import Path
+
+TOP_OPS = 10  # compiled ops listed by measured time
 
 
 def parse_steps(text: str) -> tuple[int, int]:
@@ -112,7 +115,8 @@ class Profile:
     def tables(self) -> list[str]:
         """A header line, then the per-scope and (with collectives) per-collective tables
         (engine/cost/report.py) of the traced steps: measured (attributed from the
-        trace) vs predicted (the cpu profile)."""
+        trace) vs predicted (the cpu profile); last, the `TOP_OPS` compiled ops that took
+        the most of the measured time."""
         from engine.cost import hardware, report, trace
         from engine.cost.audit import axes_by_groups
         from engine.cost.ledger import step_ledger
@@ -120,9 +124,11 @@ class Profile:
 
         step_s = statistics.median(self.times)
         events = trace.op_events(self.directory)
-        info = trace.classify(self.session.step_fn.as_text(),
-                              axes_by_groups(self.layout.mesh_axes()))
+        text = self.session.step_fn.as_text()
+        info = trace.classify(text, axes_by_groups(self.layout.mesh_axes()))
         measured = trace.attribute(events, info, step_s, len(self.times))
+        orows = report.op_table(trace.op_seconds(events, info, step_s, len(self.times)),
+                                info, text, TOP_OPS)
         try:
             hw = hardware.get("cpu")
         except hardware.ProfileError as e:
@@ -135,4 +141,4 @@ class Profile:
         head = (f"measured: median traced step {step_s:.4g} s split by op time; predicted: "
                 f"{pred.step_s:.4g} s on the {hw.name} profile, {hw.source}")
         return [head, report.format_scopes(srows)] + (
-            [report.format_collectives(crows)] if crows else [])
+            [report.format_collectives(crows)] if crows else []) + [report.format_ops(orows)]

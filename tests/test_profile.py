@@ -44,6 +44,7 @@ def test_profile_writes_trace_and_prints_table(capsys, tmp_path):
     assert any("train_step" in json.dumps(e.get("args", {}))
                for e in events.get("traceEvents", []))
     assert "profile of steps 2-3" in out
+    assert "HLO op" in out and "computes" in out
     rows = {line.split()[0]: line.split() for line in out.splitlines() if line.strip()}
     for scope in ("attention", "mlp"):
         assert scope in rows, out

@@ -64,6 +64,28 @@ def test_output_paths_checked_up_front(tmp_path, refused, flag):
             "does not exist")
 
 
+def test_top_ops_needs_a_measured_run(refused):
+    refused(TINY + ["--top-ops", "-1"], "top_ops=-1")
+    refused(TINY + ["--top-ops", "3"], "--top-ops", "--predict-only")
+
+
+def test_top_ops_of_a_measured_run(tmp_path, capsys):
+    """A measured run lists its slowest compiled ops, slowest first, in the table and the
+    JSON, their seconds within the measured step."""
+    out_json = tmp_path / "out.json"
+    assert roofline.main(["--model", "tiny", "--layout", "fsdp2", "--steps", "2",
+                          "--trace-steps", "1", "--no-in-run-rates", "--calibration",
+                          _profile_file(tmp_path), "--json", str(out_json),
+                          "--top-ops", "3"]) == 0
+    out = capsys.readouterr().out
+    data = json.loads(out_json.read_text())
+    ops = data["ops"]
+    assert len(ops) == 3 and "HLO op" in out and all(o["op"] in out for o in ops)
+    assert [o["measured_s"] for o in ops] == sorted((o["measured_s"] for o in ops), reverse=True)
+    assert 0 < sum(o["measured_s"] for o in ops) <= data["measured_step_s"] * (1 + 1e-9)
+    assert {o["kind"] for o in ops} <= {"matmul", "memory", "collective"}
+
+
 def test_accelerator_profile_needs_predict_only(refused):
     """Measuring runs on this CPU: pricing an h100 against it is refused, not compiled."""
     refused(["--model", "tiny", "--hardware", "h100"], "--predict-only")

@@ -20,6 +20,10 @@ COLLECTIVE_HEADS = ["collective", "axes", "bytes/step", "count", "pred s", "pred
                     "meas s", "wait s", "err"]
 FUSION_HEADS = ["scope", "phase", "fusion (top ops)", "count", "FLOPs", "bytes", "bound",
                 "pred s"]
+OP_HEADS = ["HLO op", "kind", "scope", "phase", "result", "runs", "computes", "meas s", "share"]
+# opcodes that move no data or only rename it: left out of an op's `computes` column
+PLUMBING = {"parameter", "constant", "bitcast", "broadcast", "get-tuple-element", "tuple",
+            "reshape", "iota"}
 
 
 def error(pred: float, meas: float | None) -> float | None:
@@ -123,6 +127,34 @@ def format_scopes(srows) -> str:
 def format_collectives(crows) -> str:
     return tabulate([[r[0], r[1], *map(fmt, r[2:8]), fmt(r[8], "%")] for r in crows],
                     COLLECTIVE_HEADS)
+
+
+def op_table(op_s: dict, info: dict, hlo_text: str, top: int) -> list[list]:
+    """The `top` compiled ops by measured time (`engine.cost.trace.op_seconds`): name,
+    kind, scope, phase (the ledger's, from its op_name), result type, executions per step
+    per device, the opcodes it computes (a fusion's body, plumbing left out: a
+    `transpose` there is a layout change the compiler added) and seconds per step."""
+    from engine.cost import hlo
+    from engine.cost.trace import OpInfo
+
+    module = hlo.parse(hlo_text)
+    by_name = {i.name: i for i in module.instructions()}
+    step_s = sum(s for s, _ in op_s.values()) or 1.0
+    out = []
+    for op, (secs, runs) in sorted(op_s.items(), key=lambda kv: -kv[1][0])[:top]:
+        meta = info.get(op, OpInfo("memory", "other", "fwd"))
+        ins = by_name.get(op)
+        body = module.computations.get(ins.callee, []) if ins and ins.callee else []
+        ops = sorted({i.opcode for i in body} - PLUMBING) if body else \
+            [ins.opcode] if ins else []
+        out.append([op, meta.kind, meta.scope, meta.phase, ins.result if ins else "?",
+                    runs, ",".join(ops), secs, secs / step_s])
+    return out
+
+
+def format_ops(orows) -> str:
+    return tabulate([[*r[:5], f"{r[5]:.3g}", r[6], fmt(r[7]), f"{100 * r[8]:.1f}%"]
+                     for r in orows], OP_HEADS, disable_numparse=True)
 
 
 def format_fusions(frows) -> str:

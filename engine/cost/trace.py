@@ -117,3 +117,19 @@ def attribute(events, info: dict[str, OpInfo], step_s: float, steps: int) -> dic
                 sum(instance) - fastest * len(instance))
     total = sum(weights.values()) or 1.0
     return {cat: step_s * w / total for cat, w in weights.items()}
+
+
+def op_seconds(events, info: dict[str, OpInfo], step_s: float, steps: int) -> dict:
+    """{HLO instruction: (seconds per step, executions per step per device)}: the step
+    time split in proportion to each op's summed durations, as `attribute` splits it
+    (a collective's transfer and wait together), so the ops' seconds add up to `step_s`.
+    Containers are left out, as there."""
+    durations, runs, devices = collections.Counter(), collections.Counter(), set()
+    for op, dev, _, dur in events:
+        devices.add(dev)
+        if info.get(op, OpInfo("memory", "other", "fwd")).kind != "container":
+            durations[op] += dur
+            runs[op] += 1
+    total = sum(durations.values()) or 1.0
+    per_run = max(len(devices), 1) * max(steps, 1)
+    return {op: (step_s * d / total, runs[op] / per_run) for op, d in durations.items()}
