@@ -3,7 +3,7 @@ first; every process writes only the shards its devices hold; any process count 
 layout reads them back, re-sharded into whatever layout the reader runs.
 
     DIR/step_00000100.ckpt                     the manifest (msgpack map), written last:
-      format, step          "shardwise-checkpoint/2", steps completed
+      format, step          "shardwise-checkpoint/3", steps completed
       rng                   {"seed": s}: params init from jax.random.key(s); the batch of
                             step t is drawn from np.random.default_rng([s, t]) (engine.data)
       model, train          every ModelConfig and TrainConfig field
@@ -18,7 +18,8 @@ layout reads them back, re-sharded into whatever layout the reader runs.
 A piece is one device shard `{index: [[start, stop], ...] per dim, crc32, chunks}`; only
 shards with replica_id 0 are written, so each element is stored exactly once. With one
 process a checkpoint is the manifest alone, one file, as in format 1 (whole arrays, which
-`read` still accepts). Key paths are `jax.tree_util.keystr` of each leaf
+`read` still accepts). Format 3 stores the down projections [.., D, F]; `read` turns the
+[.., F, D] of formats 1 and 2 around (`upgrade`). Key paths are `jax.tree_util.keystr` of each leaf
 (`['blocks']['wq']`, `[0].mu['embed']`); the optimizer state is restored into the
 structure `Trainer.tx.init` gives, so any structure change fails loudly. bf16 leaves
 round-trip through ml_dtypes.
@@ -51,8 +52,22 @@ from jax.sharding import NamedSharding
 
 from engine.params import param_shapes
 
-FORMAT = "shardwise-checkpoint/2"
-FORMAT_1 = "shardwise-checkpoint/1"  # one file, whole arrays: still read
+FORMAT = "shardwise-checkpoint/3"
+FORMAT_2 = "shardwise-checkpoint/2"  # the down projections stored [F, D]: still read
+FORMAT_1 = "shardwise-checkpoint/1"  # one file, whole arrays, as format 2: still read
+# params stored [.., F, D] before format 3 and [.., D, F] since (engine/params.py: wd as
+# wg and wu), with their optimizer state
+DOWN_PROJECTIONS = ("['wd']", "['ws_d']")
+
+
+def upgrade(found: dict, fmt: str) -> dict:
+    """{part: {key path: array}} of a checkpoint of format `fmt`, in this format's
+    layout: before format 3 the down projections' (and their Adam moments') last two
+    axes are swapped."""
+    if fmt == FORMAT:
+        return found
+    return {part: {k: np.swapaxes(x, -1, -2) if k.endswith(DOWN_PROJECTIONS) else x
+                   for k, x in arrays.items()} for part, arrays in found.items()}
 SHARD_FORMAT = "shardwise-checkpoint-shard/2"
 SHAPE_FIELDS = ("d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "mlp_dim", "vocab",
                 "experts", "shared_experts")
@@ -315,7 +330,8 @@ def read(path: str, parts: tuple[str, ...] = PARTS) -> Checkpoint:
     try:
         with open(path, "rb") as f:
             record = msgpack.unpackb(f.read())
-        if not isinstance(record, dict) or record.get("format") not in (FORMAT, FORMAT_1):
+        if not isinstance(record, dict) or record.get("format") not in (FORMAT, FORMAT_2,
+                                                                        FORMAT_1):
             raise ValueError("not a shardwise checkpoint")
         step = int(record["step"])
         if record["format"] == FORMAT_1:
@@ -329,6 +345,7 @@ def read(path: str, parts: tuple[str, ...] = PARTS) -> Checkpoint:
                                 piece for s in shards for piece in s[part][k]])
                             for k, entry in arrays[part].items()}
                      for part in parts}
+        found = upgrade(found, record["format"])
         return Checkpoint(path, step, record, found.get("params"), found.get("opt_state"))
     except OSError as e:
         raise CheckpointError(f"cannot read checkpoint {path}: {e.strerror or e}") from None

@@ -39,7 +39,7 @@ PARAM_TABLE: dict[str, tuple[str, tuple, str]] = {
     "blocks/mlp_norm":  ("ND",   ("pp", None),                   "ones"),
     "blocks/wg":        ("NDF",  ("pp", "fsdp", "tp"),           "normal"),
     "blocks/wu":        ("NDF",  ("pp", "fsdp", "tp"),           "normal"),
-    "blocks/wd":        ("NFD",  ("pp", "tp", "fsdp"),           "normal_out"),
+    "blocks/wd":        ("NDF",  ("pp", "fsdp", "tp"),           "normal_out"),
     "final_norm":       ("D",    (None,),                        "ones"),
     "unembed":          ("DV",   ("fsdp", "tp"),                 "normal"),
     # mixture of experts (layers/moe.py), in place of wg / wu / wd when experts > 0
@@ -49,7 +49,7 @@ PARAM_TABLE: dict[str, tuple[str, tuple, str]] = {
     "blocks/we_d":      ("NEFD", (None, "ep", "tp", "fsdp"),     "normal_out"),
     "blocks/ws_g":      ("NDI",  (None, "fsdp", "tp"),           "normal"),  # shared experts
     "blocks/ws_u":      ("NDI",  (None, "fsdp", "tp"),           "normal"),
-    "blocks/ws_d":      ("NID",  (None, "tp", "fsdp"),           "normal_out"),
+    "blocks/ws_d":      ("NDI",  (None, "fsdp", "tp"),           "normal_out"),
 }
 DENSE_MLP = ("blocks/wg", "blocks/wu", "blocks/wd")
 ROUTED = ("blocks/router", "blocks/we_g", "blocks/we_u", "blocks/we_d")

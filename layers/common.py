@@ -53,7 +53,11 @@ def _lowp_einsum(eq: str, dtype, out_dtype):
         x_lp, w_lp, (x_tag, w_tag) = res
         ct_lp = ct.astype(dtype)
         dx = dot(f"{out},{w_sub}->{x_sub}", ct_lp, w_lp)
-        dw = dot(f"{x_sub},{out}->{w_sub}", x_lp, ct_lp)
+        # the operand holding w's leading index goes first, so the dot's product comes
+        # out in w's order with no transpose after it (XLA would fold one into the dot
+        # and transpose the other operand instead)
+        dw = dot(f"{x_sub},{out}->{w_sub}", x_lp, ct_lp) if w_sub[0] in x_sub else \
+            dot(f"{out},{x_sub}->{w_sub}", ct_lp, x_lp)
         return dx.astype(x_tag.dtype), dw.astype(w_tag.dtype)
 
     f = jax.custom_vjp(lambda x, w: fwd(x, w)[0])

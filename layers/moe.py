@@ -109,7 +109,7 @@ def moe(x_BLD: jax.Array, p: dict, cfg: ModelConfig, axes: Axes):
     local sums {name: value} for STATS). p (gathered over fsdp): router [D, E] (stored
     replicated: a gather with the tp-sharded experts would type it per-device over tp), we_g,
     we_u [X, D, F_tp], we_d [X, F_tp, D]; with shared experts ws_g, ws_u [D, I_tp],
-    ws_d [I_tp, D]."""
+    ws_d [D, I_tp] (stored as layers/mlp.py stores wd)."""
     B, L, D = x_BLD.shape
     T, K, E = B * L, cfg.top_k, cfg.experts
     P = axes.ep_size

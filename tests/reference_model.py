@@ -46,7 +46,8 @@ def attention(x, wq, wk, wv, wo, theta):
 
 
 def mlp(x, wg, wu, wd):
-    return (jax.nn.silu(x @ wg) * (x @ wu)) @ wd
+    """wg, wu, wd: [D, F]."""
+    return (jax.nn.silu(x @ wg) * (x @ wu)) @ wd.T
 
 
 def logits(params, inputs, n_layers, theta=10_000.0, eps=1e-5):

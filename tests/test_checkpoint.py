@@ -126,6 +126,35 @@ def test_round_trip_is_exact_and_shards_as_the_table_says(layout, tmp_path):
     assert_same(ckpt.opt_state, state.opt_state)
 
 
+def test_a_format_2_checkpoint_reads_its_down_projections_turned_around(tmp_path):
+    """Format 2 stored wd (and its Adam moments) [N, F, D]; read gives the [N, D, F] the
+    params are now, and leaves every other array as it was stored."""
+    import msgpack
+
+    rng = np.random.default_rng(0)
+    wd_NDF, wq = rng.standard_normal((2, 3, 5)).astype(np.float32), np.ones((2, 3), np.float32)
+    params = {"blocks": {"wd": wd_NDF, "wq": wq}}
+    opt = {"mu": {"blocks": {"wd": 2 * wd_NDF, "wq": wq}}}
+    path = checkpoint.save(str(tmp_path), 1, params, opt, meta(), 1)
+    assert_same(checkpoint.read(path).params, {"['blocks']['wd']": wd_NDF,
+                                               "['blocks']['wq']": wq})
+    with open(path, "rb") as f:
+        record = msgpack.unpackb(f.read())
+    record["format"] = checkpoint.FORMAT_2
+    for part, key, x in (("params", "['blocks']['wd']", wd_NDF),
+                         ("opt_state", "['mu']['blocks']['wd']", 2 * wd_NDF)):
+        stored = np.swapaxes(x, -1, -2)
+        record["arrays"][part][key]["shape"] = list(stored.shape)
+        record["pieces"][part][key] = [checkpoint._piece([[0, n] for n in stored.shape],
+                                                         stored)]
+    with open(path, "wb") as f:
+        f.write(msgpack.packb(record))
+    old = checkpoint.read(path)
+    assert_same(old.params, {"['blocks']['wd']": wd_NDF, "['blocks']['wq']": wq})
+    assert_same(old.opt_state, {"['mu']['blocks']['wd']": 2 * wd_NDF,
+                                "['mu']['blocks']['wq']": wq})
+
+
 def test_bf16_arrays_round_trip_through_ml_dtypes(tmp_path):
     x = (np.arange(12, dtype=np.float32) / 7).astype(jax.numpy.bfloat16).reshape(3, 4)
     path = checkpoint.save(str(tmp_path), 1, {"w": x}, {}, meta(), 1)

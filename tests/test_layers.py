@@ -77,11 +77,11 @@ def attn_specs(tp):
 
 def mlp_weights(seed=1):
     D, F = CFG.d_model, CFG.mlp_dim
-    return weights(seed, dict(wg=(D, F), wu=(D, F), wd=(F, D)))
+    return weights(seed, dict(wg=(D, F), wu=(D, F), wd=(D, F)))
 
 
 def mlp_specs(tp):
-    return dict(wg=tp_spec(tp, 0, 1), wu=tp_spec(tp, 0, 1), wd=tp_spec(tp, 1, 0))
+    return dict(wg=tp_spec(tp, 0, 1), wu=tp_spec(tp, 0, 1), wd=tp_spec(tp, 0, 1))
 
 
 def x_BLD(seed=2):

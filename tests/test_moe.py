@@ -113,7 +113,7 @@ def layer_params(cfg, seed=0):
     rng = np.random.default_rng(seed)
     E, D, F, I = cfg.experts, cfg.d_model, cfg.mlp_dim, cfg.shared_experts * cfg.mlp_dim
     shapes = dict(router=(D, E), we_g=(E, D, F), we_u=(E, D, F), we_d=(E, F, D),
-                  ws_g=(D, I), ws_u=(D, I), ws_d=(I, D))
+                  ws_g=(D, I), ws_u=(D, I), ws_d=(D, I))
     return {k: jnp.asarray(0.3 * rng.normal(size=s), jnp.float32) for k, s in shapes.items()}
 
 

@@ -45,6 +45,22 @@ def assert_tree_close(got, want, rtol=RTOL, atol=0.0, what=""):
         assert err <= bound, f"{what}{jax.tree_util.keystr(path)}: error {err:.2e} > {bound:.2e}"
 
 
+def assert_params_close(got, want, grads, what=""):
+    """Params after TCFG.steps Adam steps: within PARAM_ATOL (+ RTOL of the largest) where
+    the first step's grad is resolved, |g| > 10 RTOL max|g|; where it is not, the sharded
+    run's reordering error in g is as large as g itself, so Adam's scale-free update there
+    is anyone's, and only its bound holds: at most lr a step (warmup only lowers it)."""
+    for (path, g), w, d in zip(jax.tree_util.tree_flatten_with_path(got)[0],
+                               jax.tree.leaves(want), jax.tree.leaves(grads)):
+        resolved = np.abs(d) > 10 * RTOL * np.max(np.abs(d))
+        err = np.abs(g - w)
+        bound = RTOL * float(np.max(np.abs(w))) + PARAM_ATOL
+        where = jax.tree_util.keystr(path)
+        assert err[resolved].max(initial=0) <= bound, \
+            f"{what}{where}: error {err[resolved].max():.2e} > {bound:.2e}"
+        assert err.max() <= TCFG.lr * TCFG.steps, f"{what}{where}: error {err.max():.2e}"
+
+
 def run(layout, cfg=CFG):
     """(init params, loss, grads, grad norm, params after 3 steps, losses of 3 steps)."""
     t = trainer(layout, cfg)
@@ -85,8 +101,8 @@ def test_layout_matches_single(layout, single):
     assert abs(got["gnorm"] - single["gnorm"]) <= RTOL * single["gnorm"]
     assert_tree_close(got["grads"], single["grads"], what=f"{layout} grads ")
     np.testing.assert_allclose(got["losses"], single["losses"], rtol=RTOL)
-    assert_tree_close(got["params"], single["params"], atol=PARAM_ATOL,
-                      what=f"{layout} params after 3 steps ")
+    assert_params_close(got["params"], single["params"], single["grads"],
+                        what=f"{layout} params after 3 steps ")
 
 
 @pytest.mark.parametrize("remat", ["none", "dots"])

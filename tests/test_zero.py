@@ -22,7 +22,8 @@ from engine.cost.ledger import step_ledger
 from engine.config import ParallelConfig
 from engine.layout import Layout
 from engine.params import init_params, param_shapes, param_specs
-from test_step import CFG, PARAM_ATOL, RTOL, TCFG, assert_tree_close, host, tokens, trainer
+from test_step import (CFG, RTOL, TCFG, assert_params_close, assert_tree_close, host,
+                       tokens, trainer)
 
 CASES = [(1, False), (2, False), (3, True)]  # (zero, prefetch)
 LAYOUTS = ["fsdp4xtp2", "fsdp8", "dp2xfsdp2xtp2"]
@@ -102,8 +103,8 @@ def test_matches_single_and_stores_as_the_level_says(zero, prefetch, layout, sin
     assert_tree_close(grads, single["grads"], what=f"zero {zero} {layout} grads ")
     params, opt_state, losses = steps(t, params, opt_state, 0, TCFG.steps)
     np.testing.assert_allclose(losses, single["losses"], rtol=RTOL)
-    assert_tree_close(host(params), single["params"], atol=PARAM_ATOL,
-                      what=f"zero {zero} {layout} params after 3 steps ")
+    assert_params_close(host(params), single["params"], single["grads"],
+                        what=f"zero {zero} {layout} params after 3 steps ")
 
     # where the step left them: params whole on every fsdp device under zero 1/2,
     # optimizer state sharded over fsdp as the param table says under every level
@@ -169,7 +170,7 @@ def test_checkpoints_move_between_zero_levels(single, tmp_path):
             assert x.sharding == NamedSharding(reader.mesh, spec)
     params, opt_state, got = steps(z3, params, opt_state, 2, 3)
     np.testing.assert_allclose(losses + got, single["losses"], rtol=RTOL)
-    assert_tree_close(host(params), single["params"], atol=PARAM_ATOL, what="resumed params ")
+    assert_params_close(host(params), single["params"], single["grads"], what="resumed params ")
 
 
 # none takes the same hand-written backward scan as dots (`block.prefetched_saving`):

@@ -306,7 +306,7 @@ def predict(cfg: ModelConfig, tcfg: TrainConfig, layout: Layout, platform: str =
     else:
         mlp_items = {"mlp g, u, sigmoid(g) (recomputed)" if cpu else "mlp g, u (recomputed)":
                          (3 if cpu else 2) * mlp,
-                     "mlp dg, du (compute dtype), h relaid out (for wd's grad)":
+                     "mlp dg, du, h for wd's grad (compute dtype)":
                          3 * mlp // a * c}
     stream = {"stream x, x + attn, 2 norm outputs, dy": 5 * x_stream,
               "stream dy (compute dtype, whole L), 2 norm outputs relaid out":
@@ -405,7 +405,7 @@ def predict(cfg: ModelConfig, tcfg: TrainConfig, layout: Layout, platform: str =
                 "last layer: rope cos, sin [L, K/2]": L * K * F32,
                 "last layer: mlp g, u" + (", sigmoid(g), silu(g)" if cpu else ""):
                     (4 if cpu else 2) * mlp,
-                "last layer: mlp h cast, relaid out (for wd's grad)": mlp // a * c,
+                "last layer: mlp h cast (for wd's grad)": mlp // a * c,
                 "last layer: stream 2 norm outputs, x + attn, x + attn + mlp, final "
                 "norm output": 5 * x_stream,
                 "last layer: stream 2 norm outputs cast, relaid out": 2 * x_full // a * c,
