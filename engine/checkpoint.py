@@ -19,10 +19,10 @@ A piece is one device shard `{index: [[start, stop], ...] per dim, crc32, chunks
 shards with replica_id 0 are written, so each element is stored exactly once. With one
 process a checkpoint is the manifest alone, one file, as in format 1 (whole arrays, which
 `read` still accepts). Format 3 stores the down projections [.., D, F]; `read` turns the
-[.., F, D] of formats 1 and 2 around (`upgrade`). Key paths are `jax.tree_util.keystr` of each leaf
-(`['blocks']['wq']`, `[0].mu['embed']`); the optimizer state is restored into the
-structure `Trainer.tx.init` gives, so any structure change fails loudly. bf16 leaves
-round-trip through ml_dtypes.
+[.., F, D] of formats 1 and 2 around (`upgrade`). Key paths are `jax.tree_util.keystr`
+of each leaf (`['blocks']['wq']`, `[0].mu['embed']`); the optimizer state is restored
+into the structure `Trainer.tx.init` gives, so any structure change fails loudly. bf16
+leaves round-trip through ml_dtypes.
 
 Every file is written as `.NAME.tmp-PID`, fsynced, renamed into place, and the
 directory fsynced. Shard files first; then a barrier (an all-gather of each shard file's
@@ -58,16 +58,6 @@ FORMAT_1 = "shardwise-checkpoint/1"  # one file, whole arrays, as format 2: stil
 # params stored [.., F, D] before format 3 and [.., D, F] since (engine/params.py: wd as
 # wg and wu), with their optimizer state
 DOWN_PROJECTIONS = ("['wd']", "['ws_d']")
-
-
-def upgrade(found: dict, fmt: str) -> dict:
-    """{part: {key path: array}} of a checkpoint of format `fmt`, in this format's
-    layout: before format 3 the down projections' (and their Adam moments') last two
-    axes are swapped."""
-    if fmt == FORMAT:
-        return found
-    return {part: {k: np.swapaxes(x, -1, -2) if k.endswith(DOWN_PROJECTIONS) else x
-                   for k, x in arrays.items()} for part, arrays in found.items()}
 SHARD_FORMAT = "shardwise-checkpoint-shard/2"
 SHAPE_FIELDS = ("d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "mlp_dim", "vocab",
                 "experts", "shared_experts")
@@ -318,6 +308,16 @@ def _read_shard(directory: str, entry: dict, step: int) -> dict:
 
 
 PARTS = ("params", "opt_state")
+
+
+def upgrade(found: dict, fmt: str) -> dict:
+    """{part: {key path: array}} of a checkpoint of format `fmt`, in this format's
+    layout: before format 3 the down projections' (and their Adam moments') last two
+    axes are swapped."""
+    if fmt == FORMAT:
+        return found
+    return {part: {k: np.swapaxes(x, -1, -2) if k.endswith(DOWN_PROJECTIONS) else x
+                   for k, x in arrays.items()} for part, arrays in found.items()}
 
 
 def read(path: str, parts: tuple[str, ...] = PARTS) -> Checkpoint:

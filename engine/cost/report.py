@@ -139,7 +139,7 @@ def op_table(op_s: dict, info: dict, hlo_text: str, top: int) -> list[list]:
 
     module = hlo.parse(hlo_text)
     by_name = {i.name: i for i in module.instructions()}
-    step_s = sum(s for s, _ in op_s.values()) or 1.0
+    total = sum(s for s, _ in op_s.values()) or 1.0
     out = []
     for op, (secs, runs) in sorted(op_s.items(), key=lambda kv: -kv[1][0])[:top]:
         meta = info.get(op, OpInfo("memory", "other", "fwd"))
@@ -148,7 +148,7 @@ def op_table(op_s: dict, info: dict, hlo_text: str, top: int) -> list[list]:
         ops = sorted({i.opcode for i in body} - PLUMBING) if body else \
             [ins.opcode] if ins else []
         out.append([op, meta.kind, meta.scope, meta.phase, ins.result if ins else "?",
-                    runs, ",".join(ops), secs, secs / step_s])
+                    runs, ",".join(ops), secs, secs / total])
     return out
 
 
