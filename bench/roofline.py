@@ -161,7 +161,8 @@ def main(argv=None) -> int:
     if not mine.predict_only:
         step_s, measured, text, op_s, info = measure(cfg, tcfg, layout, trainer, tcfg.steps,
                                                      mine.trace_steps)
-        orows = report.op_table(op_s, info, text, mine.top_ops)
+        if mine.top_ops:
+            orows = report.op_table(op_s, info, text, mine.top_ops)
         a = audit(rows, text, layout.mesh_axes(), "cpu")
         audit_clean = a.clean
         print(f"audit: {'clean' if a.clean else 'NOT clean'}; rules applied: {a.rules}")

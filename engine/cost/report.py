@@ -135,14 +135,14 @@ def op_table(op_s: dict, info: dict, hlo_text: str, top: int) -> list[list]:
     per device, the opcodes it computes (a fusion's body, plumbing left out: a
     `transpose` there is a layout change the compiler added) and seconds per step."""
     from engine.cost import hlo
-    from engine.cost.trace import OpInfo
+    from engine.cost.trace import UNCLASSIFIED
 
     module = hlo.parse(hlo_text)
     by_name = {i.name: i for i in module.instructions()}
     total = sum(s for s, _ in op_s.values()) or 1.0
     out = []
     for op, (secs, runs) in sorted(op_s.items(), key=lambda kv: -kv[1][0])[:top]:
-        meta = info.get(op, OpInfo("memory", "other", "fwd"))
+        meta = info.get(op, UNCLASSIFIED)
         ins = by_name.get(op)
         body = module.computations.get(ins.callee, []) if ins and ins.callee else []
         ops = sorted({i.opcode for i in body} - PLUMBING) if body else \

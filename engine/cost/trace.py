@@ -43,6 +43,10 @@ class OpInfo:
     key: tuple | None = None
 
 
+# an op the compiled text does not name (classify saw no such instruction)
+UNCLASSIFIED = OpInfo("memory", "other", "fwd")
+
+
 def _phase_scope(op_name: str) -> tuple[str, str]:
     parts = re.split(r"[/()]", op_name)
     scope = scopes.scope_of(parts)
@@ -102,7 +106,7 @@ def attribute(events, info: dict[str, OpInfo], step_s: float, steps: int) -> dic
         by_op_device[(op, dev)].append(dur)
     weights = collections.Counter()
     for op in {op for op, _ in by_op_device}:
-        meta = info.get(op, OpInfo("memory", "other", "fwd"))
+        meta = info.get(op, UNCLASSIFIED)
         if meta.kind == "container":
             continue
         runs = [d for (o, _), d in by_op_device.items() if o == op]
@@ -127,7 +131,7 @@ def op_seconds(events, info: dict[str, OpInfo], step_s: float, steps: int) -> di
     durations, runs, devices = collections.Counter(), collections.Counter(), set()
     for op, dev, _, dur in events:
         devices.add(dev)
-        if info.get(op, OpInfo("memory", "other", "fwd")).kind != "container":
+        if info.get(op, UNCLASSIFIED).kind != "container":
             durations[op] += dur
             runs[op] += 1
     total = sum(durations.values()) or 1.0
