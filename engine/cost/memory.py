@@ -290,10 +290,10 @@ def predict(cfg: ModelConfig, tcfg: TrainConfig, layout: Layout, platform: str =
         attn = {"attention E = exp(s - max) per chunk, compute dtype (forward residual)":
                     scores // F32 * c,
                 "attention 1/rowsum per chunk, f32 (forward residual)": B * Htp * L * F32,
-                "attention q per chunk, relaid out (for dk)": q_c,
-                "attention k, v per chunk's key prefix, relaid out":
+                "attention q relaid out heads-major, sliced per chunk (for dk)": q_c,
+                "attention k, v relaid out heads-major, sliced to each chunk's key prefix":
                     2 * B * Gtp * K * keys * c,
-                "attention o per chunk (f32 for delta when chunks > 1)":
+                "attention o heads-major (f32 for delta when chunks > 1)":
                     q_c // c * (F32 if len(chunks) > 1 else c),
                 "attention masks per chunk [T, S]": tiles}
     attn["attention o relaid out (for wo's grad)"] = q_c

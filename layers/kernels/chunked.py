@@ -9,15 +9,18 @@ dense softmax over its key prefix and the score tiles a dense kernel would compu
 then mask away are skipped: C(C + 1) / 2 of C^2 tiles for C chunks. Without a causal
 mask there is one chunk over all keys.
 
-Each chunk is a `jax.custom_vjp` with the FlashAttention backward (Dao 2023, alg. 2),
-except that P is not recomputed: the forward keeps E = exp(S - rowmax) in the inputs'
-dtype (the operand of its PV matmul) and 1/l = 1/rowsum(E), and with P = E / l and
-delta = rowsum(dO * O)
+The call is one `jax.custom_vjp` whose backward is FlashAttention's (Dao 2023, alg. 2)
+chunk by chunk, except that P is not recomputed: the forward keeps E = exp(S - rowmax)
+in the inputs' dtype (the operand of its PV matmul) and 1/l = 1/rowsum(E), and with
+P = E / l and delta = rowsum(dO * O)
 
     dV = E^T (dO / l),   dP = dO V^T,   dS = E (dP - delta) / l,   dK = dS^T Q,   dQ = dS K,
 
 so the backward forms no score matrix and no exponential, and autodiff never builds
-the softmax's own backward. Under remat the layer's forward is recomputed right before
+the softmax's own backward. q, k, v, o and dO are laid out heads-major ([B, G, R, L, K],
+[B, G, S, K]) once per call, so each chunk's matmuls read slices in the order they take
+them, and dK, dV are summed over the chunks' key prefixes in f32 as [B, G, K, S],
+then laid out keys-major and cast once. Under remat the layer's forward is recomputed right before
 its backward, so E lives through one layer's backward only (with `remat none` every
 layer's E is saved, as the dense reference saves its P).
 
@@ -40,38 +43,42 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from layers.kernels.shared import (MASK_VALUE, BlockSizes, attention_dims, flash_vjp,
+from layers.kernels.shared import (MASK_VALUE, BlockSizes, attention_dims, pad_axis,
                                    softmax_scale, tile_mask)
 
 
 @dataclasses.dataclass(frozen=True)
-class _Chunk:
-    """Static description of one chunk: queries [start, start + T), keys [0, S)."""
+class _Plan:
+    """Static description of one call: chunk (start, stop, S) is the queries [start, stop)
+    against the keys [0, S) (S = 0: it sees no key and outputs zeros)."""
 
     causal: bool
-    start: int  # global position of the chunk's first query
-    kv_len: int  # keys at indices >= kv_len are masked (padding)
     scale: float
+    kv_len: int  # keys at indices >= kv_len are masked (padding)
+    keys: int  # S of the whole call
+    chunks: tuple  # ((start, stop, S), ...)
+    q_start: int = 0  # global position of the first query
     k_start: int = 0  # global position of the first key
-    at: bool = False  # positions are inputs (traced offsets): start, k_start unused
+    at: bool = False  # positions are inputs (traced offsets): q_start, k_start unused
 
 
-def _scores(q_BTGRK, k_BSGK, chunk: _Chunk, pos=None):
-    """Scaled, masked scores s_BGRTS (f32) and the mask [T, S]. pos: the traced
-    positions (q_pos_T, k_pos_S) of a chunk with `at`."""
-    s_BGRTS = jnp.einsum("BTGRK,BSGK->BGRTS", q_BTGRK, k_BSGK,
-                         preferred_element_type=jnp.float32) * chunk.scale
-    T, S = q_BTGRK.shape[1], k_BSGK.shape[1]
-    if pos is None and chunk.k_start == 0:  # key positions are key indices
-        mask_TS = tile_mask(chunk.start + jnp.arange(T), jnp.arange(S), causal=chunk.causal,
-                            kv_len=chunk.kv_len)
+def _scores(q_BGRTK, k_BGSK, plan: _Plan, start: int, pos=None):
+    """Scaled, masked scores s_BGRTS (f32) of the chunk whose first query is query
+    `start`, and the mask [T, S]. pos: the chunk's traced positions (q_pos_T, k_pos_S)
+    under `at`."""
+    s_BGRTS = jnp.einsum("BGRTK,BGSK->BGRTS", q_BGRTK, k_BGSK,
+                         preferred_element_type=jnp.float32) * plan.scale
+    T, S = q_BGRTK.shape[3], k_BGSK.shape[2]
+    if pos is None and plan.k_start == 0:  # key positions are key indices
+        mask_TS = tile_mask(plan.q_start + start + jnp.arange(T), jnp.arange(S),
+                            causal=plan.causal, kv_len=plan.kv_len)
         return jnp.where(mask_TS, s_BGRTS, MASK_VALUE), mask_TS
     if pos is None:
-        q_pos_T, k_pos_S = chunk.start + jnp.arange(T), chunk.k_start + jnp.arange(S)
+        q_pos_T, k_pos_S = plan.q_start + start + jnp.arange(T), plan.k_start + jnp.arange(S)
     else:
         q_pos_T, k_pos_S = pos
-    mask_TS = jnp.broadcast_to(jnp.arange(S)[None, :] < chunk.kv_len, (T, S))
-    if chunk.causal:
+    mask_TS = jnp.broadcast_to(jnp.arange(S)[None, :] < plan.kv_len, (T, S))
+    if plan.causal:
         mask_TS = mask_TS & (q_pos_T[:, None] >= k_pos_S[None, :])
     return jnp.where(mask_TS, s_BGRTS, MASK_VALUE), mask_TS
 
@@ -83,68 +90,112 @@ def _probs(s_BGRTS, shift_BGRT, mask_TS, padded: bool):
     return jnp.where(mask_TS, p_BGRTS, 0.0) if padded else p_BGRTS
 
 
-def _forward(q_BTGRK, k_BSGK, v_BSGK, chunk: _Chunk, pos=None):
-    """o_BTGRK (q's dtype), and for the backward the unnormalised probabilities
-    e_BGRTS = exp(s - max) in v's dtype (what the PV matmul reads) and 1 / rowsum."""
-    s_BGRTS, mask_TS = _scores(q_BTGRK, k_BSGK, chunk, pos)
-    m_BGRT = jnp.max(s_BGRTS, axis=-1)
-    # a row may see no key: padding, or (with offsets) queries before every key
-    e_BGRTS = _probs(s_BGRTS, m_BGRT, mask_TS,
-                     chunk.kv_len < k_BSGK.shape[1] or chunk.at or chunk.k_start != 0)
-    l_BGRT = jnp.sum(e_BGRTS, axis=-1)
-    # A row with no visible key (only with kv_len padding) has l == 0: it outputs zeros.
-    inv_l_BGRT = 1.0 / jnp.where(l_BGRT == 0.0, 1.0, l_BGRT)
-    e_BGRTS = e_BGRTS.astype(v_BSGK.dtype)
-    o_BGRTK = jnp.einsum("BGRTS,BSGK->BGRTK", e_BGRTS, v_BSGK,
-                         preferred_element_type=jnp.float32) * inv_l_BGRT[..., None]
-    o_BTGRK = o_BGRTK.transpose(0, 3, 1, 2, 4).astype(q_BTGRK.dtype)
-    return o_BTGRK, (e_BGRTS, inv_l_BGRT)
+def _forward(q_BLGRK, k_BSGK, v_BSGK, plan: _Plan, pos=None):
+    """o_BLGRK (q's dtype), and for the backward q, k, v and o heads-major and, per
+    chunk that sees a key, the unnormalised probabilities e_BGRTS = exp(s - max) in v's
+    dtype (what the PV matmul reads) and 1 / rowsum. pos: (q_pos_L, k_pos_S) under `at`.
+
+    q, k and v are laid out heads-major once ([B, G, R, L, K], [B, G, S, K]), so every
+    chunk's matmuls read slices of them in the order the matmuls take."""
+    q_BGRLK = q_BLGRK.transpose(0, 2, 3, 1, 4)
+    k_BGSK, v_BGSK = (x.transpose(0, 2, 1, 3) for x in (k_BSGK, v_BSGK))
+    o_chunks, e_chunks, inv_l_chunks = [], [], []
+    for start, stop, S in plan.chunks:
+        q_BGRTK = q_BGRLK[:, :, :, start:stop]
+        if S == 0:  # no key visible to any query of the chunk
+            o_chunks.append(jnp.zeros_like(q_BGRTK))
+            continue
+        at = None if pos is None else (pos[0][start:stop], pos[1][:S])
+        s_BGRTS, mask_TS = _scores(q_BGRTK, k_BGSK[:, :, :S], plan, start, at)
+        m_BGRT = jnp.max(s_BGRTS, axis=-1)
+        # a row may see no key: padding, or (with offsets) queries before every key
+        e_BGRTS = _probs(s_BGRTS, m_BGRT, mask_TS,
+                         plan.kv_len < S or plan.at or plan.k_start != 0)
+        l_BGRT = jnp.sum(e_BGRTS, axis=-1)
+        # A row with no visible key (only with kv_len padding) has l == 0: it outputs zeros.
+        inv_l_BGRT = 1.0 / jnp.where(l_BGRT == 0.0, 1.0, l_BGRT)
+        e_BGRTS = e_BGRTS.astype(v_BSGK.dtype)
+        o_BGRTK = jnp.einsum("BGRTS,BGSK->BGRTK", e_BGRTS, v_BGSK[:, :, :S],
+                             preferred_element_type=jnp.float32) * inv_l_BGRT[..., None]
+        o_chunks.append(o_BGRTK.astype(q_BLGRK.dtype))
+        e_chunks.append(e_BGRTS)
+        inv_l_chunks.append(inv_l_BGRT)
+    o_BGRLK = jnp.concatenate(o_chunks, axis=3)
+    return (o_BGRLK.transpose(0, 3, 1, 2, 4),
+            (q_BGRLK, k_BGSK, v_BGSK, o_BGRLK, tuple(e_chunks), tuple(inv_l_chunks)))
 
 
-def _backward(chunk: _Chunk, residuals, do_BTGRK):
-    """P = e / l from the forward's residuals (no scores recomputed):
-    dV = P^T dO, dP = dO V^T, dS = P (dP - delta), dQ = dS K, dK = dS^T Q."""
-    q_BTGRK, k_BSGK, v_BSGK, o_BTGRK, e_BGRTS, inv_l_BGRT = residuals
+def _add_keys(acc_BGKS, new_BGKS):
+    """Sum of two key grads over key prefixes of different lengths: the shorter is
+    added into the first keys of the longer."""
+    if acc_BGKS is None:
+        return new_BGKS
+    short, long = sorted((acc_BGKS, new_BGKS), key=lambda x: x.shape[3])
+    return long.at[..., :short.shape[3]].add(short)
+
+
+def _backward(plan: _Plan, residuals, do_BLGRK):
+    """Per chunk, P = e / l from the forward's residuals (no scores recomputed):
+    dV = P^T dO, dP = dO V^T, dS = P (dP - delta), dQ = dS K, dK = dS^T Q. dK and dV
+    are formed as [B, G, K, S] (dO^T P and Q^T dS: the order the matmuls produce, so
+    neither E nor dS is relaid out), summed over the chunks in f32, and laid out
+    keys-major and cast once."""
+    q_BGRLK, k_BGSK, v_BGSK, o_BGRLK, e_chunks, inv_l_chunks = residuals
     f32 = jnp.float32
-    delta_BGRT = jnp.einsum("BTGRK,BTGRK->BGRT", do_BTGRK.astype(f32), o_BTGRK.astype(f32))
-    # 1/l applied to dO (a [T, K] tile) instead of to P ([T, S])
-    do_BGRTK = do_BTGRK.transpose(0, 2, 3, 1, 4).astype(f32) * inv_l_BGRT[..., None]
-    dv_BSGK = jnp.einsum("BGRTS,BGRTK->BSGK", e_BGRTS, do_BGRTK.astype(v_BSGK.dtype),
-                         preferred_element_type=f32)
-    dp_BGRTS = jnp.einsum("BTGRK,BSGK->BGRTS", do_BTGRK.astype(v_BSGK.dtype), v_BSGK,
-                          preferred_element_type=f32)
-    ds_BGRTS = (e_BGRTS.astype(f32) * (dp_BGRTS - delta_BGRT[..., None])
-                * (inv_l_BGRT * chunk.scale)[..., None])
-    dq_BTGRK = jnp.einsum("BGRTS,BSGK->BTGRK", ds_BGRTS.astype(k_BSGK.dtype), k_BSGK,
-                          preferred_element_type=f32)
-    dk_BSGK = jnp.einsum("BGRTS,BTGRK->BSGK", ds_BGRTS.astype(q_BTGRK.dtype), q_BTGRK,
-                         preferred_element_type=f32)
-    return (dq_BTGRK.astype(q_BTGRK.dtype), dk_BSGK.astype(k_BSGK.dtype),
-            dv_BSGK.astype(v_BSGK.dtype))
+    do_BGRLK = do_BLGRK.transpose(0, 2, 3, 1, 4)
+    delta_BGRL = jnp.einsum("BGRLK,BGRLK->BGRL", do_BGRLK.astype(f32), o_BGRLK.astype(f32))
+    dq_chunks, dk_BGKS, dv_BGKS = [], None, None
+    visible = iter(zip(e_chunks, inv_l_chunks))
+    for start, stop, S in plan.chunks:
+        do_BGRTK = do_BGRLK[:, :, :, start:stop]
+        if S == 0:
+            dq_chunks.append(jnp.zeros_like(do_BGRTK, dtype=f32))
+            continue
+        e_BGRTS, inv_l_BGRT = next(visible)
+        k_c, v_c = k_BGSK[:, :, :S], v_BGSK[:, :, :S]
+        # 1/l applied to dO (a [T, K] tile) instead of to P ([T, S])
+        dol_BGRTK = (do_BGRTK.astype(f32) * inv_l_BGRT[..., None]).astype(v_BGSK.dtype)
+        dv_BGKS = _add_keys(dv_BGKS, jnp.einsum("BGRTK,BGRTS->BGKS", dol_BGRTK, e_BGRTS,
+                                                preferred_element_type=f32))
+        dp_BGRTS = jnp.einsum("BGRTK,BGSK->BGRTS", do_BGRTK.astype(v_BGSK.dtype), v_c,
+                              preferred_element_type=f32)
+        ds_BGRTS = (e_BGRTS.astype(f32) * (dp_BGRTS - delta_BGRL[..., start:stop, None])
+                    * (inv_l_BGRT * plan.scale)[..., None])
+        dq_chunks.append(jnp.einsum("BGRTS,BGSK->BGRTK", ds_BGRTS.astype(k_BGSK.dtype), k_c,
+                                    preferred_element_type=f32))
+        dk_BGKS = _add_keys(dk_BGKS, jnp.einsum(
+            "BGRTK,BGRTS->BGKS", q_BGRLK[:, :, :, start:stop],
+            ds_BGRTS.astype(q_BGRLK.dtype), preferred_element_type=f32))
+
+    def keys_major(d_BGKS, like_BGSK):  # -> [B, S, G, K] over all the call's keys
+        if d_BGKS is None:
+            return jnp.zeros_like(like_BGSK).transpose(0, 2, 1, 3)
+        d_BGKS = pad_axis(d_BGKS, 3, plan.keys) if d_BGKS.shape[3] < plan.keys else d_BGKS
+        return d_BGKS.transpose(0, 3, 1, 2).astype(like_BGSK.dtype)
+
+    dq_BGRLK = jnp.concatenate(dq_chunks, axis=3)
+    return (dq_BGRLK.transpose(0, 3, 1, 2, 4).astype(q_BGRLK.dtype),
+            keys_major(dk_BGKS, k_BGSK), keys_major(dv_BGKS, v_BGSK))
 
 
 @functools.cache
-def _attend(chunk: _Chunk):
-    """The differentiable dense attention of one chunk: (q_BTGRK, k, v) -> o_BTGRK."""
-    return flash_vjp(_forward, _backward, chunk)
+def _attend(plan: _Plan):
+    """The differentiable attention of one call, (q_BLGRK, k, v) -> o_BLGRK, or under
+    `at` (q, k, v, q_pos_L, k_pos_S) -> o with the positions (int32) taking no cotangent."""
+    if plan.at:
+        @jax.custom_vjp
+        def attend(q, k, v, q_pos_L, k_pos_S):
+            return _forward(q, k, v, plan, (q_pos_L, k_pos_S))[0]
 
-
-@functools.cache
-def _attend_at(chunk: _Chunk):
-    """As `_attend` with the positions q_pos_T, k_pos_S (int32, no cotangent) as inputs."""
+        attend.defvjp(lambda q, k, v, *pos: _forward(q, k, v, plan, pos),
+                      lambda res, do: (*_backward(plan, res, do), None, None))
+        return attend
 
     @jax.custom_vjp
-    def attend(q, k, v, q_pos_T, k_pos_S):
-        return _forward(q, k, v, chunk, (q_pos_T, k_pos_S))[0]
+    def attend(q, k, v):
+        return _forward(q, k, v, plan)[0]
 
-    def attend_fwd(q, k, v, q_pos_T, k_pos_S):
-        o, saved = _forward(q, k, v, chunk, (q_pos_T, k_pos_S))
-        return o, (q, k, v, o, *saved)
-
-    def attend_bwd(residuals, do):
-        return (*_backward(chunk, residuals, do), None, None)
-
-    attend.defvjp(attend_fwd, attend_bwd)
+    attend.defvjp(lambda q, k, v: _forward(q, k, v, plan), functools.partial(_backward, plan))
     return attend
 
 
@@ -166,23 +217,17 @@ def chunked_attention(q_BLHK, k_BSGK, v_BSGK, *, causal: bool = True, axes=None,
     q_BLGRK = q_BLHK.reshape(B, L, dims.kv_heads, dims.group, K)
     T = min(blocks.block_q, L) if causal else L
     kv_len = dims.kv_len if kv_len is None else kv_len
-    outs = []
-    for start in range(0, L, T):
-        stop = min(start + T, L)
-        if not static:
-            chunk = _Chunk(causal=causal, start=0, scale=softmax_scale(K), kv_len=kv_len,
-                           at=True)
-            q_pos_T = jnp.asarray(q_offset, jnp.int32) + jnp.arange(start, stop, dtype=jnp.int32)
-            k_pos_S = jnp.asarray(k_offset, jnp.int32) + jnp.arange(dims.kv_len, dtype=jnp.int32)
-            outs.append(_attend_at(chunk)(q_BLGRK[:, start:stop], k_BSGK, v_BSGK, q_pos_T,
-                                          k_pos_S))
-            continue
-        # keys up to the chunk's last query (by global position)
-        S = min(max(q_offset + stop - k_offset, 0), dims.kv_len) if causal else dims.kv_len
-        if S == 0:  # no key visible to any query of the chunk
-            outs.append(jnp.zeros_like(q_BLGRK[:, start:stop]))
-            continue
-        chunk = _Chunk(causal=causal, start=q_offset + start, scale=softmax_scale(K),
-                       kv_len=kv_len, k_start=k_offset)
-        outs.append(_attend(chunk)(q_BLGRK[:, start:stop], k_BSGK[:, :S], v_BSGK[:, :S]))
-    return jnp.concatenate(outs, axis=1).reshape(B, L, H, K)
+    common = dict(causal=causal, scale=softmax_scale(K), kv_len=kv_len, keys=dims.kv_len)
+    if not static:  # every chunk against all the keys, masked at the traced positions
+        chunks = tuple((start, min(start + T, L), dims.kv_len) for start in range(0, L, T))
+        q_pos_L = jnp.asarray(q_offset, jnp.int32) + jnp.arange(L, dtype=jnp.int32)
+        k_pos_S = jnp.asarray(k_offset, jnp.int32) + jnp.arange(dims.kv_len, dtype=jnp.int32)
+        o_BLGRK = _attend(_Plan(chunks=chunks, at=True, **common))(
+            q_BLGRK, k_BSGK, v_BSGK, q_pos_L, k_pos_S)
+        return o_BLGRK.reshape(B, L, H, K)
+    # each chunk against the keys up to its last query (by global position)
+    chunks = tuple((start, min(start + T, L),
+                    min(max(q_offset + min(start + T, L) - k_offset, 0), dims.kv_len)
+                    if causal else dims.kv_len) for start in range(0, L, T))
+    plan = _Plan(chunks=chunks, q_start=q_offset, k_start=k_offset, **common)
+    return _attend(plan)(q_BLGRK, k_BSGK, v_BSGK).reshape(B, L, H, K)
