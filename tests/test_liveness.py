@@ -81,11 +81,11 @@ def test_call_returning_its_argument_allocates_nothing():
 TCFG = TrainConfig(batch=16, seq=64)
 CASES = {"fsdp8 f32": ("fsdp8", "f32", "reference"),
          "fsdp4xtp2 bf16": ("fsdp4xtp2", "bf16", "reference"),
-         # custom_vjp chunks inside the layer scan
+         # the chunked kernel's custom_vjp inside the layer scan
          "fsdp4xtp2 bf16 chunked": ("fsdp4xtp2", "bf16", "chunked")}
 # the unfused liveness peak over XLA:CPU's measured peak (bench/memory.py: 1.05-1.33 on
 # tiny, fsdp8, fsdp4xtp2 and single, f32 and bf16, remat full, reference attention;
-# 1.02-1.37 with chunked attention)
+# 0.98-1.38 with chunked attention)
 UPPER = 1.5
 
 

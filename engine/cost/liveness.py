@@ -49,8 +49,9 @@ measured peak `memory.measure` = arguments + temp + unaliased outputs):
     small single    f32     320.76  264.39 (0.82)   322.02 (1.00)   249.32 (0.78)
     small single    bf16    281.51  237.27 (0.84)   302.77 (1.08)   232.44 (0.83)
 
-With chunked attention (its custom_vjp chunks; `--presets tiny --attention chunked`, same
-six tiny rows) the unfused walk is 1.02-1.37x and the fused one 0.71-1.08x. With the
+With chunked attention (one custom_vjp over its query chunks; `--presets tiny --attention
+chunked`, same six tiny rows) the unfused walk is 0.98-1.38x and the fused one
+0.78-1.18x. With the
 jnp `blocked` kernel (a scan over key blocks inside each layer's scan; `--presets tiny
 --layouts fsdp4xtp2 single --attention blocked`, which `memory.predict` refuses on cpu)
 it is not a bound: 0.94x and 0.88x in f32, 1.17x and 1.18x in bf16 (fused 0.61-0.91x);
