@@ -11,6 +11,7 @@ Shapes are small: compiling dominates (about 1-2 s per shape in interpret mode).
 
 import dataclasses
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -218,6 +219,17 @@ class TestChunkedAttention(AttentionSuite):
 
     def attend_with_kv_len(self, q_BLHK, k_BSGK, v_BSGK, kv_len):
         return chunked_attention(q_BLHK, k_BSGK, v_BSGK, causal=False, kv_len=kv_len)
+
+    def test_key_grads_are_summed_in_place_not_padded(self):
+        # each causal chunk reads a key prefix; its dk, dv are added into the prefix of
+        # one f32 sum inside the custom_vjp, not padded to the whole length and added
+        # per chunk (a strided relayout per element on XLA:CPU), and laid out once
+        q = jnp.zeros((2, 64, 4, 8), jnp.bfloat16)
+        k = jnp.zeros((2, 64, 2, 8), jnp.bfloat16)
+        loss = lambda q, k, v: chunked_attention(
+            q, k, v, blocks=BlockSizes(block_q=16)).astype(jnp.float32).sum()
+        text = str(jax.make_jaxpr(jax.grad(loss, argnums=(1, 2)))(q, k, k))
+        assert re.findall(r"= (pad|scatter-add)\[", text) == ["scatter-add"] * (2 * 3)
 
 
 class TestPallasAttention(AttentionSuite):

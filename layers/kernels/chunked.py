@@ -43,8 +43,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from layers.kernels.shared import (MASK_VALUE, BlockSizes, attention_dims, pad_axis,
-                                   softmax_scale, tile_mask)
+from layers.kernels.shared import (MASK_VALUE, BlockSizes, attention_dims, softmax_scale,
+                                   tile_mask)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,7 +170,8 @@ def _backward(plan: _Plan, residuals, do_BLGRK):
     def keys_major(d_BGKS, like_BGSK):  # -> [B, S, G, K] over all the call's keys
         if d_BGKS is None:
             return jnp.zeros_like(like_BGSK).transpose(0, 2, 1, 3)
-        d_BGKS = pad_axis(d_BGKS, 3, plan.keys) if d_BGKS.shape[3] < plan.keys else d_BGKS
+        if d_BGKS.shape[3] < plan.keys:  # keys past every chunk's prefix get no grad
+            d_BGKS = jnp.pad(d_BGKS, ((0, 0),) * 3 + ((0, plan.keys - d_BGKS.shape[3]),))
         return d_BGKS.transpose(0, 3, 1, 2).astype(like_BGSK.dtype)
 
     dq_BGRLK = jnp.concatenate(dq_chunks, axis=3)
