@@ -183,20 +183,14 @@ def _backward(plan: _Plan, residuals, do_BLGRK):
 def _attend(plan: _Plan):
     """The differentiable attention of one call, (q_BLGRK, k, v) -> o_BLGRK, or under
     `at` (q, k, v, q_pos_L, k_pos_S) -> o with the positions (int32) taking no cotangent."""
-    if plan.at:
-        @jax.custom_vjp
-        def attend(q, k, v, q_pos_L, k_pos_S):
-            return _forward(q, k, v, plan, (q_pos_L, k_pos_S))[0]
-
-        attend.defvjp(lambda q, k, v, *pos: _forward(q, k, v, plan, pos),
-                      lambda res, do: (*_backward(plan, res, do), None, None))
-        return attend
+    no_cotangents = (None, None) if plan.at else ()
 
     @jax.custom_vjp
-    def attend(q, k, v):
-        return _forward(q, k, v, plan)[0]
+    def attend(q, k, v, *pos):
+        return _forward(q, k, v, plan, pos or None)[0]
 
-    attend.defvjp(lambda q, k, v: _forward(q, k, v, plan), functools.partial(_backward, plan))
+    attend.defvjp(lambda q, k, v, *pos: _forward(q, k, v, plan, pos or None),
+                  lambda res, do: (*_backward(plan, res, do), *no_cotangents))
     return attend
 
 
@@ -219,16 +213,16 @@ def chunked_attention(q_BLHK, k_BSGK, v_BSGK, *, causal: bool = True, axes=None,
     T = min(blocks.block_q, L) if causal else L
     kv_len = dims.kv_len if kv_len is None else kv_len
     common = dict(causal=causal, scale=softmax_scale(K), kv_len=kv_len, keys=dims.kv_len)
-    if not static:  # every chunk against all the keys, masked at the traced positions
-        chunks = tuple((start, min(start + T, L), dims.kv_len) for start in range(0, L, T))
-        q_pos_L = jnp.asarray(q_offset, jnp.int32) + jnp.arange(L, dtype=jnp.int32)
-        k_pos_S = jnp.asarray(k_offset, jnp.int32) + jnp.arange(dims.kv_len, dtype=jnp.int32)
-        o_BLGRK = _attend(_Plan(chunks=chunks, at=True, **common))(
-            q_BLGRK, k_BSGK, v_BSGK, q_pos_L, k_pos_S)
-        return o_BLGRK.reshape(B, L, H, K)
-    # each chunk against the keys up to its last query (by global position)
-    chunks = tuple((start, min(start + T, L),
-                    min(max(q_offset + min(start + T, L) - k_offset, 0), dims.kv_len)
-                    if causal else dims.kv_len) for start in range(0, L, T))
-    plan = _Plan(chunks=chunks, q_start=q_offset, k_start=k_offset, **common)
-    return _attend(plan)(q_BLGRK, k_BSGK, v_BSGK).reshape(B, L, H, K)
+    spans = [(start, min(start + T, L)) for start in range(0, L, T)]
+    if static:  # each chunk against the keys up to its last query (by global position)
+        seen = lambda stop: (min(max(q_offset + stop - k_offset, 0), dims.kv_len) if causal
+                             else dims.kv_len)
+        plan = _Plan(chunks=tuple((start, stop, seen(stop)) for start, stop in spans),
+                     q_start=q_offset, k_start=k_offset, **common)
+        pos = ()
+    else:  # every chunk against all the keys, masked at the traced positions
+        plan = _Plan(chunks=tuple((start, stop, dims.kv_len) for start, stop in spans),
+                     at=True, **common)
+        pos = (jnp.asarray(q_offset, jnp.int32) + jnp.arange(L, dtype=jnp.int32),
+               jnp.asarray(k_offset, jnp.int32) + jnp.arange(dims.kv_len, dtype=jnp.int32))
+    return _attend(plan)(q_BLGRK, k_BSGK, v_BSGK, *pos).reshape(B, L, H, K)
