@@ -28,6 +28,14 @@ JSON): `noise`, how far two halves of one candidate's steps disagree
 (`bench.timing.split_half_noise`), and `same_program_gap`, how far apart one program
 measured in two axis orders (fsdp4xtp2 and tp2xfsdp4 are one traced step: their gap is
 the host's), over the fastest steps and round by round (`_paired`).
+
+The best of many noisy candidates is picked partly for a lucky step, so the ratios above
+lean against the first choice. A head-to-head run then settles it (`--confirm` rounds,
+0 to skip): the first choice and its closest rival (the measured best, or the runner-up
+when the first choice measured best) timed alone, alternating, after the main run, with
+the same compiled steps. `auto_vs_best_confirmed` is the first choice's fastest step
+over the rival's in that run, `auto_vs_best_confirmed_paired` the median of the rounds'
+ratios; below 1, the first choice held its place.
 """
 from __future__ import annotations
 
@@ -59,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--rounds", type=int, default=9,
                    help="round-robin passes over the candidates; each one's fastest timed "
                         "step is kept (other jobs on shared cores only slow a step)")
+    g.add_argument("--confirm", type=int, default=8, metavar="R",
+                   help="rounds of the head-to-head run of the first choice against its "
+                        "closest rival after the main run (0 = none)")
     g.add_argument("--calibration", default=None,
                    help="cpu profile JSON (bench/calibrate.py --out); default: the one "
                         "bench/calibrate.py writes, else the built-in defaults")
@@ -124,10 +135,11 @@ def same_program_gaps(cands, times) -> tuple[float, float] | None:
             max(spread(paired_ratio(a, b)) for a, b in pairs))
 
 
-def measure(cands, tcfg, steps: int, rounds: int, say=print) -> list[list[float]]:
-    """Every candidate's timed step seconds, `rounds` x `steps` of them: each compiled
-    and run one untimed warm-up step, then `rounds` round-robin passes that time `steps`
-    steps of one candidate back to back before the next (bench/timing.round_robin)."""
+def measure(cands, tcfg, steps: int, rounds: int, say=print) -> tuple[list, list]:
+    """(every candidate's timed step seconds, `rounds` x `steps` of them; the compiled
+    steps with their state, for `round_robin`): each compiled and run one untimed
+    warm-up step, then `rounds` round-robin passes that time `steps` steps of one
+    candidate back to back before the next (bench/timing.round_robin)."""
     from bench.timing import round_robin, timed_step
 
     held = []
@@ -137,13 +149,32 @@ def measure(cands, tcfg, steps: int, rounds: int, say=print) -> list[list[float]
         held.append([step, params, opt_state, tokens])
         say(f"  {i + 1}/{len(cands)} {p.candidate.describe()}: predicted {p.step_s:.4g} s, "
             f"warm-up step {seconds:.4g} s", flush=True)
-    return round_robin(held, rounds, steps, say=lambda line: say(line, flush=True))
+    return round_robin(held, rounds, steps, say=lambda line: say(line, flush=True)), held
+
+
+def rival(times) -> int:
+    """The index of the first choice's (index 0) closest rival: the candidate other than
+    it with the fastest step."""
+    return min(range(1, len(times)), key=lambda j: min(times[j]))
+
+
+def head_to_head(held, j: int, rounds: int, steps: int, say=print) -> dict:
+    """The first choice (held[0]) and candidate j timed alone, alternating, `rounds`
+    passes of `steps` steps each: their step seconds, the fastest-step ratio, the median
+    of the rounds' ratios and the split-half noise of the two."""
+    from bench.timing import paired_ratio, round_robin, split_half_noise
+
+    a, b = round_robin([held[0], held[j]], rounds, steps,
+                       say=lambda line: say(line, flush=True))
+    return {"against": j, "rounds": rounds, "first_s": a, "rival_s": b,
+            "fastest_ratio": min(a) / min(b), "paired_ratio": paired_ratio(a, b),
+            "noise": split_half_noise([a, b])}
 
 
 def main(argv=None) -> int:
     cfg, tcfg, _, _, mine = parse_or_exit(argv, build_parser())
     minimum = {"devices": 1, "top": 1, "random": 0, "timed_steps": 1, "rounds": 1,
-               "refine": 0}
+               "refine": 0, "confirm": 0}
     problems = [f"{k}={getattr(mine, k)} must be >= {m}" for k, m in minimum.items()
                 if getattr(mine, k) < m]
     if problems:
@@ -189,7 +220,7 @@ def main(argv=None) -> int:
           f"here); measuring {len(chosen)} on {mine.devices} host devices, "
           f"{mine.rounds} round(s) of {mine.timed_steps} step(s) each")
     load = [os.getloadavg()[0]]
-    times = measure(chosen, tcfg, mine.timed_steps, mine.rounds)
+    times, held = measure(chosen, tcfg, mine.timed_steps, mine.rounds)
     load.append(os.getloadavg()[0])
     measured = [min(t) for t in times]
     medians = [statistics.median(t) for t in times]
@@ -229,6 +260,18 @@ def main(argv=None) -> int:
           + ("" if gaps is None else f"; one program in two axis orders measured up to "
              f"{100 * gaps[0]:.1f}% apart (fastest steps), {100 * gaps[1]:.1f}% round by "
              f"round"))
+    confirmed = None
+    if mine.confirm and len(chosen) > 1:
+        j = rival(times)
+        print(f"head to head: the first choice against {chosen[j].candidate.describe()}, "
+              f"{mine.confirm} round(s)")
+        confirmed = head_to_head(held, j, mine.confirm, mine.timed_steps)
+        load.append(os.getloadavg()[0])
+        print(f"head to head: the first choice {min(confirmed['first_s']):.4g} s, its rival "
+              f"{min(confirmed['rival_s']):.4g} s (fastest steps): auto_vs_best_confirmed "
+              f"{confirmed['fastest_ratio']:.3f}, {confirmed['paired_ratio']:.3f} round by "
+              f"round; halves disagree by up to {100 * confirmed['noise']:.1f}% (load average "
+              f"{load[-1]:.1f} after)")
     if mine.json:
         Path(mine.json).write_text(json.dumps({
             "spearman": rho, "spearman_without_pp": rho_flat, "auto_vs_best": auto_vs_best,
@@ -237,6 +280,10 @@ def main(argv=None) -> int:
             "timed_steps": mine.timed_steps, "rounds": mine.rounds, "load_average": load,
             "noise": noise, "same_program_gap": None if gaps is None else gaps[0],
             "same_program_gap_paired": None if gaps is None else gaps[1],
+            "auto_vs_best_confirmed": confirmed and confirmed["fastest_ratio"],
+            "auto_vs_best_confirmed_paired": confirmed and confirmed["paired_ratio"],
+            "confirmed_against": confirmed and chosen[confirmed["against"]].candidate.describe(),
+            "head_to_head": confirmed,
             "candidates": [dict(p.record(), measured_step_s=m, median_step_s=med,
                                 step_times_s=t, predicted_rank=float(a),
                                 measured_rank=float(b))

@@ -62,7 +62,7 @@ def test_plan_check_times_single_steps_round_robin_after_a_warm_up(monkeypatch):
         *step(params, opt, tokens), float(next(clock))))
     cands = [SimpleNamespace(candidate=SimpleNamespace(describe=lambda n=n: n), step_s=1.0)
              for n in "abc"]
-    times = plan_check.measure(cands, None, steps=1, rounds=3, say=lambda *a, **k: None)
+    times, held = plan_check.measure(cands, None, steps=1, rounds=3, say=lambda *a, **k: None)
     # one warm-up each, then the candidates in turn, one step at a time
     assert calls == ["a", "b", "c"] + ["a", "b", "c"] * 3
     assert [len(t) for t in times] == [3, 3, 3]
@@ -81,6 +81,19 @@ def test_plan_check_times_single_steps_round_robin_after_a_warm_up(monkeypatch):
     calls.clear()
     plan_check.measure(cands[:2], None, steps=2, rounds=2, say=lambda *a, **k: None)
     assert calls == ["a", "b", "a", "a", "b", "b", "a", "a", "b", "b"]
+    # the head-to-head run reuses the compiled steps and their state: the first choice
+    # against the candidate other than it with the fastest step, alternating
+    assert plan_check.rival(times) == 1
+    assert plan_check.rival([[1.0], [3.0, 2.5], [2.6]]) == 1
+    assert plan_check.rival([[9.0], [3.0], [2.6]]) == 2
+    calls.clear()
+    h = plan_check.head_to_head(held, 2, rounds=3, steps=1, say=lambda *a, **k: None)
+    assert calls == ["a", "c"] * 3
+    assert held[0][1] == 7 and held[2][1] == 7  # 1 warm-up + 3 rounds + 3 more each
+    t0 = h["first_s"][0]
+    assert h["first_s"] == [t0, t0 + 2, t0 + 4] and h["rival_s"] == [t0 + 1, t0 + 3, t0 + 5]
+    assert h["fastest_ratio"] == pytest.approx(t0 / (t0 + 1))
+    assert h["paired_ratio"] == pytest.approx(timing.paired_ratio(h["first_s"], h["rival_s"]))
 
 
 def test_published_plan_names_what_changed_and_refuses_bad_flags(capsys):
