@@ -27,6 +27,7 @@ it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import multiprocessing
 import os
 import sys
@@ -266,8 +267,8 @@ def timed_prices(priced: list, tcfg: TrainConfig, hw, n: int, devices,
                  time_dots=None) -> tuple[list, object]:
     """`priced` [Priced] priced again with every matmul of their steps timed on the first
     n of `devices`, all at once (engine/cost/microbench.py `dot_seconds`, as
-    `bench/roofline.py`'s in-run profile times them), instead of the profile's one
-    matmul rate. Returns ([Priced] in the same order, the profile with those times).
+    `bench/roofline.py`'s in-run profile times them, here the fastest of `DOT_PASSES`
+    passes), instead of the profile's one matmul rate. Returns ([Priced] in the same order, the profile with those times).
     `time_dots(rows, mesh)` -> {Row.dot: seconds} replaces the timing (tests)."""
     from engine.cost import cache
     from engine.cost.microbench import dot_seconds, flat_mesh
@@ -282,7 +283,8 @@ def timed_prices(priced: list, tcfg: TrainConfig, hw, n: int, devices,
                                                    hw.bf16_collectives_in_f32)[0]
     todo = [r for rows in rows_of.values() for r in rows
             if r.dot is not None and r.dot not in hw.dot_seconds]
-    timed = (time_dots or dot_seconds)(todo, flat_mesh(list(devices)[:n])) if todo else {}
+    time_dots = time_dots or functools.partial(dot_seconds, passes=DOT_PASSES)
+    timed = time_dots(todo, flat_mesh(list(devices)[:n])) if todo else {}
     hw = dataclasses.replace(hw, dot_seconds={**hw.dot_seconds, **timed})
     out = []
     for p in priced:
@@ -302,6 +304,15 @@ def timed_prices(priced: list, tcfg: TrainConfig, hw, n: int, devices,
 # timed, every candidate predicted within this fraction of the first (`refine`): a search
 # margin, about twice that error, not a price.
 REFINE_WITHIN = 0.15
+
+# Passes over the refined candidates' matmuls, each dot's fastest kept (`dot_seconds`).
+# `python bench/dot_passes.py --model medium --calibration cal.json` (one and three
+# passes alternating, six timings each, load average 1.6-4.5 from other jobs,
+# 2026-11-27): timed in one pass, the dots put fsdp4xtp2's predicted step (zero 3,
+# tp_comm sequence, remat full) at 0.892-1.148 of fsdp8's (standard deviation 0.085);
+# in three, at 0.965-1.010 (0.017). One pass took 6.6-12.8 s, three 8.3-9.8 s: building
+# every dot's programs comes first and once.
+DOT_PASSES = 3
 
 
 def refine(ranked: list, tcfg: TrainConfig, hw, n: int, devices,

@@ -130,3 +130,18 @@ def test_switches_order_check_counts_only_pairs_apart_by_more_than_the_noise():
     assert [q["right"] for q in pairs] == [True, False, True, False, True]
     assert pairs[0]["measured_gap"] == pytest.approx(0.2)
     assert order_pairs(predicted, measured, noise=0.5) == []
+
+
+def test_dot_passes_keeps_the_shared_flags_and_refuses_bad_counts(capsys):
+    """bench/dot_passes.py: its own flags (and their values) are taken out of what every
+    candidate parses; pass counts below 1 are one line, exit 2."""
+    from bench import dot_passes
+
+    own = dot_passes.own_parser()
+    argv = ["--model", "tiny", "--passes", "1,3", "--candidate", "fsdp8 --zero 3", "--seq=64",
+            "--repeats=2", "--batch", "8"]
+    assert dot_passes.model_argv(own, argv) == ["--model", "tiny", "--seq=64", "--batch", "8"]
+    for bad in (["--passes", "0"], ["--passes", "1,x"], ["--repeats", "0"]):
+        assert dot_passes.main(["--model", "tiny", *bad]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: --passes") and err.count("\n") == 1

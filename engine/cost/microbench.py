@@ -63,22 +63,33 @@ def flat_mesh(devices) -> Mesh:
     return Mesh(np.array(devices), ("d",))
 
 
-def _per_device(mesh: Mesh, fn, shapes_dtypes, reps: int = 5) -> float:
-    """Wall seconds of `fn` run on every device at once, each on its own operands of
-    `shapes_dtypes` [(shape, dtype)], less the dispatch time of a trivial program on the
-    same operands (ops inside the compiled step do not pay it)."""
+def _device_timer(mesh: Mesh, fn, shapes_dtypes, reps: int = 5):
+    """A function of no arguments that returns the wall seconds of `fn` run on every
+    device at once, each on its own operands of `shapes_dtypes` [(shape, dtype)], less
+    the dispatch time of a trivial program on the same operands (ops inside the compiled
+    step do not pay it). Compiled once, timed at each call; the operands are made for
+    each call and dropped after it, so many timers hold no device memory."""
     n = mesh.size
     sharding = NamedSharding(mesh, P("d"))
-    args = [jax.device_put(jnp.full((n, *shape), 0.5, dtype), sharding)
-            for shape, dtype in shapes_dtypes]
 
     def compiled(g):
         return jax.jit(jax.shard_map(lambda *xs: g(*(x[0] for x in xs))[None], mesh=mesh,
                                      in_specs=P("d"), out_specs=P("d")))
 
     trivial = lambda *xs: sum(x.reshape(-1)[:1].astype(jnp.float32) for x in xs)
-    t = timed(compiled(fn), *args, reps=reps)
-    return max(t - timed(compiled(trivial), *args, reps=reps), 1e-7)
+    program, dispatch = compiled(fn), compiled(trivial)
+
+    def seconds():
+        args = [jax.device_put(jnp.full((n, *shape), 0.5, dtype), sharding)
+                for shape, dtype in shapes_dtypes]
+        return max(timed(program, *args, reps=reps) - timed(dispatch, *args, reps=reps),
+                   1e-7)
+    return seconds
+
+
+def _per_device(mesh: Mesh, fn, shapes_dtypes, reps: int = 5) -> float:
+    """Wall seconds of `fn` run on every device at once (`_device_timer`), timed once."""
+    return _device_timer(mesh, fn, shapes_dtypes, reps)()
 
 
 def _looped(body, k: int):
@@ -107,7 +118,7 @@ def canonical_dot(lhs: tuple, rhs: tuple, dims) -> tuple[tuple, tuple]:
     return (batch, m, k), (batch, k, n)
 
 
-def dot_seconds(rows, mesh: Mesh, canonical: bool = False) -> dict:
+def dot_seconds(rows, mesh: Mesh, canonical: bool = False, passes: int = 1) -> dict:
     """{Row.dot: seconds of one execution on every device at once} for every distinct dot,
     timed as written (row-major operands, so the transposes XLA adds around a dot whose
     dims are not in [batch, M, K] x [batch, K, N] order are in its time), or with
@@ -117,10 +128,15 @@ def dot_seconds(rows, mesh: Mesh, canonical: bool = False) -> dict:
     canonical at -12.5%, -7.4%, -15.9%, -10.0% (single, fsdp8, fsdp4xtp2,
     dp2xfsdp2xtp2). A dot of mixed operand dtypes (an f32 cotangent times a bf16 weight) is timed
     with both in the wider dtype: XLA converts the narrow one first, and that convert is
-    priced as a row of its own."""
-    out = {}
+    priced as a row of its own.
+
+    With `passes` > 1 every dot is timed again in each of that many passes over all of
+    them, and its fastest pass kept: on a shared host a slow spell falls on the dots
+    timed during it, and one pass over the dots of a few programs makes their ratios
+    move by far more than they differ (see `engine.plan.DOT_PASSES`)."""
+    timers = {}
     batched = (((2,), (1,)), ((0,), (0,)))
-    for key in {r.dot for r in rows if r.dot is not None}:
+    for key in sorted({r.dot for r in rows if r.dot is not None}, key=repr):
         lhs, rhs, lt, rt, dims, result = key
         if lt != rt:
             lt = rt = max(lt, rt, key=lambda d: jnp.dtype(d).itemsize)
@@ -128,7 +144,11 @@ def dot_seconds(rows, mesh: Mesh, canonical: bool = False) -> dict:
             lhs, rhs, dims = *canonical_dot(lhs, rhs, dims), batched
         fn = lambda a, b, dims=dims, result=result: lax.dot_general(
             a, b, dims, preferred_element_type=jnp.dtype(result))
-        out[key] = _per_device(mesh, fn, [(lhs, jnp.dtype(lt)), (rhs, jnp.dtype(rt))])
+        timers[key] = _device_timer(mesh, fn, [(lhs, jnp.dtype(lt)), (rhs, jnp.dtype(rt))])
+    out = {}
+    for _ in range(passes):
+        for key, time_it in timers.items():
+            out[key] = min(out.get(key, math.inf), time_it())
     return out
 
 
