@@ -68,6 +68,10 @@ def main(argv=None) -> int:
     keep_freed_memory()
     import jax
 
+    if len(jax.devices()) < mine.devices:
+        print(f"error: {mine.devices} devices wanted, {len(jax.devices())} available "
+              f"(XLA_FLAGS sets another count)", file=sys.stderr)
+        return 2
     from engine import plan
     from engine.cost import cache
     from engine.cost.hardware import ProfileError

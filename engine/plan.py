@@ -268,7 +268,8 @@ def timed_prices(priced: list, tcfg: TrainConfig, hw, n: int, devices,
     """`priced` [Priced] priced again with every matmul of their steps timed on the first
     n of `devices`, all at once (engine/cost/microbench.py `dot_seconds`, as
     `bench/roofline.py`'s in-run profile times them, here the fastest of `DOT_PASSES`
-    passes), instead of the profile's one matmul rate. Returns ([Priced] in the same order, the profile with those times).
+    passes), instead of the profile's one matmul rate. Returns ([Priced] in the same
+    order, the profile with those times).
     `time_dots(rows, mesh)` -> {Row.dot: seconds} replaces the timing (tests)."""
     from engine.cost import cache
     from engine.cost.microbench import dot_seconds, flat_mesh
