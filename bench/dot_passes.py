@@ -27,7 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.train import build_parser as train_parser  # noqa: E402
-from engine.train import force_host_devices, keep_freed_memory, parse_or_exit  # noqa: E402
+from engine.train import parse_or_exit  # noqa: E402
 
 CANDIDATES = ("fsdp8 --zero 3", "fsdp4xtp2 --zero 3 --tp-comm sequence",
               "fsdp4xtp2 --zero 2 --tp-comm sequence", "dp2xfsdp4 --zero 3")
@@ -64,25 +64,16 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
     cands = mine.candidate or list(CANDIDATES)
-    force_host_devices(mine.devices)
-    keep_freed_memory()
-    import jax
+    from bench.plan_check import host_profile
 
-    if len(jax.devices()) < mine.devices:
-        print(f"error: {mine.devices} devices wanted, {len(jax.devices())} available "
-              f"(XLA_FLAGS sets another count)", file=sys.stderr)
+    devices, hw = host_profile(mine.devices, mine.calibration)
+    if devices is None:
+        print(f"error: {hw}", file=sys.stderr)
         return 2
-    from engine import plan
     from engine.cost import cache
-    from engine.cost.hardware import ProfileError
     from engine.cost.microbench import dot_seconds, flat_mesh
     from engine.cost.pipeline import predict_step
 
-    try:
-        hw = plan.hardware_profile("cpu", mine.calibration)
-    except ProfileError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
     steps = []
     for c in cands:
         cfg, tcfg, parallel, layout, _ = parse_or_exit(
@@ -90,7 +81,7 @@ def main(argv=None) -> int:
         rows = cache.step_ledger(cfg, tcfg, layout, parallel, hw.bf16_collectives_in_f32)[0]
         steps.append((rows, layout, parallel))
     dots = [r for rows, _, _ in steps for r in rows if r.dot is not None]
-    mesh = flat_mesh(jax.devices()[:mine.devices])
+    mesh = flat_mesh(devices)
     print(f"{len({r.dot for r in dots})} distinct dots over {len(cands)} candidates; "
           f"baseline {cands[0]}")
     ratios = {p: [] for p in passes}

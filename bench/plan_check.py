@@ -171,6 +171,27 @@ def head_to_head(held, j: int, rounds: int, steps: int, say=print) -> dict:
             "noise": split_half_noise([a, b])}
 
 
+def host_profile(n: int, calibration: str | None) -> tuple:
+    """(the first n host-CPU devices, the cpu profile from `calibration`, else
+    bench/calibrate.py's file, else the built-in defaults), with n host devices forced
+    and freed memory kept; (None, a one-line reason) when fewer devices are available or
+    the calibration file is bad."""
+    force_host_devices(n)
+    keep_freed_memory()
+    import jax
+
+    from engine import plan
+    from engine.cost.hardware import ProfileError
+
+    if len(jax.devices()) < n:
+        return None, (f"{n} devices wanted, {len(jax.devices())} available (XLA_FLAGS sets "
+                      f"another count)")
+    try:
+        return jax.devices()[:n], plan.hardware_profile("cpu", calibration)
+    except ProfileError as e:
+        return None, str(e)
+
+
 def main(argv=None) -> int:
     cfg, tcfg, _, _, mine = parse_or_exit(argv, build_parser())
     minimum = {"devices": 1, "top": 1, "random": 0, "timed_steps": 1, "rounds": 1,
@@ -180,27 +201,16 @@ def main(argv=None) -> int:
     if problems:
         print(f"error: {'; '.join(problems)}", file=sys.stderr)
         return 2
-    force_host_devices(mine.devices)
-    keep_freed_memory()
-    import jax
+    devices, hw = host_profile(mine.devices, mine.calibration)
+    if devices is None:
+        print(f"error: {hw}", file=sys.stderr)
+        return 2
     from tabulate import tabulate
 
     from bench.timing import paired_ratio, split_half_noise
     from engine import plan
 
-    if len(jax.devices()) < mine.devices:
-        print(f"error: {mine.devices} devices wanted, {len(jax.devices())} available "
-              f"(XLA_FLAGS sets another count)", file=sys.stderr)
-        return 2
-    from engine.cost.hardware import ProfileError
-
-    try:
-        hw = plan.hardware_profile("cpu", mine.calibration)
-    except ProfileError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
     pinned = {"remat": mine.remat} if mine.remat else {}
-    devices = jax.devices()[:mine.devices]
     result = plan.plan(cfg, tcfg, mine.devices, hw, pinned=pinned, workers=2,
                        devices=devices, within=mine.refine)
     if not result.ranked:
