@@ -32,7 +32,8 @@ the host's), over the fastest steps and round by round (`_paired`).
 The best of many noisy candidates is picked partly for a lucky step, so the ratios above
 lean against the first choice. A head-to-head run then settles it (`--confirm` rounds,
 0 to skip): the first choice and its closest rival (the measured best, or the runner-up
-when the first choice measured best) timed alone, alternating, after the main run, with
+when the first choice measured best; not the first choice's own program in another axis
+order) timed alone, alternating, after the main run, with
 the same compiled steps. `auto_vs_best_confirmed` is the first choice's fastest step
 over the rival's in that run, `auto_vs_best_confirmed_paired` the median of the rounds'
 ratios; below 1, the first choice held its place.
@@ -152,10 +153,13 @@ def measure(cands, tcfg, steps: int, rounds: int, say=print) -> tuple[list, list
     return round_robin(held, rounds, steps, say=lambda line: say(line, flush=True)), held
 
 
-def rival(times) -> int:
+def rival(times, programs=None) -> int | None:
     """The index of the first choice's (index 0) closest rival: the candidate other than
-    it with the fastest step."""
-    return min(range(1, len(times)), key=lambda j: min(times[j]))
+    it with the fastest step, leaving out those of the same program (`programs[j]`, e.g.
+    fsdp4xtp2 and tp2xfsdp4: the same traced step, whose gap is the host's noise). None
+    when every other candidate is the first choice's program."""
+    others = [j for j in range(1, len(times)) if programs is None or programs[j] != programs[0]]
+    return min(others, key=lambda j: min(times[j]), default=None)
 
 
 def head_to_head(held, j: int, rounds: int, steps: int, say=print) -> dict:
@@ -271,8 +275,8 @@ def main(argv=None) -> int:
              f"{100 * gaps[0]:.1f}% apart (fastest steps), {100 * gaps[1]:.1f}% round by "
              f"round"))
     confirmed = None
-    if mine.confirm and len(chosen) > 1:
-        j = rival(times)
+    j = rival(times, [p.candidate.program for p in chosen]) if mine.confirm else None
+    if j is not None:
         print(f"head to head: the first choice against {chosen[j].candidate.describe()}, "
               f"{mine.confirm} round(s)")
         confirmed = head_to_head(held, j, mine.confirm, mine.timed_steps)

@@ -86,6 +86,9 @@ def test_plan_check_times_single_steps_round_robin_after_a_warm_up(monkeypatch):
     assert plan_check.rival(times) == 1
     assert plan_check.rival([[1.0], [3.0, 2.5], [2.6]]) == 1
     assert plan_check.rival([[9.0], [3.0], [2.6]]) == 2
+    # the first choice's own program in another axis order is not its rival
+    assert plan_check.rival([[9.0], [3.0], [2.6]], ["p", "q", "p"]) == 1
+    assert plan_check.rival([[9.0], [3.0]], ["p", "p"]) is None
     calls.clear()
     h = plan_check.head_to_head(held, 2, rounds=3, steps=1, say=lambda *a, **k: None)
     assert calls == ["a", "c"] * 3
