@@ -52,8 +52,7 @@ def main(argv=None) -> int:
     own = own_parser()
     parser = train_parser(prog="python bench/dot_passes.py", description=__doc__.split("\n\n")[0],
                           parents=[own], groups=("model", "training"))
-    mine, _ = own.parse_known_args(argv)
-    base = model_argv(own, argv)
+    mine, base = own.parse_known_args(argv)  # base: the flags every candidate shares
     parse_or_exit(argv, parser)  # --help and bad model flags: one line, exit 2
     try:
         passes = [int(p) for p in mine.passes.split(",")]
@@ -108,20 +107,6 @@ def main(argv=None) -> int:
     print(tabulate(table, ["passes", f"step over {cands[0]}'s", "min", "max", "std dev"],
                    disable_numparse=True))
     return 0
-
-
-def model_argv(own: argparse.ArgumentParser, argv: list[str]) -> list[str]:
-    """`argv` without this script's own flags and their values: the model and training
-    flags every candidate shares."""
-    flags = {s for a in own._actions for s in a.option_strings}
-    out, i = [], 0
-    while i < len(argv):
-        if argv[i].split("=")[0] in flags:
-            i += 1 if "=" in argv[i] else 2
-        else:
-            out.append(argv[i])
-            i += 1
-    return out
 
 
 if __name__ == "__main__":
