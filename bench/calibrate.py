@@ -49,7 +49,7 @@ from engine.cost.ledger import step_ledger  # noqa: E402
 from engine.layout import Layout  # noqa: E402
 from engine.train import keep_freed_memory  # noqa: E402
 from engine.cost.microbench import (arithmetic_chain, bandwidth, beside_cost,  # noqa: E402
-                                     call_overhead, cold_elems, collective_times,
+                                     cold_elems, collective_times,
                                      dot_seconds, exp_pass, fit, last_level_cache,
                                      stacking_bandwidth, timed)
 
@@ -111,8 +111,7 @@ def main(argv=None) -> int:
     # pricing rate: what the step's own dots reach with every device at once
     peak = {"float32": step_matmul_rate(mesh, "f32"), "bfloat16": step_matmul_rate(mesh, "bf16")}
     warm = last_level_cache() // (16 * 4 * mesh.size)  # two arrays per device: 1/8 of it in all
-    points = collective_times(mesh, [1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22],
-                              overhead=call_overhead(mesh))
+    points = collective_times(mesh, [1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22])
     profile = {
         "peak_flops": peak, "mfu_peak": mfu_peak, "matmul_measured": measured,
         "hbm": host_bandwidth(mesh, warm, k=20),

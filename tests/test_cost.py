@@ -378,6 +378,36 @@ def test_dot_seconds_keeps_each_dots_fastest_pass(monkeypatch):
     assert calls == dots
 
 
+def test_paired_seconds_subtracts_each_dispatch_timed_beside_its_program(monkeypatch):
+    """The program and its dispatch are timed in alternating pairs and the median of
+    the pairs' differences kept: a dispatch slowed by a busy moment is subtracted from
+    the program timed beside it, not from every collective (the old single dispatch
+    timing, larger than a small collective's whole time, priced it at nothing)."""
+    from engine.cost import microbench
+
+    now, order = [0.0], []
+    monkeypatch.setattr(microbench.time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(microbench.jax, "block_until_ready", lambda x: x)
+    program_s = iter([9.0, 3.0, 4.0, 8.0, 3.5, 5.0])  # warm-up first
+    dispatch_s = iter([9.0, 1.0, 2.5, 6.0, 1.0, 4.5])
+
+    def run(name, seconds):
+        def f(x):
+            order.append(name)
+            now[0] += next(seconds)
+            return x
+        return f
+
+    got = microbench.paired_seconds(run("p", program_s), run("d", dispatch_s), 0, reps=5)
+    assert order == ["p", "d"] + ["p", "d"] * 5
+    assert got == 2.0  # differences 2, 1.5, 2, 2.5, 0.5: median 2
+    order.clear()
+    slower_dispatch = iter([1.0] * 6)
+    faster_program = iter([0.5] * 6)
+    assert microbench.paired_seconds(run("p", faster_program), run("d", slower_dispatch), 0,
+                                     reps=5) == 1e-7
+
+
 def test_replica_groups_read_alike_in_both_hlo_spellings():
     """jax 0.10's XLA lists device ids, jax 0.12's names mesh axes; both give the same
     groups (a (2, 2, 2) mesh, a collective over its first and last axes)."""

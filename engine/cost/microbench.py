@@ -58,6 +58,31 @@ def timed(f, *args, reps: int = 5) -> float:
     return statistics.median(ts)
 
 
+def paired_seconds(f, base, *args, reps: int = 5) -> float:
+    """Median over `reps` back-to-back pairs of (seconds of `f(*args)` less seconds of
+    `base(*args)`), after one warm-up call of each: the time `f` adds to a program
+    `base` stands for (its dispatch), the two timed moments apart so the host's load
+    moves both alike. At least 1e-7."""
+    jax.block_until_ready(f(*args))
+    jax.block_until_ready(base(*args))
+    diffs = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(*args))
+        t1 = time.perf_counter()
+        jax.block_until_ready(base(*args))
+        diffs.append((t1 - t0) - (time.perf_counter() - t1))
+    return max(statistics.median(diffs), 1e-7)
+
+
+def dispatch_program(mesh: Mesh, spec):
+    """A trivial all-device program on operands sharded as `spec`: what calling a
+    compiled program costs, which the ops inside the step do not pay."""
+    return jax.jit(jax.shard_map(lambda *xs: sum(x.reshape(-1)[:1].astype(jnp.float32)
+                                                 for x in xs),
+                                 mesh=mesh, in_specs=spec, out_specs=spec))
+
+
 def flat_mesh(devices) -> Mesh:
     """One axis "d" over `devices`: each times the same program on its own operands."""
     return Mesh(np.array(devices), ("d",))
@@ -76,14 +101,12 @@ def _device_timer(mesh: Mesh, fn, shapes_dtypes, reps: int = 5):
         return jax.jit(jax.shard_map(lambda *xs: g(*(x[0] for x in xs))[None], mesh=mesh,
                                      in_specs=P("d"), out_specs=P("d")))
 
-    trivial = lambda *xs: sum(x.reshape(-1)[:1].astype(jnp.float32) for x in xs)
-    program, dispatch = compiled(fn), compiled(trivial)
+    program, dispatch = compiled(fn), dispatch_program(mesh, P("d"))
 
     def seconds():
         args = [jax.device_put(jnp.full((n, *shape), 0.5, dtype), sharding)
                 for shape, dtype in shapes_dtypes]
-        return max(timed(program, *args, reps=reps) - timed(dispatch, *args, reps=reps),
-                   1e-7)
+        return paired_seconds(program, dispatch, *args, reps=reps)
     return seconds
 
 
@@ -96,15 +119,6 @@ def _looped(body, k: int):
     """x -> body applied k times in a while loop (each pass depends on the last), so
     one dispatch is amortized over k executions."""
     return lambda x, *rest: lax.fori_loop(0, k, lambda _, y: body(y, *rest), x)
-
-
-def call_overhead(mesh: Mesh) -> float:
-    """Seconds of dispatching a trivial all-device program (subtracted from collective
-    timings, which ops inside the compiled step do not pay)."""
-    n = mesh.size
-    x = jax.device_put(jnp.ones((n, 8)), NamedSharding(mesh, P("d")))
-    f = jax.jit(jax.shard_map(lambda x: x + 1, mesh=mesh, in_specs=P("d"), out_specs=P("d")))
-    return timed(f, x, reps=9)
 
 
 def canonical_dot(lhs: tuple, rhs: tuple, dims) -> tuple[tuple, tuple]:
@@ -250,17 +264,19 @@ COLLECTIVE_OPS = {
 }
 
 
-def _collective_run(kind: str, mesh: Mesh, axes, elems: int, dtype, reps: int,
-                    overhead: float) -> float:
+def _collective_run(kind: str, mesh: Mesh, axes, elems: int, dtype, reps: int) -> float:
     """Seconds of one `kind` over the mesh axis "d", every device holding `elems`
-    elements of `dtype` (the array sharded over `axes`), less `overhead`."""
+    elements of `dtype` (the array sharded over `axes`), less the dispatch of a trivial
+    program on the same operands, timed in pairs with it (`paired_seconds`): a dispatch
+    timed once for all of them, a moment of load apart, was larger than a small
+    collective's whole time and priced it at nothing."""
     spec = P(axes)
     f = jax.jit(jax.shard_map(COLLECTIVE_OPS[kind], mesh=mesh, in_specs=spec, out_specs=spec))
     x = jax.device_put(jnp.ones((mesh.size * elems,), dtype), NamedSharding(mesh, spec))
-    return max(timed(f, x, reps=reps) - overhead, 1e-7)
+    return paired_seconds(f, dispatch_program(mesh, spec), x, reps=reps)
 
 
-def collective_times(mesh: Mesh, sizes_bytes, reps: int = 5, overhead: float = 0.0) -> dict:
+def collective_times(mesh: Mesh, sizes_bytes, reps: int = 5) -> dict:
     """{kind: [(bytes as the ledger counts them, seconds)]} over one axis of all devices.
     Ledger bytes: the gathered output for all-gather, the pre-reduce input otherwise."""
     n = mesh.size
@@ -270,11 +286,11 @@ def collective_times(mesh: Mesh, sizes_bytes, reps: int = 5, overhead: float = 0
         for nbytes in sizes_bytes:
             per_device = nbytes // n if kind == "all-gather" else nbytes
             out[kind].append((nbytes, _collective_run(kind, mesh, "d", per_device // 4,
-                                                      jnp.float32, reps, overhead)))
+                                                      jnp.float32, reps)))
     return out
 
 
-def group_collective_seconds(rows, devices, reps: int = 5, overhead: float = 0.0) -> dict:
+def group_collective_seconds(rows, devices, reps: int = 5) -> dict:
     """{price.collective_key: seconds of one execution} for every distinct collective of
     the ledger: the devices split into groups of the row's size, every group running it
     at once on operands of its bytes and dtype (the step runs a sub-axis collective in
@@ -290,7 +306,7 @@ def group_collective_seconds(rows, devices, reps: int = 5, overhead: float = 0.0
         dt = jnp.dtype(dtype)
         per_device = nbytes // g if kind == "all-gather" else nbytes
         elems = max(per_device // dt.itemsize // g * g, g)
-        out[key] = _collective_run(kind, mesh, ("r", "d"), elems, dt, reps, overhead)
+        out[key] = _collective_run(kind, mesh, ("r", "d"), elems, dt, reps)
     return out
 
 
@@ -348,18 +364,17 @@ def in_run_profile(hw: Hardware, rows, devices, collective_sizes=None) -> Hardwa
     is then not multiplied by the device count (`concurrent_rates`: the measurements
     already share the host)."""
     mesh = flat_mesh(devices)
-    overhead = call_overhead(mesh)
     elems = typical_elems(rows)
     fit_, measured, beside = dict(hw.collective_fit), {}, 0.0
     if mesh.size > 1:
-        measured = group_collective_seconds(rows, devices, overhead=overhead)
+        measured = group_collective_seconds(rows, devices)
         beside = beside_cost(mesh)
         big = max((r.bytes for r in rows if r.kind == "collective"), default=1 << 20)
         sizes = collective_sizes or sorted({1 << 14, 1 << 17, 1 << 20,
                                             max(1 << 14, int(big) // 64 * 64)})
         sizes = [s - s % (4 * mesh.size) for s in sizes]
         fit_ = {k: fit(k, pts, mesh.size)
-                for k, pts in collective_times(mesh, sizes, overhead=overhead).items()}
+                for k, pts in collective_times(mesh, sizes).items()}
     return dataclasses.replace(
         hw, dot_seconds=dot_seconds(rows, mesh),
         hbm=bandwidth(mesh, elems), cold_hbm=bandwidth(mesh, cold_elems(), k=2),
