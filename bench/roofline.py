@@ -7,7 +7,9 @@
 Takes the training CLI's model and layout flags (`engine.train.build_parser`). Without
 --predict-only it compiles the step on forced host devices, audits its collectives
 against the ledger, times `--steps` steps (median wall clock) and attributes the time of
-`--trace-steps` profiled steps to ledger categories (engine/cost/trace.py).
+`--trace-steps` profiled steps to ledger categories (engine/cost/trace.py). On the cpu
+profile with in-run rates the rates are measured `--rounds` times, each just before its
+share of the timed steps.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import dataclasses
 import importlib.util
 import json
 import os
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -41,6 +44,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "before the step is timed, each dot at its own shapes, all devices "
                         "at once (engine/cost/microbench.py), instead of the calibration file")
     g.add_argument("--trace-steps", type=int, default=2, help="steps to profile")
+    g.add_argument("--rounds", type=int, default=3,
+                   help="cpu with in-run rates: measure the rates this many times, each "
+                        "just before its share of the timed steps (the shared host's "
+                        "speed drifts within a run); the report prices with the round "
+                        "whose prediction is the median, and --json pairs every round's "
+                        "predicted and measured step")
     g.add_argument("--json", default=None, help="write figures as JSON")
     g.add_argument("--top-ops", type=int, default=0, metavar="N",
                    help="when running: also list the N compiled ops that took the most "
@@ -56,18 +65,29 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def measure(cfg, tcfg, layout, trainer, steps: int, trace_steps: int):
-    """(median step seconds, attributed {category: s}, hlo text, {op: (s, runs)} per
-    compiled op, {op: trace.OpInfo})."""
+def measure(layout, trainer, steps: int, trace_steps: int, rounds: int = 1, before=None):
+    """(median step seconds, [each round's step seconds], [what `before` returned each
+    round], attributed {category: s}, hlo text, {op: (s, runs)} per compiled op,
+    {op: trace.OpInfo}). After one warm-up step, `rounds` rounds each call `before`
+    (if given: the in-run rates) and then time their share of the `steps` steps
+    (rounded up), so rates and steps sample the shared host over the same minutes."""
     import jax
 
-    from bench.timing import compiled_step, time_steps
+    from bench.timing import compiled_step, timed_step
     from engine.cost import trace
     from engine.cost.audit import axes_by_groups
 
     step, params, opt_state, tokens, _ = compiled_step(trainer)
     text = step.as_text()
-    step_s, params, opt_state, _ = time_steps(step, params, opt_state, tokens, steps)
+    params, opt_state, _, _ = timed_step(step, params, opt_state, tokens)
+    made, times = [], []
+    for _ in range(rounds):
+        made.append(before() if before else None)
+        times.append([])
+        for _ in range(max(1, -(-steps // rounds))):
+            params, opt_state, _, seconds = timed_step(step, params, opt_state, tokens)
+            times[-1].append(seconds)
+    step_s = statistics.median(t for ts in times for t in ts)
     with tempfile.TemporaryDirectory() as d:
         with jax.profiler.trace(d):
             for _ in range(trace_steps):
@@ -75,7 +95,7 @@ def measure(cfg, tcfg, layout, trainer, steps: int, trace_steps: int):
                 jax.block_until_ready(m)
         events = trace.op_events(d)
     info = trace.classify(text, axes_by_groups(layout.mesh_axes()))
-    return (step_s, trace.attribute(events, info, step_s, trace_steps), text,
+    return (step_s, times, made, trace.attribute(events, info, step_s, trace_steps), text,
             trace.op_seconds(events, info, step_s, trace_steps), info)
 
 
@@ -103,6 +123,8 @@ def flag_problem(mine) -> str | None:
         return f"--calibration is the cpu profile; --hardware {mine.hardware} does not use it"
     if mine.trace_steps < 1:
         return f"trace_steps={mine.trace_steps} must be >= 1"
+    if mine.rounds < 1:
+        return f"rounds={mine.rounds} must be >= 1"
     if mine.top_ops < 0:
         return f"top_ops={mine.top_ops} must be >= 0"
     if mine.top_ops and mine.predict_only:
@@ -145,22 +167,34 @@ def main(argv=None) -> int:
     from engine.cost.price import mfu_peak, model_flops, predicted_mfu
 
     rows = step_ledger(cfg, tcfg, layout, parallel, hw.bf16_collectives_in_f32)
-    measured, step_s, audit_clean, orows = None, None, None, []
-    if not mine.predict_only:
+    measured, step_s, audit_clean, orows, rounds = None, None, None, [], None
+    if mine.predict_only:
+        pred, pipe = predict_step(rows, hw, layout, parallel)
+    else:
         from engine.cost.audit import audit
         from engine.step import Trainer
 
         trainer = Trainer(cfg, tcfg, layout, layout.mesh(), parallel)
+        dtype = "bfloat16" if cfg.dtype == "bf16" else "float32"
+        hw = dataclasses.replace(hw, mfu_peak={dtype: run_peak(cfg, trainer)})
+        before, n_rounds = None, 1
         if mine.hardware == "cpu" and mine.in_run_rates:
             from engine.cost.microbench import in_run_profile
 
-            hw = in_run_profile(hw, rows, trainer.mesh.devices.flatten().tolist())
-        dtype = "bfloat16" if cfg.dtype == "bf16" else "float32"
-        hw = dataclasses.replace(hw, mfu_peak={dtype: run_peak(cfg, trainer)})
-    pred, pipe = predict_step(rows, hw, layout, parallel)
-    if not mine.predict_only:
-        step_s, measured, text, op_s, info = measure(cfg, tcfg, layout, trainer, tcfg.steps,
-                                                     mine.trace_steps)
+            devices = trainer.mesh.devices.flatten().tolist()
+            before = lambda: in_run_profile(hw, rows, devices)  # noqa: E731
+            n_rounds = mine.rounds
+        step_s, times, profiles, measured, text, op_s, info = measure(
+            layout, trainer, tcfg.steps, mine.trace_steps, n_rounds, before)
+        priced = [predict_step(rows, p or hw, layout, parallel) + (p or hw,)
+                  for p in profiles]
+        pred, pipe, hw = sorted(priced, key=lambda x: x[0].step_s)[(len(priced) - 1) // 2]
+        rounds = [{"predicted_s": q.step_s, "measured_s": statistics.median(ts)}
+                  for (q, _, _), ts in zip(priced, times)]
+        if len(rounds) > 1:
+            print("rounds (rates measured, then steps timed): " + "; ".join(
+                f"{r['predicted_s']:.4g} / {r['measured_s']:.4g} s" for r in rounds)
+                + " predicted / measured")
         if mine.top_ops:
             orows = report.op_table(op_s, info, text, mine.top_ops)
         a = audit(rows, text, layout.mesh_axes(), "cpu")
@@ -245,6 +279,8 @@ def main(argv=None) -> int:
             "predicted_bubble": None if pipe is None else pipe.bubble,
             "schedule_bubble": None if pipe is None else pipe.schedule_bubble,
             "predicted_comm_s": pred.comm_s, "predicted_exposed_comm_s": pred.exposed_comm_s,
+            # per round: the rates measured, then its share of the timed steps (median)
+            "rounds": rounds,
             "scopes": [dict(zip(["scope", "flops", "bytes", "intensity", "bound",
                                  "predicted_s", "measured_s", "error_fraction"], r))
                        for r in srows],

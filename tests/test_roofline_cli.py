@@ -64,6 +64,11 @@ def test_output_paths_checked_up_front(tmp_path, refused, flag):
             "does not exist")
 
 
+@pytest.mark.parametrize("flag", ["--rounds", "--trace-steps"])
+def test_counts_below_one_are_refused(refused, flag):
+    refused(TINY + [flag, "0"], f"{flag[2:].replace('-', '_')}=0")
+
+
 def test_top_ops_needs_a_measured_run(refused):
     refused(TINY + ["--top-ops", "-1"], "top_ops=-1")
     refused(TINY + ["--top-ops", "3"], "--top-ops", "--predict-only")
@@ -84,6 +89,38 @@ def test_top_ops_of_a_measured_run(tmp_path, capsys):
     assert [o["measured_s"] for o in ops] == sorted((o["measured_s"] for o in ops), reverse=True)
     assert 0 < sum(o["measured_s"] for o in ops) <= data["measured_step_s"] * (1 + 1e-9)
     assert {o["kind"] for o in ops} <= {"matmul", "memory", "collective"}
+
+
+def test_in_run_rates_are_measured_before_each_round_of_steps(tmp_path, monkeypatch):
+    """With in-run rates the profile is measured once per round, each time before that
+    round's share of the timed steps; the report prices with the round whose prediction
+    is the median, and the JSON pairs each round's predicted and measured step."""
+    from bench import timing
+    from engine.cost import microbench
+
+    events, real_step = [], timing.timed_step
+
+    def profile(hw, rows, devices):  # the calibration's rates, memory 2x faster a round
+        events.append("rates")
+        return dataclasses.replace(hw, hbm=hw.hbm * 2 ** events.count("rates"))
+
+    def step(*args):
+        events.append("step")
+        return real_step(*args)
+
+    monkeypatch.setattr(microbench, "in_run_profile", profile)
+    monkeypatch.setattr(timing, "timed_step", step)
+    out_json = tmp_path / "out.json"
+    assert roofline.main(["--model", "tiny", "--layout", "fsdp2", "--steps", "3",
+                          "--rounds", "3", "--trace-steps", "1", "--calibration",
+                          _profile_file(tmp_path), "--json", str(out_json)]) == 0
+    # warm-up, then rates and one step a round
+    assert events == ["step"] + ["rates", "step"] * 3
+    data = json.loads(out_json.read_text())
+    predicted = [r["predicted_s"] for r in data["rounds"]]
+    assert len(predicted) == 3 and len(set(predicted)) == 3
+    assert data["predicted_step_s"] == sorted(predicted)[1]
+    assert all(r["measured_s"] > 0 for r in data["rounds"])
 
 
 def test_accelerator_profile_needs_predict_only(refused):
