@@ -12,9 +12,9 @@ step's shapes, not used in pricing, and 2048^3; the best rate is the MFU peak); 
 bandwidth, as the sum over the 8 devices of a fused `1.5 * x + y` each streams at once
 (engine/cost/microbench.py `bandwidth`), on arrays the cache holds together (`hbm`:
 the 8 devices' arrays 1/8 of the last-level cache in all) and on arrays half that
-cache's size each (`hbm_cold`, streaming out of cache); the rate of a scan's stacked
-inputs and outputs measured on a scan's stack itself (`hbm_cold_scan`,
-`microbench.stacking_bandwidth`, 1 MiB slices 4 deep: what prices them), with freed
+cache's size each (`hbm_cold`: the rate of a scan's stacked inputs and outputs; beside
+it, not used in pricing, `hbm_cold_scan`: that rate measured on a scan's stack itself,
+`microbench.stacking_bandwidth`, 1 MiB per slice), with freed
 memory kept in the process as the training step runs (engine/host.py); elementwise FLOP/s of
 arithmetic (`vector_flops`: 32 multiply-adds an element, one fused loop) and exponentials
 per second (`transcendental_flops`: one an element a pass), one device; and all-gather / reduce-scatter /

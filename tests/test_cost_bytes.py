@@ -239,29 +239,6 @@ def test_a_scans_stacked_traffic_is_priced_out_of_cache():
                if not (r.scan_stack or r.loop_copy))
 
 
-def test_a_scans_stack_is_timed_at_its_slice_size_and_depth_and_prices_the_stack_rows():
-    """The in-run profile times a scan's stack (`stacking_bandwidth`) at the step's
-    typical slice and depth, read off its `scan_stack` rows (`stack_shape`); a
-    calibration file's `hbm_cold_scan`, measured on a stack, prices those rows over its
-    stream rate out of cache (`hbm_cold`), which an older file alone still gives."""
-    import jax
-    import jax.numpy as jnp
-
-    from engine.cost import microbench
-    from engine.cost.ledger import ledger
-
-    f, _, _ = _scan_example()
-    x, w = jnp.ones((64, 64), jnp.float32), jnp.ones((6, 64, 64), jnp.float32)
-    rows = ledger(jax.make_jaxpr(f)(x, w), Layout.parse("single"))
-    assert microbench.stack_shape(rows) == (x.size, w.shape[0])
-    assert microbench.stack_shape([r for r in rows if not r.scan_stack]) is None
-    base = {"peak_flops": {"float32": 5e10}, "vector_flops": 2e9, "hbm": 4e10,
-            "collective_fit": {"all-gather": [1e-5, 1e9]}}
-    cold = lambda extra: hardware._cpu({**base, **extra}, "test").cold_hbm
-    assert cold({"hbm_cold": 6e9, "hbm_cold_scan": 1.5e10}) == 1.5e10
-    assert cold({"hbm_cold": 6e9}) == 6e9 and cold({}) == 0
-
-
 def test_a_body_indexing_its_own_stacks_is_charged_as_a_scans_stacking():
     """A scan body that reads layer i's row of a stack it closes over and writes its
     output into a carried [N, ...] buffer (as the prefetching layer scans do) moves what

@@ -42,10 +42,9 @@ class Hardware:
     compute adds up across devices (forced host-platform devices).
     bf16_collectives_in_f32: the runtime moves bf16 collectives as f32 (XLA on CPU; the
     audit's `cpu_bf16_collectives_in_f32` rule), so they cost twice their ledger bytes.
-    cold_hbm: bytes/s of a scan's stacked inputs and outputs (`Row.scan_stack`, written an
-    iteration loop before they are read), measured on a scan's stack itself
-    (`microbench.stacking_bandwidth`); 0: `hbm` (accelerators: their memory rate is
-    HBM's whatever the reuse distance)."""
+    cold_hbm: bytes/s of traffic the caches do not hold (`Row.scan_stack`: a scan's stacked
+    inputs and outputs, written an iteration loop before they are read); 0: `hbm`
+    (accelerators: their memory rate is HBM's whatever the reuse distance)."""
 
     name: str
     peak_flops: dict
@@ -324,7 +323,7 @@ def load_calibration(path: Path | str) -> dict:
     for key in ("hbm", "vector_flops"):
         if not _positive(data.get(key)):
             problems.append(f"{key} must be a positive number")
-    for key in ("hbm_cold", "hbm_cold_scan", "transcendental_flops"):
+    for key in ("hbm_cold", "transcendental_flops"):
         if key in data and not _positive(data[key]):
             problems.append(f"{key} must be a positive number")
     if "beside_cost" in data and not _non_negative(data["beside_cost"]):
@@ -353,10 +352,8 @@ def cpu_profile(path: Path | str | None = None) -> Hardware:
     (shared_host) and collectives are synchronous memory copies (no overlap). A
     collective's time is `collective_fit[kind] = (latency, bandwidth)` fitted from
     measured times vs bytes on the 8-device mesh. Memory: `hbm` is the host's rate on
-    data its caches hold; a scan's stacked inputs and outputs (`Hardware.cold_hbm`) are
-    priced at `hbm_cold_scan`, the rate measured on a scan's stack, else (older files)
-    at `hbm_cold`, the stream rate out of cache; a file with neither (and CPU_DEFAULTS)
-    prices all traffic at `hbm`."""
+    data its caches hold, `hbm_cold` on data they do not (`Hardware.cold_hbm`); a file
+    without `hbm_cold` (and CPU_DEFAULTS) prices all traffic at `hbm`."""
     if path is None and not CALIBRATION_PATH.exists():
         return cpu_defaults()
     path = Path(path) if path else CALIBRATION_PATH
@@ -374,7 +371,7 @@ def _cpu(data: dict, source: str) -> Hardware:
     return Hardware("cpu", dict(data["peak_flops"]), data["vector_flops"], data["hbm"],
                     Link(bw, lat), Link(bw, lat), 1 << 30, overlap=False, shared_host=True,
                     bf16_collectives_in_f32=True, collective_fit=fit,
-                    cold_hbm=data.get("hbm_cold_scan", data.get("hbm_cold", 0.0)),
+                    cold_hbm=data.get("hbm_cold", 0.0),
                     transcendental_flops=data.get("transcendental_flops", 0.0),
                     beside_cost=data.get("beside_cost", 0.0),
                     mfu_peak=dict(data.get("mfu_peak", {})), source=source)

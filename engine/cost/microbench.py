@@ -9,13 +9,8 @@ is what the step pays for that op (no x n_devices afterwards):
   dimension numbers; `Row.dot`), run alone with those per-device operands;
 - `bandwidth`: `y = 1.5 * x + y` passes in a loop on per-device arrays of the step's
   typical activation size (reads two, writes one), and on arrays of half the host's
-  last-level cache per device (`cold_elems`: every pass streams from memory;
-  `bench/calibrate.py`'s `hbm_cold`);
-- `stacking_bandwidth`: a scan stacking its carry and a reverse scan reading the stack
-  back, at the step's slice size and depth (`stack_shape`): the rate of a scan's
-  stacked inputs and outputs (`Row.scan_stack`). On this host's 300 MiB last-level
-  cache the stream rate out of cache is 2-3x below it, and priced those rows at 2-3x
-  their traced time;
+  last-level cache per device (`cold_elems`: every pass streams from memory), the rate
+  of a scan's stacked inputs and outputs (`Row.scan_stack`);
 - `vector_rate`: 32 multiply-adds an element a pass (`arithmetic_chain`), passes in a
   loop on the same arrays (FLOPs counted as the ledger counts them: one per elementwise
   op per element), and `transcendental_rate`: one exponential an element a pass
@@ -171,35 +166,16 @@ def dot_seconds(rows, mesh: Mesh, canonical: bool = False, passes: int = 1) -> d
     return out
 
 
-def _weighted_median(pairs) -> float:
-    """The value at half the total weight of [(value, weight)] sorted by value."""
-    pairs = sorted(pairs)
-    half, acc = sum(w for _, w in pairs) / 2, 0.0
-    for value, weight in pairs:
-        acc += weight
-        if acc >= half:
-            return value
-    return pairs[-1][0]
-
-
 def typical_elems(rows) -> int:
     """f32 elements of the step's typical memory row: the byte-weighted median of one
     execution's bytes / 3 (a fused elementwise op reads about two arrays, writes one)."""
-    sizes = [(r.bytes, r.total_bytes) for r in rows if r.kind == "memory" and r.bytes]
-    return max(int(_weighted_median(sizes) / 12), 1024) if sizes else 1 << 20
-
-
-def stack_shape(rows) -> tuple[int, int] | None:
-    """(f32 elements of one slice, depth) of the step's typical scan stack, for
-    `stacking_bandwidth`: the byte-weighted medians over its `Row.scan_stack` rows of one
-    execution's bytes / 8 (a slice read and written) and of the executions (the scan's
-    length), bounded to [1024, `cold_elems()`] and [2, 64]; None without such rows."""
-    stack = [r for r in rows if r.scan_stack and r.bytes]
-    if not stack:
-        return None
-    one = _weighted_median((r.bytes, r.total_bytes) for r in stack)
-    depth = _weighted_median((r.count, r.total_bytes) for r in stack)
-    return min(max(int(one / 8), 1024), cold_elems()), min(max(int(depth), 2), 64)
+    sizes = sorted((r.bytes, r.total_bytes) for r in rows if r.kind == "memory" and r.bytes)
+    half, acc = sum(t for _, t in sizes) / 2, 0.0
+    for one, total in sizes:
+        acc += total
+        if acc >= half:
+            return max(int(one / 12), 1024)
+    return 1 << 20
 
 
 def bandwidth(mesh: Mesh, elems: int, k: int = 20) -> float:
@@ -235,7 +211,8 @@ def stacking_bandwidth(mesh: Mesh, elems: int, n: int = 4) -> float:
     """Bytes/s one device moves for a scan's stacked data, every device at once: a
     scan stacking its f32[elems] carry n times and a reverse scan summing the stack,
     less the same two loops without the stack, over the bytes the ledger charges the
-    stack (its `Row.scan_stack` rows): the rate that prices those rows."""
+    stack (its `Row.scan_stack` rows). A check of the `cold_elems` stream rate, which prices
+    those rows, against the traffic itself."""
     def stacked(c):
         c2, ys = lax.scan(lambda c, _: (c * 1.0001, c), c, None, length=n)
         return lax.scan(lambda a, y: (a + y, None), c2, ys, reverse=True)[0]
@@ -398,11 +375,9 @@ def in_run_profile(hw: Hardware, rows, devices, collective_sizes=None) -> Hardwa
         sizes = [s - s % (4 * mesh.size) for s in sizes]
         fit_ = {k: fit(k, pts, mesh.size)
                 for k, pts in collective_times(mesh, sizes).items()}
-    hbm, stack = bandwidth(mesh, elems), stack_shape(rows)
-    # a scan's stack at the step's slice size and depth; never faster than in cache
-    cold = min(stacking_bandwidth(mesh, *stack), hbm) if stack else hbm
     return dataclasses.replace(
-        hw, dot_seconds=dot_seconds(rows, mesh), hbm=hbm, cold_hbm=cold,
+        hw, dot_seconds=dot_seconds(rows, mesh),
+        hbm=bandwidth(mesh, elems), cold_hbm=bandwidth(mesh, cold_elems(), k=2),
         vector_flops=vector_rate(mesh, elems), transcendental_flops=transcendental_rate(mesh, elems),
         mem_eff=1.0, concurrent_rates=True, collective_fit=fit_, collective_seconds=measured,
         beside_cost=beside,

@@ -4,7 +4,7 @@ Compute rows by roofline: max(FLOPs / (peak * matmul_eff), bytes / (hbm * mem_ef
 matmuls at the peak of their operand dtype, other rows at the vector rate (exp, log
 and the like, `TRANSCENDENTAL`, at the profile's rate for them where it has one), the bytes of
 a scan's stacked inputs and outputs (`Row.scan_stack`) at `cold_hbm` where the profile
-has one (the rate a host measured on a scan's stack itself); a matmul whose
+has one (a host whose caches hold a layer's working set but not the stacks); a matmul whose
 exact dot the profile has timed (`Hardware.dot_seconds`, measured in the same run by
 `engine/cost/microbench.py`) costs its measured time, and so does a collective whose
 kind, group size, bytes and dtype it has timed (`Hardware.collective_seconds`). Other

@@ -54,8 +54,8 @@ class Row:
     # (`indexes_stack`: a row of a stack from outside the body read or written, as the
     # prefetching layer scans index their stacked weights and fill their carried
     # grads). Two consequences in pricing (engine/cost/price.py): the data is written
-    # an iteration loop before it is read, at the rate a host measures on a scan's
-    # stack (`Hardware.cold_hbm`); and an eager framework's layer loop, which stacks and
+    # an iteration loop before it is read, so out of a host's caches
+    # (`Hardware.cold_hbm`); and an eager framework's layer loop, which stacks and
     # slices nothing, does not move it
     scan_stack: bool = False
     # the row is a copy XLA adds to a loop body to keep a carried value it overwrites
