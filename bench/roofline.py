@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import importlib.util
 import json
 import os
@@ -182,7 +183,7 @@ def main(argv=None) -> int:
             from engine.cost.microbench import in_run_profile
 
             devices = trainer.mesh.devices.flatten().tolist()
-            before = lambda: in_run_profile(hw, rows, devices)  # noqa: E731
+            before = functools.partial(in_run_profile, hw, rows, devices)
             n_rounds = mine.rounds
         step_s, times, profiles, measured, text, op_s, info = measure(
             layout, trainer, tcfg.steps, mine.trace_steps, n_rounds, before)
