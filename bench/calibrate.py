@@ -21,7 +21,9 @@ per second (`transcendental_flops`: one an element a pass), one device; and all-
 all-reduce / ppermute time vs bytes on the forced 8-device mesh, fitted to
 `t = latency * hops + ring_fraction * bytes / bandwidth` (engine/cost/price.py); and
 what a collective run beside compute adds to it, over its own time (`beside_cost`:
-a layer's matmuls and a weight all-gather alone and in one program).
+a layer's matmuls and a weight all-gather alone and in one program); and what first
+touching freshly mapped memory costs a byte (`fault_cost`: the kernel's page faults, the
+price of a step's temporaries mapped anew each step, engine/host.py).
 `bench/roofline.py` re-measures the rates its step needs in the same run
 (engine/cost/microbench.py); this file is the profile for `--predict-only --hardware cpu`.
 """
@@ -50,7 +52,8 @@ from engine.layout import Layout  # noqa: E402
 from engine.train import keep_freed_memory  # noqa: E402
 from engine.cost.microbench import (arithmetic_chain, bandwidth, beside_cost,  # noqa: E402
                                      cold_elems, collective_times,
-                                     dot_seconds, exp_pass, fit, last_level_cache,
+                                     dot_seconds, exp_pass, fault_cost, fit,
+                                     last_level_cache,
                                      stacking_bandwidth, timed)
 
 
@@ -119,14 +122,14 @@ def main(argv=None) -> int:
         "hbm_cold_scan": mesh.size * stacking_bandwidth(mesh, 1 << 18),
         "vector_flops": vector_flops(), "transcendental_flops": transcendental_flops(),
         "collective_fit": {k: fit(k, v, mesh.size) for k, v in points.items()},
-        "beside_cost": beside_cost(mesh),
+        "beside_cost": beside_cost(mesh), "fault_cost": fault_cost(),
         "collective_points": points,
         "when": time.strftime("%Y-%m-%d %H:%M"), "load_avg": os.getloadavg(),
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(profile, indent=1))
     shown = ("peak_flops", "mfu_peak", "hbm", "hbm_cold", "hbm_cold_scan", "vector_flops",
-             "transcendental_flops", "collective_fit", "beside_cost", "load_avg")
+             "transcendental_flops", "collective_fit", "beside_cost", "fault_cost", "load_avg")
     print(json.dumps({k: profile[k] for k in shown}, indent=1))
     print(f"wrote {args.out}")
     return 0

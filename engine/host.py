@@ -23,6 +23,14 @@ times a step at most. A block larger than a thread's heap (64 MiB: glibc's
 are and most of `medium`'s. Only the main arena could hold those, and one arena for
 every thread (`M_ARENA_MAX` 1) made the 8-device steps slower on this host (its lock:
 three times the voluntary context switches).
+
+Those mapped blocks are a cost of the step on this host: every step faults the device's
+temporaries in page by page (`mapped_each_step`), each 4 KiB page a kernel page fault
+and zero fill, 2.2-2.7 µs a page on the host this project is built on
+(`microbench.fault_cost`, 5.3e-10 to 6.7e-10 s a byte over rewriting touched memory),
+so single `small` spends 80-100 ms of its ~0.5 s step there. The CPU cost model prices
+them (`price.fault_seconds`) where the compiled step's temporaries are known
+(`bench/roofline.py`).
 """
 from __future__ import annotations
 
@@ -35,6 +43,9 @@ MMAP_THRESHOLD = 32 << 20  # glibc's largest: blocks below it come from the heap
 MMAP_MAX = 0  # no block mapped on its own: those above the threshold come from a heap too
 TOP_PAD = 256 << 20  # grow a heap by this much beyond a request, so growth is rare
 TRIM_THRESHOLD = 2**31 - 1  # never give the top of a heap back to the kernel
+# glibc's HEAP_MAX_SIZE on 64-bit hosts (2 x the largest mmap threshold): the largest heap
+# of a thread's arena, so the largest block a device thread's malloc can keep
+THREAD_HEAP_MAX = 64 << 20
 
 
 @functools.cache
@@ -48,3 +59,20 @@ def keep_freed_memory() -> bool:
     return all(mallopt(param, value) == 1 for param, value in
                ((M_MMAP_THRESHOLD, MMAP_THRESHOLD), (M_MMAP_MAX, MMAP_MAX),
                 (M_TOP_PAD, TOP_PAD), (M_TRIM_THRESHOLD, TRIM_THRESHOLD)))
+
+
+def mapped_each_step(temp_bytes: int) -> int:
+    """Bytes of one device's step temporaries (`compiled.memory_analysis()
+    .temp_size_in_bytes`, one block XLA:CPU asks malloc for on the device's thread) that
+    are mapped anew, and faulted in page by page, on every step under
+    `keep_freed_memory`: all of them when the block does not fit a thread's heap
+    (THREAD_HEAP_MAX), else none. 0 where the settings do not apply (not glibc): what
+    that allocator does is not modelled.
+
+    Read off getrusage on this host (minor faults per step x 4 KiB, after two warm-up
+    steps): single `small`, 145 MiB of temporaries, faults 145 MiB a step; medium on 8
+    devices with 67 and 80 MiB each (fsdp4xtp2, dp2xfsdp2xtp2) faults 8 x that; medium
+    fsdp8 with 56 MiB and `small` fsdp8 with 19 MiB fault under 1.5 MiB in most steps."""
+    if not keep_freed_memory():
+        return 0
+    return temp_bytes if temp_bytes > THREAD_HEAP_MAX else 0

@@ -47,3 +47,15 @@ def test_a_step_sized_block_comes_from_the_heap_and_stays_there(mib):
     assert block and libc.mallinfo2().hblkhd - mapped < size, "block was mmapped"
     libc.free(block)
     assert libc.mallinfo2().fordblks >= size, "freed block was returned to the kernel"
+
+
+def test_only_temporaries_above_a_thread_heap_are_mapped_each_step(monkeypatch):
+    """A device's temporaries larger than glibc's largest thread heap (64 MiB) are mapped
+    anew every step; smaller ones come from the heap and stay; where the settings do not
+    apply (no glibc) nothing is said to be."""
+    monkeypatch.setattr(host, "keep_freed_memory", lambda: True)
+    assert host.mapped_each_step(host.THREAD_HEAP_MAX + 4096) == host.THREAD_HEAP_MAX + 4096
+    assert host.mapped_each_step(56 << 20) == 0
+    monkeypatch.setattr(host, "keep_freed_memory", lambda: False)
+    assert host.mapped_each_step(145 << 20) == 0
+

@@ -45,6 +45,8 @@ def test_missing_calibration_file_is_an_error(tmp_path, refused):
                                        (json.dumps({**PROFILE, "hbm_cold": 0}), "hbm_cold"),
                                        (json.dumps({**PROFILE, "transcendental_flops": -1}),
                                         "transcendental_flops"),
+                                       (json.dumps({**PROFILE, "fault_cost": "slow"}),
+                                        "fault_cost"),
                                        (json.dumps({**PROFILE, "peak_flops": {}}),
                                         "peak_flops")])
 def test_malformed_calibration_is_one_line(tmp_path, refused, text, word):

@@ -110,6 +110,10 @@ class Hardware:
     # and this is the best rate a large matmul reaches (engine/mfu.py's measurement)
     mfu_peak: dict = dataclasses.field(default_factory=dict)
     transcendental_flops: float = 0.0
+    # a shared host: seconds per byte that first touching freshly mapped memory adds (the
+    # kernel's page fault and zero fill), the price of a step's temporaries mapped anew
+    # each step (engine/host.py `mapped_each_step`, `price.fault_seconds`); 0: not priced
+    fault_cost: float = 0.0
     source: str = ""
 
     def matmul_peak(self, dtype: str) -> float:
@@ -280,6 +284,10 @@ PROFILES["h100-gt"] = dataclasses.replace(
 # import jax, numpy as np; from engine.cost.microbench import beside_cost as b;
 # m = jax.sharding.Mesh(np.array(jax.devices()), ('d',)); print([b(m) for _ in range(3)])"`:
 # 1.18, 0.84, 0.88 (the middle one here).
+# fault_cost: `microbench.fault_cost` on 145 MiB (single `small`'s temporaries), 9 pairs,
+# three times on 2026-11-27 at load average ~0.4, `python -c "from engine.cost.microbench
+# import fault_cost as f; print(f(145 << 20, reps=9))"`: 6.66e-10, 5.27e-10, 6.59e-10 s a
+# byte (the middle one here: 2.7 µs a 4 KiB page, 96 ms for the 145 MiB).
 # vector_flops and transcendental_flops: bench/calibrate.py's one-device rates, median of
 # 5 each, on 2026-11-25 at load average ~1.6: `python -c "from bench.calibrate import
 # vector_flops as v, transcendental_flops as t; print(v(), t())"` (32 multiply-adds an
@@ -288,6 +296,7 @@ CPU_DEFAULTS = {
     "peak_flops": {"float32": 6.5e10, "bfloat16": 4.5e10},
     "mfu_peak": {"float32": 9.71e10, "bfloat16": 5.39e10},
     "vector_flops": 3.62e10, "transcendental_flops": 2.17e9, "hbm": 2.5e9, "beside_cost": 0.88,
+    "fault_cost": 6.59e-10,
     "collective_fit": {"all-gather": (1.0e-4, 1.9e9), "reduce-scatter": (9.2e-5, 1.4e9),
                        "all-reduce": (4.1e-5, 1.1e9), "collective-permute": (7.1e-5, 8.1e8),
                        "all-to-all": (1.9e-5, 1.5e8)},
@@ -323,7 +332,7 @@ def load_calibration(path: Path | str) -> dict:
     for key in ("hbm", "vector_flops"):
         if not _positive(data.get(key)):
             problems.append(f"{key} must be a positive number")
-    for key in ("hbm_cold", "transcendental_flops"):
+    for key in ("hbm_cold", "transcendental_flops", "fault_cost"):
         if key in data and not _positive(data[key]):
             problems.append(f"{key} must be a positive number")
     if "beside_cost" in data and not _non_negative(data["beside_cost"]):
@@ -374,6 +383,7 @@ def _cpu(data: dict, source: str) -> Hardware:
                     cold_hbm=data.get("hbm_cold", 0.0),
                     transcendental_flops=data.get("transcendental_flops", 0.0),
                     beside_cost=data.get("beside_cost", 0.0),
+                    fault_cost=data.get("fault_cost", 0.0),
                     mfu_peak=dict(data.get("mfu_peak", {})), source=source)
 
 

@@ -19,7 +19,10 @@ is what the step pays for that op (no x n_devices afterwards):
   bytes, dtype) run alone, every group of its size at once;
 - `collective_times` / `fit`: each collective's time vs bytes over one axis of all
   devices, fitted to `latency * hops + ring_fraction * bytes / bandwidth` (the
-  calibration file's, and the in-run price of a collective not timed on its own).
+  calibration file's, and the in-run price of a collective not timed on its own);
+- `fault_cost`: seconds per byte of first touching freshly mapped memory (the kernel's
+  page faults), one thread, with plain numpy: the step's temporaries above a thread's
+  heap are mapped anew every step (engine/host.py).
 
 `in_run_profile` measures all of these for one ledger just before the step is timed,
 so predictions and measurement see the same machine load (`bench/roofline.py`);
@@ -30,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import glob
 import math
+import mmap
 import statistics
 import time
 from pathlib import Path
@@ -73,6 +77,23 @@ def paired_seconds(f, base, *args, reps: int = 5) -> float:
         jax.block_until_ready(base(*args))
         diffs.append((t1 - t0) - (time.perf_counter() - t1))
     return max(statistics.median(diffs), 1e-7)
+
+
+def fault_cost(nbytes: int = 64 << 20, reps: int = 9) -> float:
+    """Seconds per byte the first touch of freshly mapped memory adds to writing it, on
+    one thread: a new anonymous mapping of `nbytes` written once and unmapped, less the
+    same write into memory already touched, timed in pairs (`paired_seconds`). The
+    kernel's page fault and zero fill of each page: what a step pays for temporaries
+    mapped anew each step (engine/host.py `mapped_each_step`)."""
+    warm = np.ones(nbytes, np.uint8)
+
+    def fresh():
+        with mmap.mmap(-1, nbytes) as m:
+            a = np.frombuffer(m, np.uint8)
+            a.fill(1)
+            del a  # release the buffer before the mapping closes
+
+    return paired_seconds(fresh, lambda: warm.fill(1), reps=reps) / nbytes
 
 
 def dispatch_program(mesh: Mesh, spec):
@@ -359,7 +380,8 @@ def beside_cost(mesh: Mesh, reps: int = 21) -> float:
 def in_run_profile(hw: Hardware, rows, devices, collective_sizes=None) -> Hardware:
     """`hw` with every rate the ledger's rows need measured now on `devices`, all at
     once: per-dot seconds, bandwidth and vector rate at the step's activation size, the
-    bandwidth out of cache, and (with more than one device) per-collective seconds, the
+    bandwidth out of cache, the cost of faulting in fresh memory (`fault_cost`, one
+    thread), and (with more than one device) per-collective seconds, the
     collective fits and what a collective beside compute adds (`beside_cost`). Compute
     is then not multiplied by the device count (`concurrent_rates`: the measurements
     already share the host)."""
@@ -380,5 +402,5 @@ def in_run_profile(hw: Hardware, rows, devices, collective_sizes=None) -> Hardwa
         hbm=bandwidth(mesh, elems), cold_hbm=bandwidth(mesh, cold_elems(), k=2),
         vector_flops=vector_rate(mesh, elems), transcendental_flops=transcendental_rate(mesh, elems),
         mem_eff=1.0, concurrent_rates=True, collective_fit=fit_, collective_seconds=measured,
-        beside_cost=beside,
+        beside_cost=beside, fault_cost=fault_cost(),
         source=f"measured in this run on {mesh.size} devices at once")
