@@ -336,6 +336,30 @@ def test_exp_and_its_kind_are_priced_at_the_transcendental_rate():
         assert compute_seconds(r, base, 1)[0] == pytest.approx(r.flops / 1e9)
 
 
+def test_page_faults_add_every_devices_mapped_bytes_spread_over_the_cores(monkeypatch):
+    """A step's page faults cost each device's bytes mapped anew x `fault_cost`, summed
+    over the devices and spread over min(devices, cores), and add to the predicted step,
+    pipelined or not; nothing without mapped bytes or without a fault cost."""
+    from engine.cost import price
+    from engine.cost.pipeline import predict_step
+
+    monkeypatch.setattr(price.os, "cpu_count", lambda: 2)
+    hw = dataclasses.replace(hardware.cpu_defaults(), fault_cost=1e-9)
+    assert price.fault_seconds(hw, 1, 1e8) == pytest.approx(0.1)
+    assert price.fault_seconds(hw, 8, 1e8) == pytest.approx(8 * 0.1 / 2)
+    assert price.fault_seconds(hw, 8, 0) == 0.0
+    assert price.fault_seconds(dataclasses.replace(hw, fault_cost=0.0), 8, 1e8) == 0.0
+    for layout, par in (("fsdp4xtp2", ParallelConfig()),
+                        ("pp2xfsdp4", ParallelConfig(microbatches=2))):
+        lay = Layout.parse(layout)
+        rows = step_ledger(_cfg(), TrainConfig(batch=8, seq=32), lay, par)
+        bare, _ = predict_step(rows, hw, lay, par)
+        faulted, pipe = predict_step(rows, hw, lay, par, mapped_bytes=1e8)
+        assert bare.fault_s == 0.0 and faulted.fault_s == pytest.approx(0.4)
+        assert faulted.step_s == pytest.approx(bare.step_s + 0.4)
+        assert pipe is None or pipe.step_s == faulted.step_s
+
+
 def test_canonical_dot_keeps_the_matmul():
     """The canonical [batch, M, K] x [batch, K, N] form of each ledger dot does the same
     FLOPs as the dot the ledger counted."""

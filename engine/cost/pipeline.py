@@ -40,7 +40,7 @@ import numpy as np
 
 from engine import pipeline
 from engine.cost.ledger import Row
-from engine.cost.price import Prediction, predict
+from engine.cost.price import Prediction, fault_seconds, predict, with_faults
 from layers import scopes
 
 UNITS = {pipeline.FORWARD: scopes.PP_FORWARD, pipeline.BACKWARD: scopes.PP_BACKWARD}
@@ -140,13 +140,18 @@ def predict_pipeline(rows: list[Row], hw, mesh_axes, the_plan: pipeline.Plan,
                               the_plan.uniform)
 
 
-def predict_step(rows: list[Row], hw, layout, parallel):
+def predict_step(rows: list[Row], hw, layout, parallel, mapped_bytes: float = 0.0):
     """(`Prediction` of the step, its `PipelinePrediction` or None): `price.predict`,
-    or with a pp axis `predict_pipeline` along the step's schedule."""
+    or with a pp axis `predict_pipeline` along the step's schedule. mapped_bytes: each
+    device's temporaries mapped anew every step (engine/host.py `mapped_each_step`, known
+    once the step is compiled), whose page faults the step pays (`price.fault_seconds`)."""
+    fault_s = fault_seconds(hw, layout.size, mapped_bytes)
     the_plan = pipeline.step_plan(layout, parallel)
     if the_plan is None:
-        return predict(rows, hw, layout.mesh_axes(), prefetch=parallel.prefetch), None
+        pred = predict(rows, hw, layout.mesh_axes(), prefetch=parallel.prefetch)
+        return with_faults(pred, fault_s), None
     pipe = predict_pipeline(rows, hw, layout.mesh_axes(), the_plan, parallel.prefetch)
+    pipe = dataclasses.replace(pipe, prediction=with_faults(pipe.prediction, fault_s))
     return pipe.prediction, pipe
 
 

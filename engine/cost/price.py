@@ -42,7 +42,9 @@ exposed. Hideable time beyond the blocks' compute is exposed too (scaled evenly)
 hidden collective is not free where compute runs slower beside it
 (`hw.overlap_slowdown` s, GPUs): the compute it hides under takes 1 + s times as long,
 so s / (1 + s) of the collective's hidden time stays on the critical path, counted in
-its exposed time. Predicted step = compute + exposed communication.
+its exposed time. Predicted step = compute + exposed communication (+ on a shared host,
+where the compiled step's temporaries are known, the page faults of those mapped anew
+each step: `fault_seconds`).
 
 On an accelerator profile (`hw.fusion`, `hw.flash`) compute rows move their share of
 their XLA fusion group's bytes (engine/cost/fusion.py) and attention is the target's
@@ -55,6 +57,7 @@ scan's own rows.
 from __future__ import annotations
 
 import dataclasses
+import os
 
 from engine.cost.hardware import Hardware, Link
 from engine.cost.ledger import COLLECTIVES, Row
@@ -101,7 +104,8 @@ class Priced:
 @dataclasses.dataclass(frozen=True)
 class Prediction:
     """Seconds per step: compute (matmul + memory rows), comm (all collectives),
-    exposed_comm (what the overlap model leaves on the critical path), step."""
+    exposed_comm (what the overlap model leaves on the critical path), fault (a shared
+    host faulting in temporaries mapped anew each step: `with_faults`), step."""
 
     rows: tuple
     compute_s: float
@@ -109,6 +113,7 @@ class Prediction:
     exposed_comm_s: float
     step_s: float
     hardware: str
+    fault_s: float = 0.0
 
 
 def link_for(hw: Hardware, mesh_axes, axes: tuple[str, ...]):
@@ -282,6 +287,23 @@ def predict(rows: list[Row], hw: Hardware, mesh_axes, prefetch: bool = False) ->
               for r, t, bound, hides in priced]
     exposed = sum(p.exposed for p in priced)
     return Prediction(tuple(priced), compute, comm, exposed, compute + exposed, hw.name)
+
+
+def fault_seconds(hw: Hardware, n_devices: int, mapped_bytes: float) -> float:
+    """Seconds a step spends faulting in the temporaries each of `n_devices` devices maps
+    anew every step (`mapped_bytes` per device: engine/host.py `mapped_each_step`), at
+    the profile's `fault_cost` a byte, measured on one thread. The kernel serves a
+    thread's page faults on the core that thread runs on, so the devices' faults spread
+    over the host's cores: n_devices x bytes x cost / min(n_devices, cores)."""
+    if not mapped_bytes or not hw.fault_cost:
+        return 0.0
+    cores = max(1, min(n_devices, os.cpu_count() or 1))
+    return n_devices * mapped_bytes * hw.fault_cost / cores
+
+
+def with_faults(pred: Prediction, fault_s: float) -> Prediction:
+    """`pred` with `fault_s` of page faults added to its step (`fault_seconds`)."""
+    return dataclasses.replace(pred, fault_s=fault_s, step_s=pred.step_s - pred.fault_s + fault_s)
 
 
 def model_flops(cfg, tcfg) -> float:
