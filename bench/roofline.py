@@ -9,7 +9,8 @@ Takes the training CLI's model and layout flags (`engine.train.build_parser`). W
 against the ledger, times `--steps` steps (median wall clock) and attributes the time of
 `--trace-steps` profiled steps to ledger categories (engine/cost/trace.py). On the cpu
 profile with in-run rates the rates are measured `--rounds` times, each just before its
-share of the timed steps.
+share of the timed steps. A step whose temporaries glibc maps anew every step (above a
+thread's heap, engine/host.py) is also priced for faulting them in.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from engine.host import THREAD_HEAP_MAX, mapped_each_step  # noqa: E402
 from engine.train import force_host_devices, keep_freed_memory, parse_or_exit  # noqa: E402
 from engine.cost.hardware import PROFILES  # noqa: E402
 from engine.train import build_parser as train_parser  # noqa: E402
@@ -69,7 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
 def measure(layout, trainer, steps: int, trace_steps: int, rounds: int = 1, before=None):
     """(median step seconds, [each round's step seconds], [what `before` returned each
     round], attributed {category: s}, hlo text, {op: (s, runs)} per compiled op,
-    {op: trace.OpInfo}). After one warm-up step, `rounds` rounds each call `before`
+    {op: trace.OpInfo}, one device's temporaries in bytes (the compiled step's
+    `memory_analysis`)). After one warm-up step, `rounds` rounds each call `before`
     (if given: the in-run rates) and then time their share of the `steps` steps
     (rounded up), so rates and steps sample the shared host over the same minutes."""
     import jax
@@ -79,7 +82,7 @@ def measure(layout, trainer, steps: int, trace_steps: int, rounds: int = 1, befo
     from engine.cost.audit import axes_by_groups
 
     step, params, opt_state, tokens, _ = compiled_step(trainer)
-    text = step.as_text()
+    text, temp = step.as_text(), step.memory_analysis().temp_size_in_bytes
     params, opt_state, _, _ = timed_step(step, params, opt_state, tokens)
     made, times = [], []
     for _ in range(rounds):
@@ -97,7 +100,7 @@ def measure(layout, trainer, steps: int, trace_steps: int, rounds: int = 1, befo
         events = trace.op_events(d)
     info = trace.classify(text, axes_by_groups(layout.mesh_axes()))
     return (step_s, times, made, trace.attribute(events, info, step_s, trace_steps), text,
-            trace.op_seconds(events, info, step_s, trace_steps), info)
+            trace.op_seconds(events, info, step_s, trace_steps), info, temp)
 
 
 def output_problem(flag: str, path: str | None) -> str | None:
@@ -169,6 +172,7 @@ def main(argv=None) -> int:
 
     rows = step_ledger(cfg, tcfg, layout, parallel, hw.bf16_collectives_in_f32)
     measured, step_s, audit_clean, orows, rounds = None, None, None, [], None
+    temp, mapped = None, 0
     if mine.predict_only:
         pred, pipe = predict_step(rows, hw, layout, parallel)
     else:
@@ -185,9 +189,10 @@ def main(argv=None) -> int:
             devices = trainer.mesh.devices.flatten().tolist()
             before = functools.partial(in_run_profile, hw, rows, devices)
             n_rounds = mine.rounds
-        step_s, times, profiles, measured, text, op_s, info = measure(
+        step_s, times, profiles, measured, text, op_s, info, temp = measure(
             layout, trainer, tcfg.steps, mine.trace_steps, n_rounds, before)
-        priced = [predict_step(rows, p or hw, layout, parallel) + (p or hw,)
+        mapped = mapped_each_step(temp) if hw.shared_host else 0
+        priced = [predict_step(rows, p or hw, layout, parallel, mapped) + (p or hw,)
                   for p in profiles]
         pred, pipe, hw = sorted(priced, key=lambda x: x[0].step_s)[(len(priced) - 1) // 2]
         rounds = [{"predicted_s": q.step_s, "measured_s": statistics.median(ts)}
@@ -235,9 +240,15 @@ def main(argv=None) -> int:
     meas_mfu = mfu_of(cfg, tcfg, hw, layout.size, step_s) if step_s else None
     g4 = lambda x: None if x is None else f"{x:.4g}"
     pct = lambda x: None if x is None else f"{100 * x:.1f}%"
+    if temp is not None and hw.shared_host:
+        print(f"temporaries: {temp / 2**20:.1f} MiB a device, " + (
+            f"mapped anew every step (above glibc's {THREAD_HEAP_MAX >> 20} MiB thread heap): "
+            f"their page faults priced {pred.fault_s:.4g} s" if mapped else
+            "kept in the heap between steps: no page faults priced"))
     print(report.tabulate([["compute s", g4(pred.compute_s), None],
                            ["comm (all) s", g4(pred.comm_s), None],
                            ["comm exposed s", g4(pred.exposed_comm_s), None],
+                           ["page faults s", g4(pred.fault_s), None],
                            ["step s", g4(pred.step_s), g4(step_s)],
                            ["MFU", pct(mfu), pct(meas_mfu)]],
                           ["step summary", "predicted", "measured"], disable_numparse=True))
@@ -280,6 +291,9 @@ def main(argv=None) -> int:
             "predicted_bubble": None if pipe is None else pipe.bubble,
             "schedule_bubble": None if pipe is None else pipe.schedule_bubble,
             "predicted_comm_s": pred.comm_s, "predicted_exposed_comm_s": pred.exposed_comm_s,
+            # one device's temporaries, the bytes of them mapped anew each step and the
+            # page faults that costs (engine/host.py); None / 0 without a compiled step
+            "temp_bytes": temp, "mapped_bytes": mapped, "predicted_fault_s": pred.fault_s,
             # per round: the rates measured, then its share of the timed steps (median)
             "rounds": rounds,
             "scopes": [dict(zip(["scope", "flops", "bytes", "intensity", "bound",
