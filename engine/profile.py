@@ -121,6 +121,7 @@ class Profile:
         from engine.cost.audit import axes_by_groups
         from engine.cost.ledger import step_ledger
         from engine.cost.pipeline import predict_step
+        from engine.host import mapped_each_step
 
         step_s = statistics.median(self.times)
         events = trace.op_events(self.directory)
@@ -135,7 +136,9 @@ class Profile:
             self.say(f"note: {e}; predicting with the built-in cpu defaults")
             hw = hardware.cpu_defaults()
         rows = step_ledger(self.cfg, self.tcfg, self.layout, self.parallel)
-        pred, _ = predict_step(rows, hw, self.layout, self.parallel)  # pp: along the table
+        # the compiled step's temporaries mapped anew each step: their page faults
+        mapped = mapped_each_step(self.session.step_fn.memory_analysis().temp_size_in_bytes)
+        pred, _ = predict_step(rows, hw, self.layout, self.parallel, mapped)  # pp: along the table
         srows = report.scope_table(pred, measured, hw)
         crows = report.collective_table(pred, measured, self.layout.mesh_axes())
         head = (f"measured: median traced step {step_s:.4g} s split by op time; predicted: "
