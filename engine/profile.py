@@ -137,7 +137,8 @@ class Profile:
             hw = hardware.cpu_defaults()
         rows = step_ledger(self.cfg, self.tcfg, self.layout, self.parallel)
         # the compiled step's temporaries mapped anew each step: their page faults
-        mapped = mapped_each_step(self.session.step_fn.memory_analysis().temp_size_in_bytes)
+        stats = self.session.step_fn.memory_analysis()  # None where not reported
+        mapped = mapped_each_step(stats.temp_size_in_bytes) if stats else 0
         pred, _ = predict_step(rows, hw, self.layout, self.parallel, mapped)  # pp: along the table
         srows = report.scope_table(pred, measured, hw)
         crows = report.collective_table(pred, measured, self.layout.mesh_axes())
