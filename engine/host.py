@@ -72,7 +72,9 @@ def mapped_each_step(temp_bytes: int) -> int:
     Read off getrusage on this host (minor faults per step x 4 KiB, after two warm-up
     steps): single `small`, 145 MiB of temporaries, faults 145 MiB a step; medium on 8
     devices with 67 and 80 MiB each (fsdp4xtp2, dp2xfsdp2xtp2) faults 8 x that; medium
-    fsdp8 with 56 MiB and `small` fsdp8 with 19 MiB fault under 1.5 MiB in most steps."""
+    fsdp8 with 56 MiB and `small` fsdp8 with 19 MiB fault under 1.5 MiB in most steps.
+    The rule misses `small` dp2xfsdp2xtp2 (26 MiB a device), which faults about one
+    device's temporaries a step: a heap shared by two device threads, it seems."""
     if not keep_freed_memory():
         return 0
     return temp_bytes if temp_bytes > THREAD_HEAP_MAX else 0

@@ -287,7 +287,7 @@ PROFILES["h100-gt"] = dataclasses.replace(
 # fault_cost: `microbench.fault_cost` on 145 MiB (single `small`'s temporaries), 9 pairs,
 # three times on 2026-11-27 at load average ~0.4, `python -c "from engine.cost.microbench
 # import fault_cost as f; print(f(145 << 20, reps=9))"`: 6.66e-10, 5.27e-10, 6.59e-10 s a
-# byte (the middle one here: 2.7 µs a 4 KiB page, 96 ms for the 145 MiB).
+# byte (the middle one here: 2.7 µs a 4 KiB page, 100 ms for the 145 MiB).
 # vector_flops and transcendental_flops: bench/calibrate.py's one-device rates, median of
 # 5 each, on 2026-11-25 at load average ~1.6: `python -c "from bench.calibrate import
 # vector_flops as v, transcendental_flops as t; print(v(), t())"` (32 multiply-adds an
