@@ -87,6 +87,7 @@ def test_refuses_what_it_does_not_model():
                        TrainConfig(batch=16, seq=1024), LAYOUT)
 
 
+@pytest.mark.slow
 def test_microbatches_peak_falls_as_the_compiler_s():
     """Gradient accumulation (no pp): one microbatch's step plus the grads accumulator;
     within the tolerance of the compiler's peak at M = 2 and 4, and falling with M as

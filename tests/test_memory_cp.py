@@ -69,7 +69,8 @@ def test_cp_peak_within_tolerance(layout, comm):
         f"({pred.phase}: {pred.items}), measured {measured}")
 
 
-@pytest.mark.parametrize("comm", [COMMS[0], pytest.param(COMMS[1], marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("comm", COMMS)
 def test_measured_peak_falls_with_cp_as_predicted(comm):
     """The compiler's temp bytes fall with cp: in order, and each cp's within 1.5/cp of
     single's (plus 1 MiB: tiny's one-layer weights and embedding grad do not shrink)."""

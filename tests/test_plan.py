@@ -227,6 +227,7 @@ def test_a_step_over_memory_is_retried_with_more_microbatches():
         assert over > cap and c.parallel.microbatches == 4
 
 
+@pytest.mark.slow
 def test_progress_is_said_only_for_slow_plans():
     """A plan calls `progress` once per program priced; `progress_line` turns that
     into a line at most every `every_s` seconds, none for a plan quicker than that."""
@@ -277,6 +278,7 @@ def test_chunks_cover_the_jobs_in_order_largest_first():
     assert [len(r) for r in plan.chunks(40, 2)][:3] == [8, 8, 6]
 
 
+@pytest.mark.slow
 def test_worker_processes_price_as_this_process_does():
     """The pool's workers (spawned processes) rank and price the candidates, and grow
     steps over memory into microbatches, exactly as pricing in this process does."""
