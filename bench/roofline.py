@@ -78,12 +78,11 @@ def measure(layout, trainer, steps: int, trace_steps: int, rounds: int = 1, befo
     import jax
 
     from bench.timing import compiled_step, timed_step
-    from engine.cost import trace
+    from engine.cost import memory, trace
     from engine.cost.audit import axes_by_groups
 
     step, params, opt_state, tokens, _ = compiled_step(trainer)
-    stats = step.memory_analysis()  # None where the backend does not report it
-    text, temp = step.as_text(), stats.temp_size_in_bytes if stats else None
+    text, temp = step.as_text(), memory.measure(step)["temp"]
     params, opt_state, _, _ = timed_step(step, params, opt_state, tokens)
     made, times = [], []
     for _ in range(rounds):
@@ -192,7 +191,7 @@ def main(argv=None) -> int:
             n_rounds = mine.rounds
         step_s, times, profiles, measured, text, op_s, info, temp = measure(
             layout, trainer, tcfg.steps, mine.trace_steps, n_rounds, before)
-        mapped = mapped_each_step(temp) if hw.shared_host and temp else 0
+        mapped = mapped_each_step(temp) if hw.shared_host else 0
         priced = [predict_step(rows, p or hw, layout, parallel, mapped) + (p or hw,)
                   for p in profiles]
         pred, pipe, hw = sorted(priced, key=lambda x: x[0].step_s)[(len(priced) - 1) // 2]

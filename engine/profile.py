@@ -117,7 +117,7 @@ class Profile:
         (engine/cost/report.py) of the traced steps: measured (attributed from the
         trace) vs predicted (the cpu profile); last, the `TOP_OPS` compiled ops that took
         the most of the measured time."""
-        from engine.cost import hardware, report, trace
+        from engine.cost import hardware, memory, report, trace
         from engine.cost.audit import axes_by_groups
         from engine.cost.ledger import step_ledger
         from engine.cost.pipeline import predict_step
@@ -137,8 +137,7 @@ class Profile:
             hw = hardware.cpu_defaults()
         rows = step_ledger(self.cfg, self.tcfg, self.layout, self.parallel)
         # the compiled step's temporaries mapped anew each step: their page faults
-        stats = self.session.step_fn.memory_analysis()  # None where not reported
-        mapped = mapped_each_step(stats.temp_size_in_bytes) if stats else 0
+        mapped = mapped_each_step(memory.measure(self.session.step_fn)["temp"])
         pred, _ = predict_step(rows, hw, self.layout, self.parallel, mapped)  # pp: along the table
         srows = report.scope_table(pred, measured, hw)
         crows = report.collective_table(pred, measured, self.layout.mesh_axes())
