@@ -37,6 +37,16 @@ tensor-core peak "between SXM and NVL" in its page's words): the `h100-gt` profi
 Megatron-LM in 2021 predates FlashAttention (Dao et al. 2022): it formed the [s, s]
 scores in memory (QK^T GEMM, its fused scale-mask-softmax kernel, then the PV GEMM),
 which is what this engine's `reference` kernel does, so those rows run `--attention reference`.
+torchtitan's selective activation checkpointing (`selective_ac_option = 'op'`,
+`_apply_ac_to_transformer_block` at both benchmark pages' torchtitan commits, 9dec370
+and 820504e) saves the outputs of matmuls, SDPA and the tp reduce-scatters but
+recomputes every second matmul of a block: wk, wo and w3 of Llama's seven (wq, wk, wv,
+wo, w1, w3, w2). Those rows run `--remat dots`, which saves q, k, v, gate, up and the
+attention's output instead and recomputes the attention kernel's forward. The two
+recomputes are priced within 1% of the step of each other: wk + wo + w3 against the
+attention forward, 0.122 against 0.115 s of the 8B fsdp8 row's 1.93 s step, 0.100
+against 0.086 s of the fsdp8xtp8 row's 2.28 s (the rows' ledgers, `predict`'s seconds
+per row).
 Activations are bf16 (`--activations bf16`) on every row, as every source ran them:
 MaxText's `dtype: bfloat16`, PyTorch autocast / FSDP mixed precision in bf16
 (llm-foundry, torchtitan), Megatron's fp16 (the same two bytes).
