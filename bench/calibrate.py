@@ -5,9 +5,11 @@
 Measures (median of repeated timed calls after a warm-up): the host's matmul FLOP/s per
 operand dtype (f32; bf16 with f32 accumulation) over the dots of the `small` model's
 step on fsdp8 (remat full, the training CLI's batch and sequence), every distinct dot
-timed as the step writes it with all 8 devices at once (engine/cost/microbench.py
-`dot_seconds`): the step's FLOPs over their measured seconds, the rate that prices
-matmuls; beside it, plain matmuls on one device alone (`matmul_measured`: two of the
+timed in the layout XLA:CPU's dot library takes with all 8 devices at once
+(engine/cost/microbench.py `dot_seconds`): the step's FLOPs over their measured seconds,
+the rate that prices matmuls; the rate of the copies that lay a dot operand out in that
+layout (`relayout_bw`: a bf16 [4096, 512] transpose copy on each of the 8 devices at
+once, `microbench.relayout_bandwidth`, summed over them); beside it, plain matmuls on one device alone (`matmul_measured`: two of the
 step's shapes, not used in pricing, and 2048^3; the best rate is the MFU peak); the host's memory
 bandwidth, as the sum over the 8 devices of a fused `1.5 * x + y` each streams at once
 (engine/cost/microbench.py `bandwidth`), on arrays the cache holds together (`hbm`:
@@ -53,7 +55,7 @@ from engine.train import keep_freed_memory  # noqa: E402
 from engine.cost.microbench import (arithmetic_chain, bandwidth, beside_cost,  # noqa: E402
                                      cold_elems, collective_times,
                                      dot_seconds, exp_pass, fault_cost, fit,
-                                     last_level_cache,
+                                     last_level_cache, relayout_bandwidth,
                                      stacking_bandwidth, timed)
 
 
@@ -65,12 +67,13 @@ def matmul_flops(m: int, k: int, n: int, dtype) -> float:
 
 def step_matmul_rate(mesh: Mesh, dtype: str) -> float:
     """FLOP/s of the host over the matmuls of the `small` model's step on fsdp over every
-    device of `mesh` in `dtype` ("f32" | "bf16"), remat full: each distinct dot timed as
-    written, every device running it at once (`dot_seconds`), the step's dot FLOPs over
+    device of `mesh` in `dtype` ("f32" | "bf16"), remat full: each distinct dot timed in
+    the layout XLA:CPU's dot library takes, every device running it at once
+    (`dot_seconds`; the operand copies into it are priced apart, `relayout_bw`), the step's dot FLOPs over
     their summed seconds, times the device count (the profile's devices then share the
     rate: a shared host's per-device time is multiplied by the device count). The step's
     own dots include what plain matmuls miss: the attention's batched [B, H] score and
-    value dots and the backward's transposed operands."""
+    value dots."""
     cfg = model_config("small", dtype=dtype, remat="full")
     rows = step_ledger(cfg, TrainConfig(), Layout.parse(f"fsdp{mesh.size}"), pack=True)
     seconds = dot_seconds(rows, mesh)
@@ -123,13 +126,14 @@ def main(argv=None) -> int:
         "vector_flops": vector_flops(), "transcendental_flops": transcendental_flops(),
         "collective_fit": {k: fit(k, v, mesh.size) for k, v in points.items()},
         "beside_cost": beside_cost(mesh), "fault_cost": fault_cost(),
+        "relayout_bw": mesh.size * relayout_bandwidth(mesh),
         "collective_points": points,
         "when": time.strftime("%Y-%m-%d %H:%M"), "load_avg": os.getloadavg(),
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(profile, indent=1))
     shown = ("peak_flops", "mfu_peak", "hbm", "hbm_cold", "hbm_cold_scan", "vector_flops",
-             "transcendental_flops", "collective_fit", "beside_cost", "fault_cost", "load_avg")
+             "transcendental_flops", "collective_fit", "beside_cost", "fault_cost", "relayout_bw", "load_avg")
     print(json.dumps({k: profile[k] for k in shown}, indent=1))
     print(f"wrote {args.out}")
     return 0

@@ -47,6 +47,8 @@ def test_missing_calibration_file_is_an_error(tmp_path, refused):
                                         "transcendental_flops"),
                                        (json.dumps({**PROFILE, "fault_cost": "slow"}),
                                         "fault_cost"),
+                                       (json.dumps({**PROFILE, "relayout_bw": 0}),
+                                        "relayout_bw"),
                                        (json.dumps({**PROFILE, "peak_flops": {}}),
                                         "peak_flops")])
 def test_malformed_calibration_is_one_line(tmp_path, refused, text, word):

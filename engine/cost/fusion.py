@@ -141,6 +141,7 @@ class Domain:
         self.entries = []   # (row index, primitive, [(key, bytes)] in, [(key, bytes)] out)
         self.outs = set()   # keys the scope returns
         self._seen = {}     # op signature -> output keys (CSE)
+        self.relayouts = set()  # (operand key, order) of the dot operand copies (ledger)
 
     def _signature(self, name, params, in_keys):
         return (name, tuple(in_keys), tuple(sorted((k, str(v)) for k, v in params.items())))

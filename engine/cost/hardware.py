@@ -114,6 +114,11 @@ class Hardware:
     # kernel's page fault and zero fill), the price of a step's temporaries mapped anew
     # each step (engine/host.py `mapped_each_step`, `price.fault_seconds`); 0: not priced
     fault_cost: float = 0.0
+    # a shared host: bytes/s (read + written) one device gets copying a dot operand into
+    # the layout XLA:CPU's dot library takes while every device does (`Row.relayout`,
+    # engine/cost/microbench.py `relayout_bandwidth`); 0: such copies are not run (a
+    # GPU's or TPU's dot kernels read transposed operands in place)
+    relayout_bw: float = 0.0
     source: str = ""
 
     def matmul_peak(self, dtype: str) -> float:
@@ -269,7 +274,9 @@ PROFILES["h100-gt"] = dataclasses.replace(
 # `python bench/calibrate.py` on this machine (2 Zen-5 cores, 8 forced devices, load
 # average ~5 from concurrent jobs) on 2026-11-22; used only when no calibration file
 # exists. collective_fit: kind -> (latency per ring hop s, bandwidth B/s). peak_flops is
-# the median rate of the `small` model's matmul shapes (what pricing uses); mfu_peak is
+# the median rate of the `small` model's matmul shapes (what pricing uses), then timed
+# as the step writes them, with their operands' relayout copies inside (now priced apart,
+# `relayout_bw`: these rates are that much low); mfu_peak is
 # engine/mfu.py's 2048^3 matmul (f32 accumulation, best of 5) on one device, measured
 # on 2026-11-23 at load average ~1.4 with
 # `python -c "from engine.mfu import measured_matmul_peak as m; import jax.numpy as j;
@@ -288,6 +295,10 @@ PROFILES["h100-gt"] = dataclasses.replace(
 # three times on 2026-11-27 at load average ~0.4, `python -c "from engine.cost.microbench
 # import fault_cost as f; print(f(145 << 20, reps=9))"`: 6.66e-10, 5.27e-10, 6.59e-10 s a
 # byte (the middle one here: 2.7 µs a 4 KiB page, 100 ms for the 145 MiB).
+# relayout_bw: `python bench/calibrate.py` on 2026-11-27 on a 2-core Intel Xeon (AMX-bf16)
+# at load average ~2.9: a bf16 [4096, 512] transpose copy on each of 8 devices at once,
+# summed over them, 6.07e9 B/s (the same run's canonical dots of `small`: 1.28e11 f32,
+# 2.96e11 bf16 FLOP/s).
 # vector_flops and transcendental_flops: bench/calibrate.py's one-device rates, median of
 # 5 each, on 2026-11-25 at load average ~1.6: `python -c "from bench.calibrate import
 # vector_flops as v, transcendental_flops as t; print(v(), t())"` (32 multiply-adds an
@@ -296,7 +307,7 @@ CPU_DEFAULTS = {
     "peak_flops": {"float32": 6.5e10, "bfloat16": 4.5e10},
     "mfu_peak": {"float32": 9.71e10, "bfloat16": 5.39e10},
     "vector_flops": 3.62e10, "transcendental_flops": 2.17e9, "hbm": 2.5e9, "beside_cost": 0.88,
-    "fault_cost": 6.59e-10,
+    "fault_cost": 6.59e-10, "relayout_bw": 6.07e9,
     "collective_fit": {"all-gather": (1.0e-4, 1.9e9), "reduce-scatter": (9.2e-5, 1.4e9),
                        "all-reduce": (4.1e-5, 1.1e9), "collective-permute": (7.1e-5, 8.1e8),
                        "all-to-all": (1.9e-5, 1.5e8)},
@@ -332,7 +343,7 @@ def load_calibration(path: Path | str) -> dict:
     for key in ("hbm", "vector_flops"):
         if not _positive(data.get(key)):
             problems.append(f"{key} must be a positive number")
-    for key in ("hbm_cold", "transcendental_flops", "fault_cost"):
+    for key in ("hbm_cold", "transcendental_flops", "fault_cost", "relayout_bw"):
         if key in data and not _positive(data[key]):
             problems.append(f"{key} must be a positive number")
     if "beside_cost" in data and not _non_negative(data["beside_cost"]):
@@ -384,6 +395,7 @@ def _cpu(data: dict, source: str) -> Hardware:
                     transcendental_flops=data.get("transcendental_flops", 0.0),
                     beside_cost=data.get("beside_cost", 0.0),
                     fault_cost=data.get("fault_cost", 0.0),
+                    relayout_bw=data.get("relayout_bw", data["hbm"]),
                     mfu_peak=dict(data.get("mfu_peak", {})), source=source)
 
 

@@ -6,7 +6,9 @@ gets depends on what the others do at the same time. So each microbenchmark runs
 is what the step pays for that op (no x n_devices afterwards):
 
 - `dot_seconds`: each distinct `dot_general` of a ledger (operand shapes, dtypes,
-  dimension numbers; `Row.dot`), run alone with those per-device operands;
+  dimension numbers; `Row.dot`), run alone with those per-device operands in the layout
+  XLA:CPU's dot library takes, and `relayout_bandwidth`: the copies that lay an operand
+  out in it (`Row.relayout`), a transpose copy of the step's typical such operand;
 - `bandwidth`: `y = 1.5 * x + y` passes in a loop on per-device arrays of the step's
   typical activation size (reads two, writes one), and on arrays of half the host's
   last-level cache per device (`cold_elems`: every pass streams from memory), the rate
@@ -153,15 +155,17 @@ def canonical_dot(lhs: tuple, rhs: tuple, dims) -> tuple[tuple, tuple]:
     return (batch, m, k), (batch, k, n)
 
 
-def dot_seconds(rows, mesh: Mesh, canonical: bool = False, passes: int = 1) -> dict:
+def dot_seconds(rows, mesh: Mesh, canonical: bool = True, passes: int = 1) -> dict:
     """{Row.dot: seconds of one execution on every device at once} for every distinct dot,
-    timed as written (row-major operands, so the transposes XLA adds around a dot whose
-    dims are not in [batch, M, K] x [batch, K, N] order are in its time), or with
-    `canonical` as that canonical matmul alone (`canonical_dot`). Inside the step XLA's
-    layout assignment removes some of those transposes, so the truth lies between: on
-    `small` as written predicted the four layouts' steps at -10.4%, +7.8%, -6.4%, -12.9%,
-    canonical at -12.5%, -7.4%, -15.9%, -10.0% (single, fsdp8, fsdp4xtp2,
-    dp2xfsdp2xtp2). A dot of mixed operand dtypes (an f32 cotangent times a bf16 weight) is timed
+    timed as the canonical matmul XLA:CPU's dot library runs (`canonical_dot`: [batch, M,
+    K] x [batch, K, N]), or with `canonical=False` as written (row-major operands, so the
+    copies XLA adds to lay out an operand in another order are in its time). The step
+    makes those copies once per operand and layout, shared by the dots that read it, as
+    ops of their own: the ledger has them as rows (`Row.relayout`, priced at
+    `relayout_bandwidth`). On medium tp8 two timings in one process summed the step's
+    dots to 4.57 and 3.68 s as written, 2.68 and 2.98 s canonical; a profiler trace of
+    the step put its dot ops at 2.78 s and its operand copies at 0.43 s.
+    A dot of mixed operand dtypes (an f32 cotangent times a bf16 weight) is timed
     with both in the wider dtype: XLA converts the narrow one first, and that convert is
     priced as a row of its own.
 
@@ -204,6 +208,31 @@ def bandwidth(mesh: Mesh, elems: int, k: int = 20) -> float:
     in a loop) at once."""
     t = _per_device(mesh, _looped(lambda y, x: 1.5 * x + y, k), [((elems,), jnp.float32)] * 2)
     return 12 * k * elems / t
+
+
+def typical_relayout(rows) -> tuple[tuple[int, int], str]:
+    """The [rows, columns] and dtype of the step's typical dot operand copy
+    (`Row.relayout`, the byte-weighted median by total bytes, its dimensions before the
+    last flattened), else a [4096, 512] bf16 array (an activation of `medium` on tp8,
+    [B·L, D], which its weight grads read transposed)."""
+    copies = sorted((r.total_bytes, r.shape, r.dtype) for r in rows if r.relayout)
+    half, acc = sum(c[0] for c in copies) / 2, 0.0
+    for total, shape, dtype in copies:
+        acc += total
+        if acc >= half and len(shape) >= 2:
+            return (math.prod(shape[:-1]), shape[-1]), dtype
+    return (4096, 512), "bfloat16"
+
+
+def relayout_bandwidth(mesh: Mesh, shape: tuple[int, int] = (4096, 512),
+                       dtype: str = "bfloat16") -> float:
+    """Bytes/s (read + written) one device moves copying a [rows, columns] array into
+    its transpose, every device at once: the price of the copies that lay a dot operand
+    out for XLA:CPU's dot library (`Row.relayout`). One copy a call, as the step runs
+    them (the same `copy` fusion; in a loop each copy also paid a copy of the loop's
+    carry, at a quarter of this rate on this host)."""
+    t = _per_device(mesh, lambda x: x.T, [(shape, jnp.dtype(dtype))])
+    return 2 * math.prod(shape) * jnp.dtype(dtype).itemsize / t
 
 
 def last_level_cache() -> int:
@@ -380,7 +409,8 @@ def beside_cost(mesh: Mesh, reps: int = 21) -> float:
 def in_run_profile(hw: Hardware, rows, devices, collective_sizes=None) -> Hardware:
     """`hw` with every rate the ledger's rows need measured now on `devices`, all at
     once: per-dot seconds, bandwidth and vector rate at the step's activation size, the
-    bandwidth out of cache, the cost of faulting in fresh memory (`fault_cost`, one
+    rate of the dot operands' relayout copies at their typical size, the bandwidth out
+    of cache, the cost of faulting in fresh memory (`fault_cost`, one
     thread), and (with more than one device) per-collective seconds, the
     collective fits and what a collective beside compute adds (`beside_cost`). Compute
     is then not multiplied by the device count (`concurrent_rates`: the measurements
@@ -399,6 +429,7 @@ def in_run_profile(hw: Hardware, rows, devices, collective_sizes=None) -> Hardwa
                 for k, pts in collective_times(mesh, sizes).items()}
     return dataclasses.replace(
         hw, dot_seconds=dot_seconds(rows, mesh),
+        relayout_bw=relayout_bandwidth(mesh, *typical_relayout(rows)),
         hbm=bandwidth(mesh, elems), cold_hbm=bandwidth(mesh, cold_elems(), k=2),
         vector_flops=vector_rate(mesh, elems), transcendental_flops=transcendental_rate(mesh, elems),
         mem_eff=1.0, concurrent_rates=True, collective_fit=fit_, collective_seconds=measured,

@@ -205,7 +205,11 @@ def attention_rate(row: Row, hw: Hardware) -> float:
 def priced_rows(rows: list[Row], hw: Hardware) -> list[Row]:
     """The rows the target runs: with a flash kernel (`hw.flash`), the attention
     kernel rows replace the jnp scan's rows (`Row.kernel`); otherwise (CPU) the scan's
-    rows are what runs and the kernel rows are dropped."""
+    rows are what runs and the kernel rows are dropped. The copies laying dot operands
+    out for XLA:CPU's dot library (`Row.relayout`) run only where the profile prices
+    them (`Hardware.relayout_bw`)."""
+    if not hw.relayout_bw:
+        rows = [r for r in rows if not r.relayout]
     if hw.flash:
         return [r for r in rows if not r.kernel]
     return [r for r in rows if r.kind != "attention"]
@@ -231,9 +235,13 @@ def compute_seconds(row: Row, hw: Hardware, n_devices: int) -> tuple[float, str]
     """(seconds of one execution, "compute" | "memory") by roofline, or a dot's measured
     seconds when the profile has them. On a shared host the devices' work adds up:
     n_devices times the per-device work at the host's rate. With `hw.fusion` a row moves
-    its share of its fusion group's bytes (engine/cost/fusion.py), else `Row.bytes`."""
+    its share of its fusion group's bytes (engine/cost/fusion.py), else `Row.bytes`; a
+    dot operand's relayout copy (`Row.relayout`) moves its bytes at `hw.relayout_bw`."""
     if row.dot in hw.dot_seconds:  # measured with every device at once: no scale
         return hw.dot_seconds[row.dot], "compute"
+    scale = n_devices if hw.shared_host and not hw.concurrent_rates else 1
+    if row.relayout:
+        return scale * row.bytes / hw.relayout_bw, "memory"
     if row.kind == "attention":
         peak, flops = attention_rate(row, hw), attention_flops(row, hw)
     elif row.kind == "matmul":
@@ -245,7 +253,6 @@ def compute_seconds(row: Row, hw: Hardware, n_devices: int) -> tuple[float, str]
     t_flops = flops / peak
     hbm = hw.cold_hbm if row.scan_stack and hw.cold_hbm else hw.hbm
     t_bytes = moved_bytes(row, hw) / (hbm * hw.mem_eff)
-    scale = n_devices if hw.shared_host and not hw.concurrent_rates else 1
     return scale * max(t_flops, t_bytes), "compute" if t_flops >= t_bytes else "memory"
 
 

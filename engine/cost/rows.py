@@ -62,6 +62,12 @@ class Row:
     # (`scan_rows.carry_copy_rows`): an in-cache copy on the CPU; an eager framework's
     # layer loop carries nothing, so it does not move it there
     loop_copy: bool = False
+    # the row is a copy XLA:CPU adds to lay a dot's operand out as its dot library takes
+    # it, [batch, M, K] x [batch, K, N] (`ledger.relayout_order`), once per operand
+    # and layout however many dots read it: priced where the profile has a rate for
+    # such copies (`Hardware.relayout_bw`), dropped elsewhere (a GPU's or TPU's dot
+    # kernels read a transposed operand in place)
+    relayout: bool = False
 
     def replace(self, **changes) -> Row:
         """`dataclasses.replace(self, **changes)` without its per-field loop (the walk
