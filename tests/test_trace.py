@@ -59,3 +59,39 @@ def test_op_table_names_what_a_fusion_computes_and_ranks_by_time():
     assert [r[8] for r in rows] == pytest.approx([r[7] / total for r in rows])
     assert len(report.op_table(op_s, {}, text, top=1)) == 1
     assert "HLO op" in report.format_ops(rows)
+
+
+UNNAMED = """HloModule m, entry_computation_layout={(f32[4,4]{1,0})->f32[4,4]{1,0}}
+
+%fused_computation (param_0: f32[4,4]) -> f32[4,4] {
+  %param_0 = f32[4,4]{1,0} parameter(0)
+  ROOT %copy.1 = f32[4,4]{1,0} copy(%param_0)
+}
+
+ENTRY %main (p: f32[4,4]) -> f32[4,4] {
+  %p = f32[4,4]{1,0} parameter(0)
+  %exp.1 = f32[4,4]{1,0} exponential(%p), metadata={op_name="jit(step)/jvp()/attention/exp"}
+  %copy_fusion = f32[4,4]{1,0} fusion(%exp.1), kind=kLoop, calls=%fused_computation
+  %dot.2 = f32[4,4]{1,0} dot(%copy_fusion, %copy_fusion), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %neg.3 = f32[4,4]{1,0} negate(%dot.2), metadata={op_name="jit(step)/transpose(jvp())/mlp/neg"}
+  %dot.4 = f32[4,4]{1,0} dot(%copy_fusion, %p), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %constant.5 = f32[] constant(1)
+  %copy.7 = f32[4,4]{1,0} copy(%exp.1)
+  %tuple.8 = (f32[4,4]{1,0}) tuple(%copy.7)
+  ROOT %add.6 = f32[4,4]{1,0} add(%neg.3, %dot.4), metadata={op_name="jit(step)/jvp()/loss/add"}
+}
+"""
+
+
+def test_ops_without_a_name_stack_take_their_neighbours():
+    """A matmul or an op feeding one that XLA left without metadata is scoped as the
+    first named op it feeds, else the first named op it reads, through chains of
+    unnamed ops; other unnamed ops stay `other`."""
+    info = trace.classify(UNNAMED, {})
+    assert info["exp.1"] == OpInfo("memory", "attention", "fwd")
+    assert info["dot.2"] == OpInfo("matmul", "mlp", "bwd")        # feeds neg.3
+    assert info["copy_fusion"] == OpInfo("memory", "mlp", "bwd")  # feeds dot.2, dot.4
+    assert info["dot.4"] == OpInfo("matmul", "loss", "fwd")       # feeds add.6
+    assert info["constant.5"] == OpInfo("memory", "other", "fwd")  # no neighbours
+    assert info["neg.3"].scope == "mlp" and info["add.6"].scope == "loss"
+    assert info["copy.7"].scope == "other"  # unnamed, feeds no matmul: not inherited

@@ -4,7 +4,9 @@
 `hlo_op`, `hlo_module`, `device_ordinal`). Each op of the compiled text is classified
 (`classify`): collectives by kind, replica groups and bytes (the audit's key), compute
 ops as matmul (a dot, or a fusion calling one) or memory, with phase and scope read from
-the op's `op_name` metadata (the same name stack the ledger reads).
+the op's `op_name` metadata (the same name stack the ledger reads), or where XLA dropped
+it from a dot fusion or a copy feeding one, from the ops it feeds or reads
+(`inherited_op_names`).
 
 On forced host-CPU devices every device is a thread on shared cores, so op events of
 different devices overlap and stretch each other. `attribute` therefore splits the
@@ -65,10 +67,11 @@ def classify(hlo_text: str, axes_by_groups: dict) -> dict[str, OpInfo]:
                if any(i.opcode in ("dot", "convolution") for i in instrs)}
     first_op_name = {name: next((i.op_name for i in instrs if i.op_name), "")
                      for name, instrs in module.computations.items()}
+    named = inherited_op_names(module, first_op_name, has_dot)
     info = {}
     for ins in module.instructions():
         callee = ins.callee
-        phase, scope = _phase_scope(ins.op_name or first_op_name.get(callee, ""))
+        phase, scope = _phase_scope(named.get(ins.name, ""))
         kind = ins.opcode.removesuffix("-start")
         if ins.opcode in CONTAINERS:
             info[ins.name] = OpInfo("container", scope, phase)
@@ -80,6 +83,50 @@ def classify(hlo_text: str, axes_by_groups: dict) -> dict[str, OpInfo]:
         else:
             info[ins.name] = OpInfo("memory", scope, phase)
     return info
+
+
+_OPERAND = re.compile(r"%([\w.\-]+)")
+
+
+def inherited_op_names(module, first_op_name: dict, has_dot: set) -> dict[str, str]:
+    """{instruction: op_name}: its own `metadata={op_name=...}`, else the first of its
+    fusion's computation; for a matmul (a dot, or a fusion calling one) and an op that
+    feeds one, else the name of a neighbour in its computation: the first named user
+    (through chains of unnamed ones), else the first named operand. XLA:CPU drops the
+    metadata of some dot fusions it forms (the chunked attention's batched score dots)
+    and of the copies that lay their operands out, which would otherwise count as
+    unscoped `other` time; the ledger has those dots and copies in the scope and phase
+    of the layer ops around them. Other ops without a name stay `other`, as the ledger's
+    unscoped rows (the layer scan's own copies) are."""
+    named, users, operands, dots = {}, {}, {}, set()
+    for comp, instrs in module.computations.items():
+        here = {i.name for i in instrs}
+        for ins in instrs:
+            name = ins.op_name or first_op_name.get(ins.callee, "")
+            if name:
+                named[ins.name] = name
+            if ins.opcode == "dot" or ins.callee in has_dot:
+                dots.add(ins.name)
+            refs = [r for r in _OPERAND.findall(ins.attributes.split("), ")[0])
+                    if r in here and r != ins.name]
+            operands[ins.name] = refs
+            for r in refs:
+                users.setdefault(r, []).append(ins.name)
+    unnamed = [n for n in operands if n not in named and (
+        n in dots or any(u in dots for u in users.get(n, ())))]
+    grew = True
+    while grew:  # users first, through chains of unnamed ops; then operands
+        grew = False
+        for near_of in (users, operands):
+            changed = True
+            while changed:
+                changed = False
+                for name in unnamed:
+                    near = [n for n in near_of.get(name, ()) if n in named]
+                    if name not in named and near:
+                        named[name] = named[near[0]]
+                        changed = grew = True
+    return named
 
 
 def op_events(profile_dir: str, module_substr: str = "train_step") -> list[tuple]:
