@@ -9,8 +9,9 @@ timed in the layout XLA:CPU's dot library takes with all 8 devices at once
 (engine/cost/microbench.py `dot_seconds`): the step's FLOPs over their measured seconds,
 the rate that prices matmuls; the rate of the copies that lay a dot operand out in that
 layout (`relayout_bw`: a bf16 [4096, 512] transpose copy on each of the 8 devices at
-once, `microbench.relayout_bandwidth`, summed over them); beside it, plain matmuls on one device alone (`matmul_measured`: two of the
-step's shapes, not used in pricing, and 2048^3; the best rate is the MFU peak); the host's memory
+once, `microbench.relayout_bandwidth`, summed over them); beside the dots, plain matmuls
+on one device alone (`matmul_measured`: two of the step's shapes, not used in pricing,
+and 2048^3; the best rate is the MFU peak); the host's memory
 bandwidth, as the sum over the 8 devices of a fused `1.5 * x + y` each streams at once
 (engine/cost/microbench.py `bandwidth`), on arrays the cache holds together (`hbm`:
 the 8 devices' arrays 1/8 of the last-level cache in all) and on arrays half that
@@ -69,8 +70,8 @@ def step_matmul_rate(mesh: Mesh, dtype: str) -> float:
     """FLOP/s of the host over the matmuls of the `small` model's step on fsdp over every
     device of `mesh` in `dtype` ("f32" | "bf16"), remat full: each distinct dot timed in
     the layout XLA:CPU's dot library takes, every device running it at once
-    (`dot_seconds`; the operand copies into it are priced apart, `relayout_bw`), the step's dot FLOPs over
-    their summed seconds, times the device count (the profile's devices then share the
+    (`dot_seconds`; the operand copies into it are priced apart, `relayout_bw`), the
+    step's dot FLOPs over their summed seconds, times the device count (the profile's devices then share the
     rate: a shared host's per-device time is multiplied by the device count). The step's
     own dots include what plain matmuls miss: the attention's batched [B, H] score and
     value dots."""
@@ -133,7 +134,8 @@ def main(argv=None) -> int:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(profile, indent=1))
     shown = ("peak_flops", "mfu_peak", "hbm", "hbm_cold", "hbm_cold_scan", "vector_flops",
-             "transcendental_flops", "collective_fit", "beside_cost", "fault_cost", "relayout_bw", "load_avg")
+             "transcendental_flops", "collective_fit", "beside_cost", "fault_cost",
+             "relayout_bw", "load_avg")
     print(json.dumps({k: profile[k] for k in shown}, indent=1))
     print(f"wrote {args.out}")
     return 0

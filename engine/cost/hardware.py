@@ -274,9 +274,9 @@ PROFILES["h100-gt"] = dataclasses.replace(
 # `python bench/calibrate.py` on this machine (2 Zen-5 cores, 8 forced devices, load
 # average ~5 from concurrent jobs) on 2026-11-22; used only when no calibration file
 # exists. collective_fit: kind -> (latency per ring hop s, bandwidth B/s). peak_flops is
-# the median rate of the `small` model's matmul shapes (what pricing uses), then timed
-# as the step writes them, with their operands' relayout copies inside (now priced apart,
-# `relayout_bw`: these rates are that much low); mfu_peak is
+# the median rate of the `small` model's matmul shapes (what pricing uses), timed then
+# as the step writes them, their operands' relayout copies inside (now priced apart at
+# `relayout_bw`, so these rates understate the dots alone); mfu_peak is
 # engine/mfu.py's 2048^3 matmul (f32 accumulation, best of 5) on one device, measured
 # on 2026-11-23 at load average ~1.4 with
 # `python -c "from engine.mfu import measured_matmul_peak as m; import jax.numpy as j;

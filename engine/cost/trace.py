@@ -99,7 +99,7 @@ def inherited_op_names(module, first_op_name: dict, has_dot: set) -> dict[str, s
     of the layer ops around them. Other ops without a name stay `other`, as the ledger's
     unscoped rows (the layer scan's own copies) are."""
     named, users, operands, dots = {}, {}, {}, set()
-    for comp, instrs in module.computations.items():
+    for instrs in module.computations.values():
         here = {i.name for i in instrs}
         for ins in instrs:
             name = ins.op_name or first_op_name.get(ins.callee, "")
