@@ -191,16 +191,24 @@ def dot_seconds(rows, mesh: Mesh, canonical: bool = True, passes: int = 1) -> di
     return out
 
 
+def _weighted_median(items):
+    """The value of the first of `items` [(order, weight, value)], sorted, at which the
+    running weight reaches half the total; None for no items."""
+    items = sorted(items)
+    half, acc = sum(w for _, w, _ in items) / 2, 0.0
+    for _, weight, value in items:
+        acc += weight
+        if acc >= half:
+            return value
+    return None
+
+
 def typical_elems(rows) -> int:
     """f32 elements of the step's typical memory row: the byte-weighted median of one
     execution's bytes / 3 (a fused elementwise op reads about two arrays, writes one)."""
-    sizes = sorted((r.bytes, r.total_bytes) for r in rows if r.kind == "memory" and r.bytes)
-    half, acc = sum(t for _, t in sizes) / 2, 0.0
-    for one, total in sizes:
-        acc += total
-        if acc >= half:
-            return max(int(one / 12), 1024)
-    return 1 << 20
+    one = _weighted_median((r.bytes, r.total_bytes, r.bytes) for r in rows
+                           if r.kind == "memory" and r.bytes)
+    return 1 << 20 if one is None else max(int(one / 12), 1024)
 
 
 def bandwidth(mesh: Mesh, elems: int, k: int = 20) -> float:
@@ -215,13 +223,12 @@ def typical_relayout(rows) -> tuple[tuple[int, int], str]:
     (`Row.relayout`, the byte-weighted median by total bytes, its dimensions before the
     last flattened), else a [4096, 512] bf16 array (an activation of `medium` on tp8,
     [B·L, D], which its weight grads read transposed)."""
-    copies = sorted((r.total_bytes, r.shape, r.dtype) for r in rows if r.relayout)
-    half, acc = sum(c[0] for c in copies) / 2, 0.0
-    for total, shape, dtype in copies:
-        acc += total
-        if acc >= half and len(shape) >= 2:
-            return (math.prod(shape[:-1]), shape[-1]), dtype
-    return (4096, 512), "bfloat16"
+    got = _weighted_median((r.total_bytes, r.total_bytes, (r.shape, r.dtype))
+                           for r in rows if r.relayout)
+    if got is None:
+        return (4096, 512), "bfloat16"
+    shape, dtype = got
+    return (math.prod(shape[:-1]), shape[-1]), dtype
 
 
 def relayout_bandwidth(mesh: Mesh, shape: tuple[int, int] = (4096, 512),
