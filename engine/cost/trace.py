@@ -78,11 +78,16 @@ def classify(hlo_text: str, axes_by_groups: dict) -> dict[str, OpInfo]:
         elif kind in hlo.KINDS:
             info[ins.name] = OpInfo("collective", scope, phase,
                                     (kind, axes_by_groups.get(ins.groups, ())))
-        elif ins.opcode == "dot" or callee in has_dot:
+        elif is_matmul(ins, has_dot):
             info[ins.name] = OpInfo("matmul", scope, phase)
         else:
             info[ins.name] = OpInfo("memory", scope, phase)
     return info
+
+
+def is_matmul(ins, has_dot: set) -> bool:
+    """A dot, or a fusion calling a computation in `has_dot` (those holding a dot)."""
+    return ins.opcode == "dot" or ins.callee in has_dot
 
 
 _OPERAND = re.compile(r"%([\w.\-]+)")
@@ -105,7 +110,7 @@ def inherited_op_names(module, first_op_name: dict, has_dot: set) -> dict[str, s
             name = ins.op_name or first_op_name.get(ins.callee, "")
             if name:
                 named[ins.name] = name
-            if ins.opcode == "dot" or ins.callee in has_dot:
+            if is_matmul(ins, has_dot):
                 dots.add(ins.name)
             refs = [r for r in _OPERAND.findall(ins.attributes.split("), ")[0])
                     if r in here and r != ins.name]
