@@ -1,0 +1,89 @@
+"""The copies XLA:CPU adds to lay a dot's operands out as its dot library takes them
+([batch, M, K] x [batch, K, N]): which operands need one (`ledger.relayout_order`), one
+copy row per operand and order in the ledger, their price on the CPU only, and the
+in-run rate they are priced at (engine/cost/microbench.py `relayout_bandwidth`)."""
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from engine.config import TrainConfig, model_config
+from engine.cost import hardware
+from engine.cost.ledger import ledger, relayout_order, step_ledger
+from engine.cost.microbench import flat_mesh, relayout_bandwidth, typical_relayout
+from engine.cost.price import predict
+from engine.layout import Layout
+
+CFG = model_config("tiny", dtype="bf16", remat="full", n_heads=8, n_kv_heads=2, head_dim=8)
+TCFG = TrainConfig(batch=8, seq=32)
+
+
+def test_relayout_order_is_the_dot_librarys_operand_order():
+    """XLA:CPU's dot library takes [batch, free, contracting] x [batch, contracting,
+    free]: an operand in another order needs a copy into it, one in that order (or
+    differing only by dimensions of size 1) none."""
+    plain = (((1,), (0,)), ((), ()))  # [M, K] x [K, N]
+    assert relayout_order((8, 4), plain, 0) is None and relayout_order((4, 6), plain, 1) is None
+    grad = (((0, 1), (0, 1)), ((), ()))  # BLD,BLF->DF: a weight grad
+    assert relayout_order((2, 3, 8), grad, 0) == (2, 0, 1)  # x^T: [D, B, L]
+    assert relayout_order((2, 3, 6), grad, 1) is None
+    rhs_t = (((1,), (1,)), ((), ()))  # [M, K] x [N, K]
+    assert relayout_order((6, 4), rhs_t, 1) == (1, 0)
+    assert relayout_order((1, 4), rhs_t, 1) is None  # N = 1: a bitcast
+    batched = (((2,), (1,)), ((0,), (0,)))
+    assert relayout_order((5, 8, 4), batched, 0) is None
+    assert relayout_order((5, 4, 6), batched, 1) is None
+
+
+def test_a_dot_operand_laid_out_anew_is_one_copy_however_many_dots_read_it():
+    """The ledger adds a copy row (read + write of the operand) for each operand and
+    layout a dot needs laid out anew, once however many dots read it that way; a second
+    layout of the same operand is a second copy; canonical operands have none."""
+    def f(x, a, b, w):
+        ga = jnp.einsum("bld,blf->df", x, a)   # x^T
+        gb = jnp.einsum("bld,blf->df", x, b)   # x^T again: the same copy
+        y = jnp.einsum("bld,df->blf", x, w)    # x as it is: no copy
+        z = jnp.einsum("bld,fd->blf", x, w.T)  # w.T [F, D] laid out [D, F]: a copy
+        return ga, gb, y, z
+
+    args = [jax.ShapeDtypeStruct(s, jnp.float32)
+            for s in ((2, 3, 8), (2, 3, 6), (2, 3, 6), (8, 6))]
+    rows = [r for r in ledger(jax.make_jaxpr(f)(*args), Layout.parse("single")) if r.relayout]
+    assert sorted((r.shape, r.bytes) for r in rows) == [
+        ((8, 2, 3), 2.0 * 2 * 3 * 8 * 4), ((8, 6), 2.0 * 6 * 8 * 4)]
+    assert all(r.kind == "memory" and r.count == 1 for r in rows)
+
+
+def test_relayout_copies_are_priced_on_the_cpu_only():
+    """On the CPU a relayout row costs its bytes at `relayout_bw` (times the devices
+    sharing the host, as a calibrated profile's rates are the host's); an accelerator's
+    dot kernels read transposed operands in place, so there the rows cost nothing."""
+    lay = Layout.parse("fsdp4xtp2")
+    rows = step_ledger(CFG, TCFG, lay)
+    copies = [r for r in rows if r.relayout]
+    assert copies
+    cpu = dataclasses.replace(hardware.cpu_defaults(), relayout_bw=1e9)
+    pred = predict(rows, cpu, lay.mesh_axes())
+    priced = sum(p.seconds for p in pred.rows if p.row.relayout)
+    assert priced == pytest.approx(8 * sum(r.bytes * r.count for r in copies) / 1e9)
+    slower = predict(rows, dataclasses.replace(cpu, relayout_bw=5e8), lay.mesh_axes())
+    assert slower.compute_s == pytest.approx(pred.compute_s + priced)
+    bare = [r for r in rows if not r.relayout]
+    for name in ("h100", "v5e"):
+        hw = hardware.get(name)
+        assert predict(rows, hw, lay.mesh_axes()).step_s == predict(
+            bare, hw, lay.mesh_axes()).step_s
+
+
+def test_relayout_bandwidth_is_measured_on_the_steps_typical_copy():
+    """The in-run rate of the operand copies is a transpose of the byte-weighted median
+    copy's size, flattened to two dimensions; without copies a [4096, 512] bf16 one."""
+    rows = step_ledger(CFG, TCFG, Layout.parse("fsdp4xtp2"))
+    (m, n), dtype = typical_relayout(rows)
+    copies = [r for r in rows if r.relayout]
+    assert any(math.prod(r.shape) == m * n and r.shape[-1] == n and r.dtype == dtype
+               for r in copies)
+    assert typical_relayout([]) == ((4096, 512), "bfloat16")
+    assert relayout_bandwidth(flat_mesh(jax.devices()[:2]), (m, n), dtype) > 0
