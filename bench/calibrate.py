@@ -15,7 +15,9 @@ and 2048^3; the best rate is the MFU peak); the host's memory
 bandwidth, as the sum over the 8 devices of a fused `1.5 * x + y` each streams at once
 (engine/cost/microbench.py `bandwidth`), on arrays the cache holds together (`hbm`:
 the 8 devices' arrays 1/8 of the last-level cache in all) and on arrays half that
-cache's size each (`hbm_cold`: the rate of a scan's stacked inputs and outputs; beside
+cache's size each (`hbm_cold`: the rate of a scan's stacked inputs and outputs, four
+passes less one, `microbench.cold_bandwidth`, so the first touch of fresh pages stays in
+`fault_cost`; beside
 it, not used in pricing, `hbm_cold_scan`: that rate measured on a scan's stack itself,
 `microbench.stacking_bandwidth`, 1 MiB per slice), with freed
 memory kept in the process as the training step runs (engine/host.py); elementwise FLOP/s of
@@ -54,7 +56,7 @@ from engine.cost.ledger import step_ledger  # noqa: E402
 from engine.layout import Layout  # noqa: E402
 from engine.train import keep_freed_memory  # noqa: E402
 from engine.cost.microbench import (arithmetic_chain, bandwidth, beside_cost,  # noqa: E402
-                                     cold_elems, collective_times,
+                                     cold_bandwidth, collective_times,
                                      dot_seconds, exp_pass, fault_cost, fit,
                                      last_level_cache, relayout_bandwidth,
                                      stacking_bandwidth, timed)
@@ -122,7 +124,7 @@ def main(argv=None) -> int:
     profile = {
         "peak_flops": peak, "mfu_peak": mfu_peak, "matmul_measured": measured,
         "hbm": host_bandwidth(mesh, warm, k=20),
-        "hbm_cold": host_bandwidth(mesh, cold_elems(), k=2),
+        "hbm_cold": mesh.size * cold_bandwidth(mesh),
         "hbm_cold_scan": mesh.size * stacking_bandwidth(mesh, 1 << 18),
         "vector_flops": vector_flops(), "transcendental_flops": transcendental_flops(),
         "collective_fit": {k: fit(k, v, mesh.size) for k, v in points.items()},

@@ -259,6 +259,7 @@ def test_in_run_rates_price_every_dot_and_collective_by_its_measurement():
     assert len(hw.dot_seconds) == len({r.dot for r in dots}) > 1
     assert hw.concurrent_rates and hw.hbm > 0 and hw.vector_flops > 0
     assert hw.transcendental_flops > 0 and hw.fault_cost > 0 and hw.relayout_bw > 0
+    assert hw.cold_hbm > 0
     pred = predict(rows, hw, lay.mesh_axes())
     priced = sum(p.seconds for p in pred.rows if p.row.kind == "matmul")
     assert priced == pytest.approx(sum(hw.dot_seconds[r.dot] * r.count for r in dots))

@@ -36,7 +36,7 @@ from engine.cost.fusion import (  # noqa: F401  (the op sets, as the ledger's)
 )
 from engine.cost.rows import Row, dtype_name  # noqa: F401  (Row, as the ledger's)
 from engine.cost.scan_rows import (  # noqa: F401  (scan_counts, as the ledger's)
-    carry_copy_rows, indexes_stack, scan_copy_rows, scan_counts, sub_jaxprs,
+    carry_copy_rows, scan_copy_rows, stack_slot_bytes, scan_counts, sub_jaxprs,
 )
 from layers.scopes import PP_SCOPES, SCOPES  # the named scopes, outermost first
 
@@ -222,7 +222,7 @@ def _walk(jaxpr, stack, count, mesh_shape, rows, domain=None, alias=None, site=0
           in_loop=False):
     """Rows of `jaxpr`'s equations into `rows`; compute rows join `domain` (a new one
     for the top call and for every loop body) for the accelerator fusion model.
-    `in_loop`: `jaxpr` is a scan's body or inlined into one (`indexes_stack`)."""
+    `in_loop`: `jaxpr` is a scan's body or inlined into one (`stack_slot_bytes`)."""
     own = domain is None
     if own:
         domain, alias = Domain(), {}
@@ -279,8 +279,9 @@ def _walk(jaxpr, stack, count, mesh_shape, rows, domain=None, alias=None, site=0
         else:
             rows.append(_compute_row(eqn, phase, scope, count,
                                      loop_fusion_bytes(eqn, fused, spilled), pp))
-            if in_loop and indexes_stack(eqn, made):
-                rows[-1] = rows[-1].replace(scan_stack=True)
+            slot = stack_slot_bytes(eqn, made) if in_loop else 0
+            if slot:
+                rows[-1] = rows[-1].replace(scan_stack=min(1.0, slot / max(rows[-1].bytes, 1)))
             in_b, out_b = io_bytes(eqn)
             ins = [(canon(v, alias, site), b) for v, b in zip(eqn.invars, in_b)]
             twin = domain.twin(name, eqn.params, [k for k, _ in ins]) if name in FUSIBLE \

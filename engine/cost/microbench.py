@@ -10,9 +10,11 @@ is what the step pays for that op (no x n_devices afterwards):
   XLA:CPU's dot library takes, and `relayout_bandwidth`: the copies that lay an operand
   out in it (`Row.relayout`), a transpose copy of the step's typical such operand;
 - `bandwidth`: `y = 1.5 * x + y` passes in a loop on per-device arrays of the step's
-  typical activation size (reads two, writes one), and on arrays of half the host's
-  last-level cache per device (`cold_elems`: every pass streams from memory), the rate
-  of a scan's stacked inputs and outputs (`Row.scan_stack`);
+  typical activation size (reads two, writes one), and `cold_bandwidth`: the same passes
+  on arrays of half the host's last-level cache per device (`cold_elems`: every pass
+  streams from memory), the time of four passes less one's, so the first touch of the
+  output's fresh pages is left to `fault_cost`: the rate of a scan's stacked inputs and
+  outputs (`Row.scan_stack`);
 - `vector_rate`: 32 multiply-adds an element a pass (`arithmetic_chain`), passes in a
   loop on the same arrays (FLOPs counted as the ledger counts them: one per elementwise
   op per element), and `transcendental_rate`: one exponential an element a pass
@@ -111,12 +113,13 @@ def flat_mesh(devices) -> Mesh:
     return Mesh(np.array(devices), ("d",))
 
 
-def _device_timer(mesh: Mesh, fn, shapes_dtypes, reps: int = 5):
+def _device_timer(mesh: Mesh, fn, shapes_dtypes, reps: int = 5, base=None):
     """A function of no arguments that returns the wall seconds of `fn` run on every
     device at once, each on its own operands of `shapes_dtypes` [(shape, dtype)], less
-    the dispatch time of a trivial program on the same operands (ops inside the compiled
-    step do not pay it). Compiled once, timed at each call; the operands are made for
-    each call and dropped after it, so many timers hold no device memory."""
+    the seconds of `base` on the same operands, timed in pairs with it: by default the
+    dispatch of a trivial program (ops inside the compiled step do not pay it). Compiled
+    once, timed at each call; the operands are made for each call and dropped after it,
+    so many timers hold no device memory."""
     n = mesh.size
     sharding = NamedSharding(mesh, P("d"))
 
@@ -124,18 +127,20 @@ def _device_timer(mesh: Mesh, fn, shapes_dtypes, reps: int = 5):
         return jax.jit(jax.shard_map(lambda *xs: g(*(x[0] for x in xs))[None], mesh=mesh,
                                      in_specs=P("d"), out_specs=P("d")))
 
-    program, dispatch = compiled(fn), dispatch_program(mesh, P("d"))
+    program = compiled(fn)
+    base = dispatch_program(mesh, P("d")) if base is None else compiled(base)
 
     def seconds():
         args = [jax.device_put(jnp.full((n, *shape), 0.5, dtype), sharding)
                 for shape, dtype in shapes_dtypes]
-        return paired_seconds(program, dispatch, *args, reps=reps)
+        return paired_seconds(program, base, *args, reps=reps)
     return seconds
 
 
-def _per_device(mesh: Mesh, fn, shapes_dtypes, reps: int = 5) -> float:
-    """Wall seconds of `fn` run on every device at once (`_device_timer`), timed once."""
-    return _device_timer(mesh, fn, shapes_dtypes, reps)()
+def _per_device(mesh: Mesh, fn, shapes_dtypes, reps: int = 5, base=None) -> float:
+    """Wall seconds of `fn` run on every device at once, less `base`'s
+    (`_device_timer`), timed once."""
+    return _device_timer(mesh, fn, shapes_dtypes, reps, base)()
 
 
 def _looped(body, k: int):
@@ -211,11 +216,31 @@ def typical_elems(rows) -> int:
     return 1 << 20 if one is None else max(int(one / 12), 1024)
 
 
+def stream_pass(y, x):
+    """One pass of the bandwidth benchmarks: reads two f32 arrays, writes one."""
+    return 1.5 * x + y
+
+
 def bandwidth(mesh: Mesh, elems: int, k: int = 20) -> float:
     """Bytes/s one device moves while every device streams `y = 1.5 * x + y` (k passes
     in a loop) at once."""
-    t = _per_device(mesh, _looped(lambda y, x: 1.5 * x + y, k), [((elems,), jnp.float32)] * 2)
+    t = _per_device(mesh, _looped(stream_pass, k), [((elems,), jnp.float32)] * 2)
     return 12 * k * elems / t
+
+
+def cold_bandwidth(mesh: Mesh, elems: int | None = None, k: tuple[int, int] = (1, 5),
+                   reps: int = 5) -> float:
+    """Bytes/s one device streams out of cache (`stream_pass` on `cold_elems` arrays),
+    every device at once: the rate of a scan's stacked inputs and outputs. Timed as the
+    difference of a k[1]-pass and a k[0]-pass loop, in pairs (`paired_seconds`): arrays
+    this large are mapped anew for each call's output, so one loop's time also holds
+    the first touch of those pages, which a step pays for its temporaries in
+    `price.fault_seconds` (the stack among them), not at this rate."""
+    elems = elems or cold_elems()
+    lo, hi = k
+    t = _per_device(mesh, _looped(stream_pass, hi), [((elems,), jnp.float32)] * 2, reps,
+                    base=_looped(stream_pass, lo))
+    return 12 * (hi - lo) * elems / t
 
 
 def typical_relayout(rows) -> tuple[tuple[int, int], str]:
@@ -259,8 +284,9 @@ def last_level_cache() -> int:
 def cold_elems() -> int:
     """f32 elements per array of `bandwidth` out of cache: a device's two arrays
     together the size of the host's last-level cache, so with the devices streaming at
-    once no pass finds the last one's data there (and an array stays under glibc's
-    largest mmap threshold, 32 MiB, which engine/host.py sets: no page faults)."""
+    once no pass finds the last one's data there. Above a thread's heap (engine/host.py)
+    a call's output is mapped anew and faulted in: `cold_bandwidth` times passes apart
+    from that."""
     return last_level_cache() // 8
 
 
@@ -268,8 +294,8 @@ def stacking_bandwidth(mesh: Mesh, elems: int, n: int = 4) -> float:
     """Bytes/s one device moves for a scan's stacked data, every device at once: a
     scan stacking its f32[elems] carry n times and a reverse scan summing the stack,
     less the same two loops without the stack, over the bytes the ledger charges the
-    stack (its `Row.scan_stack` rows). A check of the `cold_elems` stream rate, which prices
-    those rows, against the traffic itself."""
+    stack (its `Row.scan_stack` rows' share). A check of the `cold_bandwidth` stream rate,
+    which prices those bytes, against the traffic itself."""
     def stacked(c):
         c2, ys = lax.scan(lambda c, _: (c * 1.0001, c), c, None, length=n)
         return lax.scan(lambda a, y: (a + y, None), c2, ys, reverse=True)[0]
@@ -281,7 +307,7 @@ def stacking_bandwidth(mesh: Mesh, elems: int, n: int = 4) -> float:
     shapes = [((elems,), jnp.float32)]
     extra = _per_device(mesh, stacked, shapes) - _per_device(mesh, unstacked, shapes)
     rows = ledger(jax.make_jaxpr(stacked)(jnp.ones(elems, jnp.float32)), Layout.parse("single"))
-    return sum(r.total_bytes for r in rows if r.scan_stack) / max(extra, 1e-9)
+    return sum(r.scan_stack * r.total_bytes for r in rows) / max(extra, 1e-9)
 
 
 def arithmetic_chain(x, depth: int = 32):
@@ -437,7 +463,7 @@ def in_run_profile(hw: Hardware, rows, devices, collective_sizes=None) -> Hardwa
     return dataclasses.replace(
         hw, dot_seconds=dot_seconds(rows, mesh),
         relayout_bw=relayout_bandwidth(mesh, *typical_relayout(rows)),
-        hbm=bandwidth(mesh, elems), cold_hbm=bandwidth(mesh, cold_elems(), k=2),
+        hbm=bandwidth(mesh, elems), cold_hbm=cold_bandwidth(mesh),
         vector_flops=vector_rate(mesh, elems), transcendental_flops=transcendental_rate(mesh, elems),
         mem_eff=1.0, concurrent_rates=True, collective_fit=fit_, collective_seconds=measured,
         beside_cost=beside, fault_cost=fault_cost(),

@@ -2,9 +2,10 @@
 
 Compute rows by roofline: max(FLOPs / (peak * matmul_eff), bytes / (hbm * mem_eff)),
 matmuls at the peak of their operand dtype, other rows at the vector rate (exp, log
-and the like, `TRANSCENDENTAL`, at the profile's rate for them where it has one), the bytes of
-a scan's stacked inputs and outputs (`Row.scan_stack`) at `cold_hbm` where the profile
-has one (a host whose caches hold a layer's working set but not the stacks); a matmul whose
+and the like, `TRANSCENDENTAL`, at the profile's rate for them where it has one), the
+stack's share of the bytes of a scan's stacked inputs and outputs (`Row.scan_stack`) at
+`cold_hbm` where the profile has one (a host whose caches hold a layer's working set but
+not the stacks), the rest of those rows' bytes at `hbm`; a matmul whose
 exact dot the profile has timed (`Hardware.dot_seconds`, measured in the same run by
 `engine/cost/microbench.py`) costs its measured time, and so does a collective whose
 kind, group size, bytes and dtype it has timed (`Hardware.collective_seconds`). Other
@@ -251,8 +252,9 @@ def compute_seconds(row: Row, hw: Hardware, n_devices: int) -> tuple[float, str]
     else:
         peak, flops = hw.vector_flops, row.flops
     t_flops = flops / peak
-    hbm = hw.cold_hbm if row.scan_stack and hw.cold_hbm else hw.hbm
-    t_bytes = moved_bytes(row, hw) / (hbm * hw.mem_eff)
+    t_bytes = moved_bytes(row, hw) / (hw.hbm * hw.mem_eff)
+    if row.scan_stack and hw.cold_hbm:  # the stack's share out of cache, the rest in it
+        t_bytes *= 1 - row.scan_stack + row.scan_stack * hw.hbm / hw.cold_hbm
     return scale * max(t_flops, t_bytes), "compute" if t_flops >= t_bytes else "memory"
 
 

@@ -51,13 +51,16 @@ class Row:
     # the row is traffic XLA adds to lower a `lax.scan` to a loop (`scan_copy_rows`:
     # the slices of its stacked inputs, the updates of its stacked outputs, their
     # zero-fills and upcasts), or the same traffic written in the body
-    # (`indexes_stack`: a row of a stack from outside the body read or written, as the
+    # (`stack_slot_bytes`: a row of a stack from outside the body read or written, as the
     # prefetching layer scans index their stacked weights and fill their carried
-    # grads). Two consequences in pricing (engine/cost/price.py): the data is written
-    # an iteration loop before it is read, so out of a host's caches
-    # (`Hardware.cold_hbm`); and an eager framework's layer loop, which stacks and
-    # slices nothing, does not move it
-    scan_stack: bool = False
+    # grads). Its value is the share of the row's bytes that are the stack's own (a
+    # slice's read from the stack, an update's write into it, a zero-fill or upcast of
+    # the whole stack), the rest the loop's working set (the slice written out, the
+    # update read); 0 for any other row. Two consequences in pricing
+    # (engine/cost/price.py): the stack's share is written an iteration loop before it
+    # is read, so out of a host's caches (`Hardware.cold_hbm`); and an eager
+    # framework's layer loop, which stacks and slices nothing, does not move the row
+    scan_stack: float = 0.0
     # the row is a copy XLA adds to a loop body to keep a carried value it overwrites
     # (`scan_rows.carry_copy_rows`): an in-cache copy on the CPU; an eager framework's
     # layer loop carries nothing, so it does not move it there

@@ -1,7 +1,7 @@
 """What a `lax.scan` costs beyond its body's equations: the rows XLA adds to lower it
 to a while loop (`scan_copy_rows`: its stacked inputs sliced, its stacked outputs filled,
 bf16 stacks upcast on jax 0.10's XLA:CPU), and the body's own equations that do the same
-to a stack from outside it (`indexes_stack`), both `Row.scan_stack` rows; and the copies
+to a stack from outside it (`stack_slot_bytes`), both `Row.scan_stack` rows; and the copies
 XLA adds to keep a carried value the body still reads after it makes the new one
 (`carry_copy_rows`, `Row.loop_copy`).
 """
@@ -78,22 +78,23 @@ def sliced_invars(jaxpr, targets) -> set:
     return found
 
 
-def indexes_stack(eqn, made: set) -> bool:
-    """Whether a loop body's equation reads one row of a stack with a `dynamic_slice`
-    or writes one with a `dynamic_update_slice` (a piece of leading size 1 of an operand
-    with a leading size above 1), the stack coming from outside the body (not in
-    `made`, the vars the body computes): the body's own form of what a scan does to its
-    stacked inputs and outputs, the same traffic (`Row.scan_stack`)."""
+def stack_slot_bytes(eqn, made: set) -> int:
+    """Bytes of the stack's row a loop body's equation reads with a `dynamic_slice` or
+    writes with a `dynamic_update_slice` (a piece of leading size 1 of an operand with a
+    leading size above 1), the stack coming from outside the body (not in `made`, the
+    vars the body computes): the body's own form of what a scan does to its stacked
+    inputs and outputs, the same traffic (`Row.scan_stack`). 0 for any other equation."""
     name = eqn.primitive.name
     if name == "dynamic_slice":
         piece = eqn.outvars[0].aval
     elif name == "dynamic_update_slice":
         piece = eqn.invars[1].aval
     else:
-        return False
+        return 0
     stack = eqn.invars[0]
-    return (stack.aval.ndim >= 1 and stack.aval.shape[0] > 1 and piece.ndim == stack.aval.ndim
-            and piece.shape[0] == 1 and stack not in made)
+    indexes = (stack.aval.ndim >= 1 and stack.aval.shape[0] > 1
+               and piece.ndim == stack.aval.ndim and piece.shape[0] == 1 and stack not in made)
+    return nbytes(piece) if indexes else 0
 
 
 def scan_copy_rows(eqn, phase, scope, count, pp=()) -> list[Row]:
@@ -115,7 +116,9 @@ def scan_copy_rows(eqn, phase, scope, count, pp=()) -> list[Row]:
 
     Both slices are priced as `fusion.io_bytes` prices the explicit ops: the update slice is
     written in place (read the update, write the slice), the input slice is read and
-    written out, 2x the slice's bytes each. XLA:CPU fuses a slice with elementwise
+    written out, 2x the slice's bytes each, half of them the stack's (`Row.scan_stack`:
+    the slot in the stack; the other half, the update read or the slice written, is the
+    loop's working set); the zero-fills and whole-stack upcasts are all the stack's. XLA:CPU fuses a slice with elementwise
     neighbours: an xs read only by fusible ops (not bitcasts: `FREE`) is sliced inside
     their loop fusion and a ys made by a fusible op used only there is written by it into
     the buffer, so those cost nothing beyond the rows of the body's own ops (which already
@@ -149,10 +152,10 @@ def scan_copy_rows(eqn, phase, scope, count, pp=()) -> list[Row]:
     uses = collections.Counter(v for v in body.outvars if not isinstance(v, jcore.Literal))
     rows = []
 
-    def row(primitive, aval, moved, n):
+    def row(primitive, aval, moved, n, stack_share=1.0):
         rows.append(Row(scope, phase, "memory", primitive, dtype_name(aval.dtype),
                         tuple(aval.shape), 0.0, float(moved), n, fused_bytes=0.0,
-                        lib_bytes=0.0, pp=pp, scan_stack=True))
+                        lib_bytes=0.0, pp=pp, scan_stack=stack_share))
 
     if cpu_upcasts_bf16_stacks():
         bf16 = {v for v in body.invars[:n_consts] if v.aval.dtype == jnp.bfloat16}
@@ -168,16 +171,19 @@ def scan_copy_rows(eqn, phase, scope, count, pp=()) -> list[Row]:
             # wide); each slice read from that, twice its bytes, and written back in
             # bf16 (its fusible consumers are charged the bf16 read: the rest is here)
             row("convert_element_type", outer.aval, 3 * piece * length, count)
-            row("dynamic_slice", inner.aval, piece if fused else 3 * piece, count * length)
+            # unfused: the f32 slot read (2 pieces) and the bf16 slice written
+            row("dynamic_slice", inner.aval, piece if fused else 3 * piece, count * length,
+                1.0 if fused else 2 / 3)
         elif not fused:
-            row("dynamic_slice", inner.aval, 2 * piece, count * length)
+            row("dynamic_slice", inner.aval, 2 * piece, count * length, 0.5)
     for outer, inner in zip(eqn.outvars[n_carry:], body.outvars[n_carry:]):
         row("broadcast_in_dim", outer.aval, nbytes(outer.aval), count)
         made = producer.get(inner)
         fused = (made is not None and made.primitive.name in FUSIBLE - FREE and uses[inner] == 1
                  and not consumers.get(inner))
         if not fused:
-            row("dynamic_update_slice", inner.aval, 2 * nbytes(inner.aval), count * length)
+            row("dynamic_update_slice", inner.aval, 2 * nbytes(inner.aval), count * length,
+                0.5)
     return rows
 
 
