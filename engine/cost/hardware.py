@@ -42,8 +42,9 @@ class Hardware:
     compute adds up across devices (forced host-platform devices).
     bf16_collectives_in_f32: the runtime moves bf16 collectives as f32 (XLA on CPU; the
     audit's `cpu_bf16_collectives_in_f32` rule), so they cost twice their ledger bytes.
-    cold_hbm: bytes/s of traffic the caches do not hold (`Row.scan_stack`: a scan's stacked
-    inputs and outputs, written an iteration loop before they are read); 0: `hbm`
+    cold_hbm: bytes/s of traffic the caches do not hold (the stack's share of a
+    `Row.scan_stack` row: a scan's stacked inputs and outputs, written an iteration loop
+    before they are read), page faults apart (`fault_cost`); 0: `hbm`
     (accelerators: their memory rate is HBM's whatever the reuse distance)."""
 
     name: str
