@@ -1,7 +1,8 @@
 """The copies XLA:CPU adds to lay a dot's operands out as its dot library takes them
 ([batch, M, K] x [batch, K, N]): which operands need one (`ledger.relayout_order`), one
 copy row per operand and order in the ledger, their price on the CPU only, and the
-in-run rate they are priced at (engine/cost/microbench.py `relayout_bandwidth`)."""
+in-run rate they are priced at (engine/cost/microbench.py `relayout_bandwidth`); and the
+casts it adds around a bf16 collective, which it runs in f32 (`Row.widen`)."""
 import dataclasses
 import math
 
@@ -87,3 +88,41 @@ def test_relayout_bandwidth_is_measured_on_the_steps_typical_copy():
                for r in copies)
     assert typical_relayout([]) == ((4096, 512), "bfloat16")
     assert relayout_bandwidth(flat_mesh(jax.devices()[:2]), (m, n), dtype) > 0
+
+
+def test_a_bf16_collective_is_cast_to_f32_and_back_on_the_cpu_only(monkeypatch):
+    """fsdp4 with bf16 grads: the layer's grad reduce-scatter is bf16 in the jaxpr. The
+    ledger adds one `widen` row beside each bf16 collective, in its scope, phase and
+    count: the input cast (3 bytes an element: bf16 read, f32 written) and the result's
+    (3 bytes an element of the 1/n shard); f32 collectives get none. The CPU profile
+    prices those rows at its memory rate; h100, whose collectives run in bf16, drops them.
+    The in-run timing runs the f32 op, the one the compiled step shows: a
+    reduce-scatter of f32 operands, as many elements (`group_collective_seconds`)."""
+    from engine.cost import microbench
+    from engine.cost.ledger import widen_bytes
+    from engine.cost.price import collective_key, priced_rows
+
+    lay = Layout.parse("fsdp4")
+    rows = step_ledger(CFG, TCFG, lay, pack=True)
+    bf16 = [r for r in rows if r.kind == "collective" and r.bytes and r.dtype == "bfloat16"]
+    casts = [r for r in rows if r.widen]
+    assert bf16 and len(casts) == len(bf16)
+    for c, r in zip(casts, bf16):
+        assert (c.scope, c.phase, c.count, c.kind) == (r.scope, r.phase, r.count, "memory")
+        assert c.bytes == widen_bytes("reduce-scatter" if r.primitive == "reduce_scatter"
+                                      else "all-gather", r.bytes, 4)
+    rs = next(r for r in bf16 if r.primitive == "reduce_scatter")
+    assert widen_bytes("reduce-scatter", rs.bytes, 4) == 1.5 * rs.bytes * (1 + 1 / 4)
+    assert not any(r.widen for r in rows if r.kind == "collective")
+    cpu, h100 = hardware.cpu_defaults(), hardware.get("h100")
+    assert set(casts) <= set(priced_rows(rows, cpu))
+    assert not set(casts) & set(priced_rows(rows, h100))
+    assert sum(p.seconds for p in predict(rows, cpu, lay.mesh_axes()).rows
+               if p.row.widen) > 0
+
+    ran = []
+    monkeypatch.setattr(microbench, "_collective_run", lambda kind, mesh, axes, elems, dt,
+                        reps: ran.append((kind, elems, dt)) or 1.0)
+    timed = microbench.group_collective_seconds([rs], jax.devices()[:4], reps=1)
+    assert set(timed) == {collective_key(rs)}
+    assert ran == [("reduce-scatter", rs.bytes // 2 // 4 * 4, jnp.float32)]

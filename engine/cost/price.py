@@ -208,9 +208,12 @@ def priced_rows(rows: list[Row], hw: Hardware) -> list[Row]:
     kernel rows replace the jnp scan's rows (`Row.kernel`); otherwise (CPU) the scan's
     rows are what runs and the kernel rows are dropped. The copies laying dot operands
     out for XLA:CPU's dot library (`Row.relayout`) run only where the profile prices
-    them (`Hardware.relayout_bw`)."""
+    them (`Hardware.relayout_bw`), and the casts around a bf16 collective only where the
+    runtime widens it to f32 (`Row.widen`, `Hardware.bf16_collectives_in_f32`)."""
     if not hw.relayout_bw:
         rows = [r for r in rows if not r.relayout]
+    if not hw.bf16_collectives_in_f32:
+        rows = [r for r in rows if not r.widen]
     if hw.flash:
         return [r for r in rows if not r.kernel]
     return [r for r in rows if r.kind != "attention"]

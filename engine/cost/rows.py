@@ -71,6 +71,11 @@ class Row:
     # such copies (`Hardware.relayout_bw`), dropped elsewhere (a GPU's or TPU's dot
     # kernels read a transposed operand in place)
     relayout: bool = False
+    # the row is XLA:CPU's cast of a bf16 collective's operand to f32 and of its result
+    # back (`ledger.widen_bytes`: its runtime has no bf16 collectives and runs them in
+    # f32, each cast a fusion of its own): priced only on a profile that widens them
+    # (`Hardware.bf16_collectives_in_f32`), dropped elsewhere
+    widen: bool = False
 
     def replace(self, **changes) -> Row:
         """`dataclasses.replace(self, **changes)` without its per-field loop (the walk
