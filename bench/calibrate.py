@@ -15,7 +15,7 @@ and 2048^3; the best rate is the MFU peak); the host's memory
 bandwidth, as the sum over the 8 devices of a fused `1.5 * x + y` each streams at once
 (engine/cost/microbench.py `bandwidth`), on arrays the cache holds together (`hbm`:
 the 8 devices' arrays 1/8 of the last-level cache in all) and on arrays half that
-cache's size each (`hbm_cold`: the rate of a scan's stacked inputs and outputs, four
+cache's size each (`hbm_cold`: the rate of a scan's stacked inputs and outputs, five
 passes less one, `microbench.cold_bandwidth`, so the first touch of fresh pages stays in
 `fault_cost`; beside
 it, not used in pricing, `hbm_cold_scan`: that rate measured on a scan's stack itself,

@@ -12,7 +12,7 @@ is what the step pays for that op (no x n_devices afterwards):
 - `bandwidth`: `y = 1.5 * x + y` passes in a loop on per-device arrays of the step's
   typical activation size (reads two, writes one), and `cold_bandwidth`: the same passes
   on arrays of half the host's last-level cache per device (`cold_elems`: every pass
-  streams from memory), the time of four passes less one's, so the first touch of the
+  streams from memory), the time of five passes less one's, so the first touch of the
   output's fresh pages is left to `fault_cost`: the rate of a scan's stacked inputs and
   outputs (`Row.scan_stack`);
 - `vector_rate`: 32 multiply-adds an element a pass (`arithmetic_chain`), passes in a
