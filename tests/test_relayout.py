@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from engine.config import TrainConfig, model_config
+from engine.config import ParallelConfig, TrainConfig, model_config
 from engine.cost import hardware
 from engine.cost.ledger import ledger, relayout_order, step_ledger
 from engine.cost.microbench import flat_mesh, relayout_bandwidth, typical_relayout
@@ -94,7 +94,8 @@ def test_a_bf16_collective_is_cast_to_f32_and_back_on_the_cpu_only(monkeypatch):
     """fsdp4 with bf16 grads: the layer's grad reduce-scatter is bf16 in the jaxpr. The
     ledger adds one `widen` row beside each bf16 collective, in its scope, phase and
     count: the input cast (3 bytes an element: bf16 read, f32 written) and the result's
-    (3 bytes an element of the 1/n shard); f32 collectives get none. The CPU profile
+    (3 bytes an element of the 1/n shard); f32 collectives get none, nor do bf16
+    collective-permutes (the tp ring's), which XLA:CPU runs in bf16. The CPU profile
     prices those rows at its memory rate; h100, whose collectives run in bf16, drops them.
     The in-run timing runs the f32 op, the one the compiled step shows: a
     reduce-scatter of f32 operands, as many elements (`group_collective_seconds`)."""
@@ -119,6 +120,12 @@ def test_a_bf16_collective_is_cast_to_f32_and_back_on_the_cpu_only(monkeypatch):
     assert not set(casts) & set(priced_rows(rows, h100))
     assert sum(p.seconds for p in predict(rows, cpu, lay.mesh_axes()).rows
                if p.row.widen) > 0
+
+    # collective-permute and all-to-all keep bf16 on XLA:CPU (the audit's rule): no casts
+    ring = step_ledger(dataclasses.replace(CFG, activations="bf16"), TCFG,
+                       Layout.parse("tp2"), ParallelConfig(tp_comm="ring"), True)
+    assert any(r.primitive == "ppermute" and r.dtype == "bfloat16" and r.bytes for r in ring)
+    assert not any(r.widen for r in ring)
 
     ran = []
     monkeypatch.setattr(microbench, "_collective_run", lambda kind, mesh, axes, elems, dt,

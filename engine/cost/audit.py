@@ -28,7 +28,7 @@ import dataclasses
 import numpy as np
 
 from engine.cost import hlo
-from engine.cost.ledger import COLLECTIVES, Row
+from engine.cost.ledger import COLLECTIVES, WIDENED_KINDS, Row
 
 HLO_DTYPE = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "int32": "s32",
              "float64": "f64", "bool": "pred", "uint32": "u32"}
@@ -77,8 +77,7 @@ def expected(rows: list[Row], platform: str) -> tuple[collections.Counter, dict,
         if r.kind != "collective" or kind is None or r.axis_size == 1:
             continue
         dtype, nbytes = HLO_DTYPE[r.dtype], int(r.bytes)
-        if platform == "cpu" and dtype == "bf16" and kind in ("all-gather", "reduce-scatter",
-                                                              "all-reduce"):
+        if platform == "cpu" and dtype == "bf16" and kind in WIDENED_KINDS:
             dtype, nbytes = "f32", 2 * nbytes
             rules["cpu_bf16_collectives_in_f32"] += r.count
         count = r.count

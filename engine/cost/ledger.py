@@ -51,6 +51,10 @@ COLLECTIVES = {
     "all_to_all": "all-to-all",
     "pvary": None,
 }
+# The kinds XLA:CPU runs in f32 when they are bf16 (its float normalization wraps them in
+# converts; collective-permute and all-to-all move bf16 as it is): the audit's
+# `cpu_bf16_collectives_in_f32` rule and the ledger's cast rows (`Row.widen`).
+WIDENED_KINDS = frozenset({"all-gather", "reduce-scatter", "all-reduce"})
 # Elementwise / reduction ops costing one FLOP per element (of the larger side).
 ARITH = {"add", "add_any", "sub", "mul", "div", "neg", "max", "min", "exp", "exp2", "log",
          "log1p", "logistic", "rsqrt", "sqrt", "tanh", "pow", "integer_pow", "square", "abs",
@@ -125,16 +129,17 @@ def _axes(eqn) -> tuple[str, ...]:
 
 
 def widen_bytes(kind: str, nbytes_bf16: float, n: int) -> float:
-    """Bytes XLA:CPU's casts around a bf16 collective of `nbytes_bf16` ledger bytes
-    (the input; the output for an all-gather) over `n` devices move: its input read in
+    """Bytes XLA:CPU's casts around a bf16 collective of a `WIDENED_KINDS` kind and
+    `nbytes_bf16` ledger bytes (the input; the output for an all-gather) over `n`
+    devices move: its input read in
     bf16 and written in f32, the f32 result read and written back in bf16, 3 bytes an
     element each way; the side a reduce-scatter scatters or an all-gather gathers is
     1/n of the other. What the compiled step shows for fsdp8 `medium`: the layer's
     weight grads each converted to f32 (`convert_bitcast_fusion`), concatenated, an f32
     `reduce-scatter`, and a `wrapped_convert` of its shard back to bf16."""
     b = nbytes_bf16 / 2  # elements
-    into, out = {"reduce-scatter": (3 * b, 3 * b / n), "all-gather": (3 * b / n, 3 * b)}.get(
-        kind, (3 * b, 3 * b))
+    into, out = {"reduce-scatter": (3 * b, 3 * b / n), "all-gather": (3 * b / n, 3 * b),
+                 "all-reduce": (3 * b, 3 * b)}[kind]
     return into + out
 
 
@@ -148,7 +153,7 @@ def _collective_rows(eqn, phase, scope, count, mesh_shape, pp=()) -> list[Row]:
         moved = 0 if kind is None or size == 1 else nbytes(buf)
         rows.append(Row(scope, phase, "collective", eqn.primitive.name, dtype_name(buf.dtype),
                         tuple(buf.shape), 0.0, float(moved), count, axes, size, pp=pp))
-        if moved and buf.dtype == jnp.bfloat16:
+        if moved and buf.dtype == jnp.bfloat16 and kind in WIDENED_KINDS:
             rows.append(Row(scope, phase, "memory", "convert_element_type", "float32",
                             tuple(buf.shape), 0.0, widen_bytes(kind, moved, size), count,
                             fused_bytes=0.0, lib_bytes=0.0, pp=pp, widen=True))

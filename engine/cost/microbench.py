@@ -50,7 +50,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import collectives
 from engine.cost.hardware import Hardware
-from engine.cost.ledger import ledger
+from engine.cost.ledger import WIDENED_KINDS, ledger
 from engine.cost.price import collective_key, ring_factor
 from engine.layout import Layout
 
@@ -379,9 +379,10 @@ def group_collective_seconds(rows, devices, reps: int = 5) -> dict:
     at once on operands of its bytes and dtype (the step runs a sub-axis collective in
     every group of that axis together, and on a shared host the groups share its cores).
     Timed at its own size, a collective needs no latency-per-hop extrapolation from the
-    whole mesh to a group of two (`fit`). A bf16 collective on a backend that runs them
-    in f32 (`collectives.widens_2byte`) is timed as that f32 op on as many elements: its
-    casts are fusions of their own in the step, priced as the ledger's `Row.widen` rows."""
+    whole mesh to a group of two (`fit`). A bf16 collective of a kind a backend runs in
+    f32 (`ledger.WIDENED_KINDS`, `collectives.widens_2byte`) is timed as that f32 op on
+    as many elements: its casts are fusions of their own in the step, priced as the
+    ledger's `Row.widen` rows."""
     n = len(devices)
     out = {}
     keys = {collective_key(r) for r in rows if r.kind == "collective" and r.bytes}
@@ -391,7 +392,7 @@ def group_collective_seconds(rows, devices, reps: int = 5) -> dict:
         dt = jnp.dtype(dtype)
         per_device = nbytes // g if kind == "all-gather" else nbytes
         elems = max(per_device // dt.itemsize // g * g, g)
-        if dt == jnp.bfloat16 and collectives.widens_2byte(mesh):
+        if dt == jnp.bfloat16 and kind in WIDENED_KINDS and collectives.widens_2byte(mesh):
             dt = jnp.dtype(jnp.float32)
         out[key] = _collective_run(kind, mesh, ("r", "d"), elems, dt, reps)
     return out

@@ -72,8 +72,8 @@ class Row:
     # kernels read a transposed operand in place)
     relayout: bool = False
     # the row is XLA:CPU's cast of a bf16 collective's operand to f32 and of its result
-    # back (`ledger.widen_bytes`: its runtime has no bf16 collectives and runs them in
-    # f32, each cast a fusion of its own): priced only on a profile that widens them
+    # back (`ledger.widen_bytes`: it runs the `ledger.WIDENED_KINDS` in f32, each cast a
+    # fusion of its own): priced only on a profile that widens them
     # (`Hardware.bf16_collectives_in_f32`), dropped elsewhere
     widen: bool = False
 
