@@ -118,12 +118,12 @@ def scan_copy_rows(eqn, phase, scope, count, pp=()) -> list[Row]:
     written in place (read the update, write the slice), the input slice is read and
     written out, 2x the slice's bytes each, half of them the stack's (`Row.scan_stack`:
     the slot in the stack; the other half, the update read or the slice written, is the
-    loop's working set); the zero-fills and whole-stack upcasts are all the stack's. XLA:CPU fuses a slice with elementwise
-    neighbours: an xs read only by fusible ops (not bitcasts: `FREE`) is sliced inside
-    their loop fusion and a ys made by a fusible op used only there is written by it into
-    the buffer, so those cost nothing beyond the rows of the body's own ops (which already
-    read the slice or write the result). What `jax.jit(f).lower(...).compile().as_text()`
-    shows on XLA:CPU for a scan of `c @ w`, `tanh` of it and `2 * c`, each stacked
+    loop's working set); the zero-fills and whole-stack upcasts are all the stack's.
+    XLA:CPU fuses a slice with elementwise neighbours: an xs read only by fusible ops
+    (not bitcasts: `FREE`) is sliced inside their loop fusion and a ys made by a fusible
+    op used only there is written by it into the buffer, so those cost nothing beyond
+    the rows of the body's own ops (which already read the slice or write the result).
+    What `jax.jit(f).lower(...).compile().as_text()` shows on XLA:CPU for a scan of `c @ w`, `tanh` of it and `2 * c`, each stacked
     (tests/test_cost.py): a `dynamic-slice` fusion feeding the dot, one
     `dynamic-update-slice` fusion per stacked output aliasing the loop's buffer (the
     multiply inside its own), a `broadcast` of each stacked buffer in the entry; for a
@@ -152,10 +152,12 @@ def scan_copy_rows(eqn, phase, scope, count, pp=()) -> list[Row]:
     uses = collections.Counter(v for v in body.outvars if not isinstance(v, jcore.Literal))
     rows = []
 
-    def row(primitive, aval, moved, n, stack_share=1.0):
+    def row(primitive, aval, moved, n, in_stack=None):
+        """in_stack: the bytes of `moved` that are the stack's (default all)."""
+        share = 1.0 if in_stack is None else in_stack / moved
         rows.append(Row(scope, phase, "memory", primitive, dtype_name(aval.dtype),
                         tuple(aval.shape), 0.0, float(moved), n, fused_bytes=0.0,
-                        lib_bytes=0.0, pp=pp, scan_stack=stack_share))
+                        lib_bytes=0.0, pp=pp, scan_stack=share))
 
     if cpu_upcasts_bf16_stacks():
         bf16 = {v for v in body.invars[:n_consts] if v.aval.dtype == jnp.bfloat16}
@@ -173,9 +175,9 @@ def scan_copy_rows(eqn, phase, scope, count, pp=()) -> list[Row]:
             row("convert_element_type", outer.aval, 3 * piece * length, count)
             # unfused: the f32 slot read (2 pieces) and the bf16 slice written
             row("dynamic_slice", inner.aval, piece if fused else 3 * piece, count * length,
-                1.0 if fused else 2 / 3)
+                None if fused else 2 * piece)
         elif not fused:
-            row("dynamic_slice", inner.aval, 2 * piece, count * length, 0.5)
+            row("dynamic_slice", inner.aval, 2 * piece, count * length, piece)
     for outer, inner in zip(eqn.outvars[n_carry:], body.outvars[n_carry:]):
         row("broadcast_in_dim", outer.aval, nbytes(outer.aval), count)
         made = producer.get(inner)
@@ -183,7 +185,7 @@ def scan_copy_rows(eqn, phase, scope, count, pp=()) -> list[Row]:
                  and not consumers.get(inner))
         if not fused:
             row("dynamic_update_slice", inner.aval, 2 * nbytes(inner.aval), count * length,
-                0.5)
+                nbytes(inner.aval))
     return rows
 
 
