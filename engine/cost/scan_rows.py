@@ -114,22 +114,23 @@ def scan_copy_rows(eqn, phase, scope, count, pp=()) -> list[Row]:
       scan's backward, `layers/block.py`), charged the same whole-stack convert; the
       body's own `dynamic_slice` row keeps its bf16 bytes.
 
-    Both slices are priced as `fusion.io_bytes` prices the explicit ops: the update slice is
-    written in place (read the update, write the slice), the input slice is read and
-    written out, 2x the slice's bytes each, half of them the stack's (`Row.scan_stack`:
-    the slot in the stack; the other half, the update read or the slice written, is the
-    loop's working set); the zero-fills and whole-stack upcasts are all the stack's.
-    XLA:CPU fuses a slice with elementwise neighbours: an xs read only by fusible ops
-    (not bitcasts: `FREE`) is sliced inside their loop fusion and a ys made by a fusible
-    op used only there is written by it into the buffer, so those cost nothing beyond
-    the rows of the body's own ops (which already read the slice or write the result).
-    What `jax.jit(f).lower(...).compile().as_text()` shows on XLA:CPU for a scan of `c @ w`, `tanh` of it and `2 * c`, each stacked
-    (tests/test_cost.py): a `dynamic-slice` fusion feeding the dot, one
-    `dynamic-update-slice` fusion per stacked output aliasing the loop's buffer (the
-    multiply inside its own), a `broadcast` of each stacked buffer in the entry; for a
-    scan of a dot of bf16 `xs`, a `wrapped_convert` fusion of the whole f32[N, ...] stack
-    in the entry and a `convert_bitcast_fusion` of the slice to bf16 in the loop, before
-    the dot (tests/test_cost.py; jax 0.10's XLA:CPU).
+    Both slices are priced as `fusion.io_bytes` prices the explicit ops: the update
+    slice is written in place (read the update, write the slice), the input slice is
+    read and written out, 2x the slice's bytes each, half of them the stack's
+    (`Row.scan_stack`: the slot in the stack; the other half, the update read or the
+    slice written, is the loop's working set); the zero-fills and whole-stack upcasts
+    are all the stack's. XLA:CPU fuses a slice with elementwise neighbours: an xs read
+    only by fusible ops (not bitcasts: `FREE`) is sliced inside their loop fusion and a
+    ys made by a fusible op used only there is written by it into the buffer, so those
+    cost nothing beyond the rows of the body's own ops (which already read the slice or
+    write the result). What `jax.jit(f).lower(...).compile().as_text()` shows on XLA:CPU
+    for a scan of `c @ w`, `tanh` of it and `2 * c`, each stacked (tests/test_cost.py):
+    a `dynamic-slice` fusion feeding the dot, one `dynamic-update-slice` fusion per
+    stacked output aliasing the loop's buffer (the multiply inside its own), a
+    `broadcast` of each stacked buffer in the entry; for a scan of a dot of bf16 `xs`, a
+    `wrapped_convert` fusion of the whole f32[N, ...] stack in the entry and a
+    `convert_bitcast_fusion` of the slice to bf16 in the loop, before the dot
+    (tests/test_cost.py; jax 0.10's XLA:CPU).
 
     Accelerators (`Hardware.fusion`): XLA on TPU and GPU emits a scan's ys update as a
     dynamic-update-slice fused in place with the op producing the update, and fuses an
