@@ -40,8 +40,9 @@ class Hardware:
     collectives / latency-hiding scheduler); on CPU collectives are synchronous.
     shared_host: all devices are threads of one host sharing its cores, so per-device
     compute adds up across devices (forced host-platform devices).
-    bf16_collectives_in_f32: the runtime moves bf16 collectives as f32 (XLA on CPU; the
-    audit's `cpu_bf16_collectives_in_f32` rule), so they cost twice their ledger bytes.
+    bf16_collectives_in_f32: the runtime moves bf16 collectives of the
+    `ledger.WIDENED_KINDS` as f32 (XLA on CPU; the audit's `cpu_bf16_collectives_in_f32`
+    rule), so they cost twice their ledger bytes.
     cold_hbm: bytes/s of traffic the caches do not hold (the stack's share of a
     `Row.scan_stack` row: a scan's stacked inputs and outputs, written an iteration loop
     before they are read), page faults apart (`fault_cost`); 0: `hbm`

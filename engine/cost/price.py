@@ -61,7 +61,7 @@ import dataclasses
 import os
 
 from engine.cost.hardware import Hardware, Link
-from engine.cost.ledger import COLLECTIVES, Row
+from engine.cost.ledger import COLLECTIVES, WIDENED_KINDS, Row
 from layers.scopes import BLOCK_SCOPES
 
 # Elementwise ops XLA evaluates by a polynomial or rational approximation, tens of vector
@@ -171,7 +171,8 @@ def collective_seconds(row: Row, hw: Hardware, mesh_axes) -> float:
         link = link_for(hw, mesh_axes, row.axes)
         latency, bw, eff = link.latency, link.bandwidth, hw.link_eff
     frac, hops = ring_factor(kind, n)
-    nbytes = 2 * row.bytes if hw.bf16_collectives_in_f32 and row.dtype == "bfloat16" else row.bytes
+    widened = hw.bf16_collectives_in_f32 and row.dtype == "bfloat16" and kind in WIDENED_KINDS
+    nbytes = 2 * row.bytes if widened else row.bytes
     return frac * nbytes / (bw * eff) + hops * latency
 
 
