@@ -25,13 +25,19 @@ Model differences are matched on FLOPs, never by changing the model: MPT and GPT
 (Megatron) use a two-matrix GELU MLP with hidden 4D, whose matmul FLOPs equal a SwiGLU
 with hidden 8D/3 (2·D·4D = 3·D·F), rounded to a multiple of tp; MPT's ALiBi and GPT's
 learned positions cost no matmul FLOPs (RoPE here costs a few elementwise ones).
-Attention is priced as the kernel the source ran: a flash kernel for every row but
-Megatron's. llm-foundry's benchmark runs (`submit_benchmarks.py`: `--attn_impl flash`,
-installed with its `gpu-flash2` extra) and torchtitan (PyTorch's
-`scaled_dot_product_attention`, whose flash backend is FlashAttention-2) call
-FlashAttention-2, priced at its own H100 / A100 rate (engine/cost/hardware.py
-`FLASH_ATTENTION_2`: on H100 its published forward and backward speed at the row's
-sequence length); MaxText calls the Pallas splash kernel (the TPU profiles' rate).
+Attention is priced as the kernel the source ran (`Run.kernel`): a flash kernel for
+every row but Megatron's. llm-foundry's tables were made by the commits that last
+changed them (b2a43a1, October 2023: the 8- to 64-GPU rows and A100's; 5e85bd6, January
+2024: the 128-GPU rows), whose `submit_benchmarks.py` sets `attn_impl` from its
+`--attn_impl` flag, default `triton`, which `sweep.sh` does not pass (the default became
+`flash` in March 2024, 7f0fdae): the first FlashAttention's Triton port
+(llmfoundry/models/layers/flash_attn_triton.py, "Copied from" the flash-attention
+repository's flash_attn_triton.py, on the `triton-pre-mlir` fork), priced at that
+kernel's published rate (engine/cost/hardware.py `FLASH_ATTENTION_TRITON`). torchtitan
+(PyTorch's `scaled_dot_product_attention`, whose flash backend is FlashAttention-2) is
+priced at FlashAttention-2's (`FLASH_ATTENTION_2`: on H100 its published forward and
+backward speed at the row's sequence length); MaxText calls the Pallas splash kernel
+(the TPU profiles' rate).
 torchtitan's H100s are its Grand Teton hosts (96 GB of HBM2e at 2.4 TB/s, 500 W, a
 tensor-core peak "between SXM and NVL" in its page's words): the `h100-gt` profile.
 Megatron-LM in 2021 predates FlashAttention (Dao et al. 2022): it formed the [s, s]
@@ -123,8 +129,9 @@ class Run:
     note: str = ""
     tp_comm: str = "allreduce"
     attention: str = "auto"
-    # the flash kernel the source called, where it is not the profile's own:
-    # "flash2" = FlashAttention-2 (engine/cost/hardware.py FLASH_ATTENTION_2)
+    # the flash kernel the source called, where it is not the profile's own
+    # (engine/cost/hardware.py KERNELS): "flash2" = FlashAttention-2, "triton" = the
+    # first FlashAttention's Triton port
     kernel: str = ""
     # False: the source ran eagerly (PyTorch without torch.compile), each elementwise
     # op its own kernel with its own HBM round trip: priced unfused (Row.bytes)
@@ -158,7 +165,7 @@ def gelu_match(d: int, tp: int = 1) -> int:
 def _mpt(name, hw, chips, d, heads, layers, micro, remat, tps, mfu, zero=3, note=""):
     return Run(f"llm-foundry MPT-{name} {chips}x{hw}", hw, chips, layers, d, heads, heads,
                d // heads, gelu_match(d), 50368, 2048, micro * chips, f"fsdp{chips}", remat,
-               zero, tps, "tps", mfu, FOUNDRY, note, kernel="flash2", fused=False,
+               zero, tps, "tps", mfu, FOUNDRY, note, kernel="triton", fused=False,
                grad_reduce="f32")
 
 
@@ -272,8 +279,8 @@ def profile(r: Run):
     from engine.cost import hardware
 
     hw = hardware.get(r.hardware)
-    if r.kernel == "flash2":
-        hw = dataclasses.replace(hw, **hardware.FLASH_ATTENTION_2[r.hardware])
+    if r.kernel:
+        hw = dataclasses.replace(hw, **hardware.KERNELS[r.kernel][r.hardware])
     return hw if r.fused else dataclasses.replace(hw, fusion=False)
 
 

@@ -237,15 +237,27 @@ def test_published_table_rows_all_price():
 def test_rows_price_the_attention_kernel_and_chip_their_source_ran():
     from bench.published import RUNS, profile
 
-    foundry = next(r for r in RUNS if r.name.startswith("llm-foundry") and r.hardware == "h100")
+    foundry = [r for r in RUNS if r.name.startswith("llm-foundry")]
     titan = next(r for r in RUNS if r.name.startswith("torchtitan"))
     maxtext = next(r for r in RUNS if r.name.startswith("MaxText"))
-    for r in (foundry, titan):  # FlashAttention-2, not the profile's cuDNN kernel
-        hw, cudnn = profile(r), hardware.get("h100")
-        assert hw.attention_rates == hardware.FLASH_ATTENTION_2[r.hardware]["attention_rates"]
-        for backward in (False, True):
-            assert hw.attention_fraction(r.seq, backward) \
-                < cudnn.attention_fraction(r.seq, backward)
+    flash2 = hardware.FLASH_ATTENTION_2
+    # torchtitan: FlashAttention-2, slower than the h100 profile's cuDNN kernel
+    hw, cudnn = profile(titan), hardware.get("h100")
+    assert hw.attention_rates == flash2[titan.hardware]["attention_rates"]
+    for backward in (False, True):
+        assert hw.attention_fraction(titan.seq, backward) \
+            < cudnn.attention_fraction(titan.seq, backward)
+    # llm-foundry: the first FlashAttention's Triton port, on both chips slower than
+    # FlashAttention-2 at the rows' length, both passes at its forward + backward rate
+    assert {r.hardware for r in foundry} == {"h100", "a100"}
+    for r in foundry:
+        hw, fa2 = profile(r), dataclasses.replace(hardware.get(r.hardware), **flash2[r.hardware])
+        assert hw.attention_rates == hardware.FLASH_ATTENTION_TRITON[r.hardware]["attention_rates"]
+        fwd, bwd = (hw.attention_fraction(r.seq, b) for b in (False, True))
+        assert fwd == bwd < min(fa2.attention_fraction(r.seq, b) for b in (False, True))
+    a100 = profile(next(r for r in foundry if r.hardware == "a100"))
+    assert a100.attention_fraction(2048, True) == pytest.approx(68 / 312)
+    assert profile(foundry[0]).attention_fraction(2048, False) == pytest.approx(108 / 989)
     assert profile(maxtext) == hardware.get(maxtext.hardware)
     # torchtitan's hosts: 96 GB of HBM2e at 2.4 TB/s, a tensor-core peak strictly between
     # the NVL's and the SXM's, MFU over the SXM peak as torchtitan's own figures

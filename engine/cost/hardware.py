@@ -217,6 +217,20 @@ def _tpu(name, bf16, hbm, ici_one_way, fast_domain, capacity):
 # same figures of the FlashAttention-3 paper: forward with causal mask 191 / 260 / 298 /
 # 319 / 333 / 335 TFLOP/s, backward 214 / 260 / 291 / 310 / 318 / 322. On A100
 # FlashAttention-2 is the kernel the profile already prices (0.55).
+# The first FlashAttention's kernels (`FLASH_ATTENTION_TRITON`): its Triton port
+# (flash_attn_triton.py of the flash-attention repository, Triton before its MLIR
+# backend) on A100, and the CUDA kernel (FlashAttention-1) on H100, from the benchmark
+# figures of the flash-attention repository's README (assets/flash2_a100_fwd_bwd_benchmark.png
+# and flash2_h100_fwd_bwd_benchmark.png, the FlashAttention-2 paper's Figs. 4 and 7),
+# forward + backward with causal mask, head dim 128, 512 / 1k / 2k / 4k / 8k / 16k:
+# "FlashAttention Triton" on A100 80GB SXM4 50 / 61 / 68 / 74 / 78 / 80 TFLOP/s;
+# "FlashAttention" on H100 80GB SXM5 98 / 109 / 108 / 126 / 135 / 137. The figures give
+# forward + backward only, so both passes are priced at that rate (exact for their sum,
+# the step's case without recomputation). No H100 figure of the Triton port is
+# published; the CUDA kernel stands for it: on the A100 figure the two are within 1-5
+# TFLOP/s at every length (FlashAttention 55 / 62 / 69 / 76 / 80 / 83), and the port's
+# own docstring says "Overall Triton forward + backward is slightly slower than CUDA
+# forward + backward".
 # HBM per chip: 80 GB (A100-SXM4-80GB and H100-SXM5 datasheets).
 def _gpu(name, bf16, tf32, fp32, hbm, nvlink_dir, nic, matmul_eff, attention_eff):
     return Hardware(name, {"bfloat16": bf16, "float32": tf32}, fp32, hbm,
@@ -232,22 +246,29 @@ H100_CUDNN = ((512, 315, 305), (1024, 410, 408), (2048, 484, 465), (4096, 518, 4
               (8192, 529, 518), (16384, 539, 516))
 H100_FA2 = ((512, 191, 214), (1024, 260, 260), (2048, 298, 291), (4096, 319, 310),
             (8192, 333, 318), (16384, 335, 322))
+# (sequence, forward + backward TFLOP/s) of the first FlashAttention's kernels, head dim
+# 128, causal (the figures above)
+A100_FA_TRITON = ((512, 50), (1024, 61), (2048, 68), (4096, 74), (8192, 78), (16384, 80))
+H100_FA1 = ((512, 98), (1024, 109), (2048, 108), (4096, 126), (8192, 135), (16384, 137))
 
 
-H100_SXM_BF16 = 989e12  # the peak the benchmarks' chip, H100 SXM5, is rated at
+# the bf16 peaks the benchmarks' chips are rated at (H100 SXM5, A100 SXM4)
+H100_SXM_BF16 = 989e12
+A100_SXM_BF16 = 312e12
 
 
 def flash_rates(peak: float, table) -> tuple:
     """`Hardware.attention_rates` from ((sequence, forward, backward TFLOP/s), ...)
-    measured on a chip of bf16 matmul `peak` FLOP/s."""
-    return tuple((s, f * 1e12 / peak, b * 1e12 / peak) for s, f, b in table)
+    measured on a chip of bf16 matmul `peak` FLOP/s; ((sequence, forward + backward),
+    ...): both passes at that rate."""
+    return tuple((s, r[0] * 1e12 / peak, r[-1] * 1e12 / peak) for s, *r in table)
 
 
 PROFILES = {
     "v4": _tpu("TPU v4", 275e12, 1.2e12, 4.5e10, 4096, 32 * 2**30),
     "v5e": _tpu("TPU v5e", 197e12, 8.1e11, 4.5e10, 256, 16 * 2**30),
     "v5p": _tpu("TPU v5p", 459e12, 2.765e12, 9e10, 8960, 95 * 2**30),
-    "a100": _gpu("A100-SXM 80GB", 312e12, 156e12, 19.5e12, 2.039e12, 300e9, 25e9, 0.8, 0.55),
+    "a100": _gpu("A100-SXM 80GB", A100_SXM_BF16, 156e12, 19.5e12, 2.039e12, 300e9, 25e9, 0.8, 0.55),
     "h100": dataclasses.replace(
         _gpu("H100-SXM", H100_SXM_BF16, 494.7e12, 67e12, 3.35e12, 450e9, 50e9, 0.75, 0.0),
         attention_rates=flash_rates(H100_SXM_BF16, H100_CUDNN)),
@@ -258,6 +279,14 @@ PROFILES = {
 _H100_FA2 = dict(attention_rates=flash_rates(H100_SXM_BF16, H100_FA2))
 FLASH_ATTENTION_2 = {"h100": _H100_FA2, "h100-gt": _H100_FA2,
                      "a100": dict(attention_eff=0.55, attention_rates=())}
+# The profile fields of the first FlashAttention's kernels (its Triton port on A100, the
+# CUDA kernel standing for it on H100), from the figures above.
+_H100_FA1 = dict(attention_rates=flash_rates(H100_SXM_BF16, H100_FA1))
+FLASH_ATTENTION_TRITON = {"h100": _H100_FA1, "h100-gt": _H100_FA1,
+                          "a100": dict(attention_eff=0.0, attention_rates=flash_rates(
+                              A100_SXM_BF16, A100_FA_TRITON))}
+# a published run's attention kernel (bench/published.py `Run.kernel`) -> its fields
+KERNELS = {"flash2": FLASH_ATTENTION_2, "triton": FLASH_ATTENTION_TRITON}
 
 # H100 as torchtitan's benchmark pages describe their Grand Teton hosts: "96GB HBM2e with
 # 2.4 TB/sec peak memory bandwidth", run at "the default 500W power limit" (the SXM5
