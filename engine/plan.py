@@ -56,6 +56,9 @@ class Priced:
     mfu: float
     peak_bytes: int | None
     dots_timed: bool = False  # its matmuls priced by their time on the host (`timed_prices`)
+    # each device's temporaries mapped anew every step (engine/cost/fit.py `mapped_bytes`),
+    # whose page faults its step_s includes
+    mapped_bytes: int = 0
 
     def record(self) -> dict:
         return dict(layout=str(self.candidate.layout), flags=self.candidate.flags,
@@ -63,7 +66,7 @@ class Priced:
                     predicted_peak_bytes=self.peak_bytes,
                     predicted_compute_s=self.compute_s, predicted_comm_s=self.comm_s,
                     predicted_exposed_comm_s=self.exposed_comm_s,
-                    dots_timed=self.dots_timed)
+                    predicted_mapped_bytes=self.mapped_bytes, dots_timed=self.dots_timed)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,14 +90,15 @@ class Plan:
     refined: int = 0
 
 
-def predict_candidate(cand: Candidate, tcfg: TrainConfig, hw):
-    """The cost model's Prediction for one candidate, as roofline's --predict-only."""
+def predict_candidate(cand: Candidate, tcfg: TrainConfig, hw, mapped_bytes: int = 0):
+    """The cost model's Prediction for one candidate, as roofline's --predict-only, plus
+    the page faults of `mapped_bytes` per device (`Priced.mapped_bytes`)."""
     from engine.cost import cache
     from engine.cost.pipeline import predict_step
 
     rows, _ = cache.step_ledger(cand.cfg, tcfg, cand.layout, cand.parallel,
                                 hw.bf16_collectives_in_f32)
-    return predict_step(rows, hw, cand.layout, cand.parallel)[0]
+    return predict_step(rows, hw, cand.layout, cand.parallel, mapped_bytes)[0]
 
 
 def _price_program(job) -> tuple[list, bool, list, list]:
@@ -106,17 +110,19 @@ def _price_program(job) -> tuple[list, bool, list, list]:
     pool never waits on a round of retries. Returns ([(step, compute, comm, exposed
     comm), or None when over memory] per candidate, whether the ledger came from the
     cache, [peak bytes] per candidate, the candidates priced: the job's, or the
-    microbatched ones they grew into)."""
+    microbatched ones they grew into). On a shared host a step also pays the page
+    faults of the temporaries it maps anew (`fit.mapped_bytes` of its memory prediction,
+    the fifth entry of its tuple)."""
     from engine.cost import cache, fit
     from engine.cost.pipeline import predict_step
 
     cands, tcfg, hw, capacity, grow = job
     first = cands[0]
-    peak_of: dict = {}  # a peak depends on the sizes and switches, not the axis order
+    mem_of: dict = {}  # memory depends on the sizes and switches, not the axis order
     for c in cands:
-        if c.parallel not in peak_of:
-            peak_of[c.parallel] = fit.peak_bytes(c.cfg, tcfg, c.parallel, c.layout, hw)
-    peaks = [peak_of[c.parallel] for c in cands]
+        if c.parallel not in mem_of:
+            mem_of[c.parallel] = fit.predicted(c.cfg, tcfg, c.parallel, c.layout, hw)
+    peaks = [None if mem_of[c.parallel] is None else mem_of[c.parallel].peak for c in cands]
     if capacity is not None and all(p is not None and p > capacity for p in peaks):
         # engine.validate reads axis sizes, not their order: a program grows as a whole
         grown = [accumulated(c, tcfg) for c in cands] if grow else [None]
@@ -136,8 +142,9 @@ def _price_program(job) -> tuple[list, bool, list, list]:
         axes = c.layout.mesh_axes()
         key = (c.parallel, tuple(sorted(axes)) if one_domain else axes)
         if key not in seen:
-            p = predict_step(rows, hw, c.layout, c.parallel)[0]
-            seen[key] = (p.step_s, p.compute_s, p.comm_s, p.exposed_comm_s)
+            mapped = fit.mapped_bytes(mem_of[c.parallel], hw)
+            p = predict_step(rows, hw, c.layout, c.parallel, mapped)[0]
+            seen[key] = (p.step_s, p.compute_s, p.comm_s, p.exposed_comm_s, mapped)
         out.append(seen[key])
     return out, cached, peaks, cands
 
@@ -252,9 +259,9 @@ def price(cands: list, tcfg: TrainConfig, hw, n: int, capacity: float | None,
             if got is None:
                 over.append((c, peak))
                 continue
-            step, compute, comm, exposed = got
+            step, compute, comm, exposed, mapped = got
             ranked.append(Priced(c, step, compute, comm, exposed,
-                                 mfu(c.cfg, tcfg, hw, n, step), peak))
+                                 mfu(c.cfg, tcfg, hw, n, step), peak, mapped_bytes=mapped))
     ranked.sort(key=_rank)
     return ranked, over, programs, cached, workers
 
@@ -290,9 +297,10 @@ def timed_prices(priced: list, tcfg: TrainConfig, hw, n: int, devices,
     out = []
     for p in priced:
         c = p.candidate
-        pred = predict_step(rows_of[c.program], hw, c.layout, c.parallel)[0]
+        pred = predict_step(rows_of[c.program], hw, c.layout, c.parallel, p.mapped_bytes)[0]
         out.append(Priced(c, pred.step_s, pred.compute_s, pred.comm_s, pred.exposed_comm_s,
-                          mfu(c.cfg, tcfg, hw, n, pred.step_s), p.peak_bytes, True))
+                          mfu(c.cfg, tcfg, hw, n, pred.step_s), p.peak_bytes, True,
+                          p.mapped_bytes))
     return out, hw
 
 

@@ -8,10 +8,10 @@ from engine.plan import Priced, gib, predict_candidate
 
 def _categories(pred) -> dict:
     """Seconds on the critical path per category: compute by scope, exposed
-    collectives by kind and axes."""
+    collectives by kind and axes, page faults."""
     from engine.cost.ledger import COLLECTIVES
 
-    out: dict[str, float] = {}
+    out: dict[str, float] = {"page faults": pred.fault_s} if pred.fault_s else {}
     for p in pred.rows:
         r = p.row
         if r.kind == "collective":
@@ -34,19 +34,22 @@ def runner_up(ranked: list) -> int | None:
 
 
 def why(first: Priced, second: Priced, tcfg: TrainConfig, hw, ranks: tuple = (1, 2)) -> str:
-    """One line: by how much the first beats the second (#ranks), split into compute and
-    exposed communication, and the category where most of the difference is."""
-    a, b = (predict_candidate(p.candidate, tcfg, hw) for p in (first, second))
+    """One line: by how much the first beats the second (#ranks), split into compute,
+    exposed communication and (where either pays them) page faults, and the category
+    where most of the difference is."""
+    a, b = (predict_candidate(p.candidate, tcfg, hw, p.mapped_bytes) for p in (first, second))
     ca, cb = _categories(a), _categories(b)
     diffs = {k: cb.get(k, 0.0) - ca.get(k, 0.0) for k in {*ca, *cb}}
     top = max(diffs, key=lambda k: abs(diffs[k]))
     gap = second.step_s - first.step_s
     i, j = ranks
+    faults = (f", {b.fault_s - a.fault_s:+.4g} s on page faults"
+              if a.fault_s or b.fault_s else "")
     return (f"#{i} {first.candidate.describe()} beats #{j} {second.candidate.describe()} by "
             f"{gap:.4g} s ({100 * gap / second.step_s:.1f}%): #{j} spends "
             f"{b.compute_s - a.compute_s:+.4g} s on compute and "
-            f"{b.exposed_comm_s - a.exposed_comm_s:+.4g} s on exposed communication, most "
-            f"in {top} ({diffs[top]:+.4g} s)")
+            f"{b.exposed_comm_s - a.exposed_comm_s:+.4g} s on exposed communication{faults}, "
+            f"most in {top} ({diffs[top]:+.4g} s)")
 
 
 def table(ranked: list, top: int) -> str:

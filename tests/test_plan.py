@@ -377,3 +377,33 @@ def test_ledger_cache_returns_what_a_trace_gives(tmp_path, monkeypatch):
     assert not hit
     monkeypatch.setenv("SHARDWISE_LEDGER_CACHE", "off")
     assert cache.step_ledger(cfg, tcfg, a, par) == (rows, False)
+
+
+def test_a_step_that_maps_its_temporaries_pays_their_page_faults_on_the_cpu():
+    """A step whose predicted temporaries (the memory model's peak less the step's
+    arguments) outgrow a device thread's heap maps them anew every step on a shared
+    host: the plan adds their page faults (price.fault_seconds) to its step, and not a
+    step whose temporaries stay in the heap, nor one on an accelerator."""
+    from engine import host
+    from engine.cost import fit
+    from engine.cost.pipeline import predict_step
+    from engine.cost.price import fault_seconds
+
+    if not host.keep_freed_memory():
+        pytest.skip("not glibc: the mapped temporaries are not modelled")
+    cfg, tcfg, hw = model_config("small", remat="full", dtype="bf16"), TrainConfig(), \
+        hardware.cpu_defaults()
+    (single,) = plan.plan(cfg, tcfg, 1, hw, None, {"remat": "full"}).ranked
+    c = single.candidate
+    mem = fit.predicted(cfg, tcfg, c.parallel, c.layout, hw)
+    temps = mem.peak - mem.params - mem.opt_state - mem.tokens
+    assert single.mapped_bytes == temps > host.THREAD_HEAP_MAX
+    rows = step_ledger(cfg, tcfg, c.layout, c.parallel)
+    unfaulted = predict_step(rows, hw, c.layout, c.parallel)[0].step_s
+    assert single.step_s == pytest.approx(unfaulted + fault_seconds(hw, 1, temps))
+    assert plan.predict_candidate(c, tcfg, hw, single.mapped_bytes).step_s \
+        == pytest.approx(single.step_s)
+    fsdp8 = plan.plan(cfg, tcfg, 8, hw, None, {"remat": "full", "prefetch": False},
+                      names=("fsdp",)).ranked
+    assert fsdp8 and all(p.mapped_bytes == 0 for p in fsdp8)  # 18 MiB a device
+    assert fit.mapped_bytes(mem, hardware.get("h100")) == 0

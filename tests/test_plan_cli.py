@@ -67,6 +67,7 @@ def test_axes_and_max_restrict_the_plan_to_its_part_of_the_space(planned, tmp_pa
 
 def test_first_choice_is_the_roofline_prediction(planned, tmp_path, capsys):
     first = planned["candidates"][0]
+    assert first["predicted_mapped_bytes"] == 0  # no page faults, which predict-only omits
     argv = ["--predict-only", "--model", "tiny", "--seq", "32", "--batch", "4",
             "--layout", first["layout"]]
     for name, value in first["flags"].items():
