@@ -107,12 +107,12 @@ def _price_program(job) -> tuple[list, bool, list, list]:
     engine/cost/cache.py holds it) priced for every candidate that fits. With `grow`, a
     step without pp over memory is retried with 2, 4, ... microbatches (`accumulated`,
     the program of the next M) while they divide its batch, here in the worker, so the
-    pool never waits on a round of retries. Returns ([(step, compute, comm, exposed
-    comm), or None when over memory] per candidate, whether the ledger came from the
-    cache, [peak bytes] per candidate, the candidates priced: the job's, or the
-    microbatched ones they grew into). On a shared host a step also pays the page
-    faults of the temporaries it maps anew (`fit.mapped_bytes` of its memory prediction,
-    the fifth entry of its tuple)."""
+    pool never waits on a round of retries. On a shared host a step also pays the page
+    faults of the temporaries it maps anew (`fit.mapped_bytes` of its memory
+    prediction). Returns ([(step, compute, comm, exposed comm, mapped bytes), or None
+    when over memory] per candidate, whether the ledger came from the cache, [peak
+    bytes] per candidate, the candidates priced: the job's, or the microbatched ones
+    they grew into)."""
     from engine.cost import cache, fit
     from engine.cost.pipeline import predict_step
 
