@@ -396,7 +396,7 @@ def test_a_step_that_maps_its_temporaries_pays_their_page_faults_on_the_cpu():
     (single,) = plan.plan(cfg, tcfg, 1, hw, None, {"remat": "full"}).ranked
     c = single.candidate
     mem = fit.predicted(cfg, tcfg, c.parallel, c.layout, hw)
-    temps = mem.peak - mem.params - mem.opt_state - mem.tokens
+    temps = mem.peak - mem.params - mem.opt_state - mem.tokens  # less its arguments
     assert single.mapped_bytes == temps > host.THREAD_HEAP_MAX
     rows = step_ledger(cfg, tcfg, c.layout, c.parallel)
     unfaulted = predict_step(rows, hw, c.layout, c.parallel)[0].step_s

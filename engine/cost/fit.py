@@ -33,9 +33,9 @@ def peak_bytes(cfg, tcfg, parallel, layout, hw, trainer=None) -> int | None:
 def mapped_bytes(pred, hw) -> int:
     """Bytes of each device's step temporaries mapped anew every step, whose page faults
     the step pays (`price.fault_seconds`), predicted before anything is compiled: on a
-    shared host, the memory prediction `pred`'s temporaries (its peak less the step's
-    arguments: params, optimizer state and tokens; XLA:CPU's `temp_size_in_bytes`)
-    through engine/host.py `mapped_each_step`; 0 elsewhere or when `pred` is None.
+    shared host, the memory prediction `pred`'s temporaries (`MemoryPrediction.temp`,
+    its peak less the step's arguments; XLA:CPU's `temp_size_in_bytes`) through
+    engine/host.py `mapped_each_step`; 0 elsewhere or when `pred` is None.
     Read against the compiled steps of `small` on this host (bf16): fsdp8 remat none with
     prefetch 71.8 MiB predicted, 65.6 compiled (mapped: over a thread's 64 MiB heap);
     remat full 17.9 and 19.4; single 148.8 and 144.8; tp8 70.9 and 57.3 (the memory
@@ -44,7 +44,7 @@ def mapped_bytes(pred, hw) -> int:
         return 0
     from engine import host
 
-    return host.mapped_each_step(pred.peak - pred.params - pred.opt_state - pred.tokens)
+    return host.mapped_each_step(pred.temp)
 
 
 def capacity(hw, n_devices: int, hbm_bytes: float | None = None) -> float | None:
