@@ -148,3 +148,30 @@ def test_dot_passes_keeps_the_shared_flags_and_refuses_bad_counts(capsys):
         assert dot_passes.main(["--model", "tiny", *bad]) == 2
         err = capsys.readouterr().err
         assert err.startswith("error: --passes") and err.count("\n") == 1
+
+
+def test_collective_context_chains_compute_the_same_values():
+    """bench/collective_context.py times three chains that differ only in what each link
+    adds after its matmul: nothing, a sync, an all-reduce over devices holding the same
+    rows (so all_reduce / n is the identity). Their values must agree, or the timing
+    compares different work."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from bench import collective_context
+
+    mesh = jax.make_mesh((8,), ("d",))
+    fs = collective_context.programs(mesh, chain=3)
+    rows_rw = jax.random.normal(jax.random.key(0), (4, 16), jnp.float32)
+    x = jax.device_put(jnp.tile(rows_rw, (8, 1)), NamedSharding(mesh, P("d")))
+    w = jax.device_put(jax.random.normal(jax.random.key(1), (16, 16)) / 4,
+                       NamedSharding(mesh, P()))
+    want = rows_rw
+    for _ in range(3):
+        want = jnp.tanh(want @ w)
+    for name, f in fs.items():
+        np.testing.assert_allclose(f(x, w), jnp.tile(want, (8, 1)), rtol=1e-5, atol=1e-6,
+                                   err_msg=name)

@@ -128,7 +128,7 @@ def test_a_bf16_collective_is_cast_to_f32_and_back_on_the_cpu_only(monkeypatch):
     assert not any(r.widen for r in ring)
 
     ran = []
-    monkeypatch.setattr(microbench, "_collective_run", lambda kind, mesh, axes, elems, dt,
+    monkeypatch.setattr(microbench, "collective_run", lambda kind, mesh, axes, elems, dt,
                         reps: ran.append((kind, elems, dt)) or 1.0)
     timed = microbench.group_collective_seconds([rs], jax.devices()[:4], reps=1)
     assert set(timed) == {collective_key(rs)}

@@ -347,7 +347,7 @@ COLLECTIVE_OPS = {
 }
 
 
-def _collective_run(kind: str, mesh: Mesh, axes, elems: int, dtype, reps: int) -> float:
+def collective_run(kind: str, mesh: Mesh, axes, elems: int, dtype, reps: int) -> float:
     """Seconds of one `kind` over the mesh axis "d", every device holding `elems`
     elements of `dtype` (the array sharded over `axes`), less the dispatch of a trivial
     program on the same operands, timed in pairs with it (`paired_seconds`): a dispatch
@@ -368,7 +368,7 @@ def collective_times(mesh: Mesh, sizes_bytes, reps: int = 5) -> dict:
         out[kind] = []
         for nbytes in sizes_bytes:
             per_device = nbytes // n if kind == "all-gather" else nbytes
-            out[kind].append((nbytes, _collective_run(kind, mesh, "d", per_device // 4,
+            out[kind].append((nbytes, collective_run(kind, mesh, "d", per_device // 4,
                                                       jnp.float32, reps)))
     return out
 
@@ -394,7 +394,7 @@ def group_collective_seconds(rows, devices, reps: int = 5) -> dict:
         elems = max(per_device // dt.itemsize // g * g, g)
         if dt == jnp.bfloat16 and kind in WIDENED_KINDS and collectives.widens_2byte(mesh):
             dt = jnp.dtype(jnp.float32)
-        out[key] = _collective_run(kind, mesh, ("r", "d"), elems, dt, reps)
+        out[key] = collective_run(kind, mesh, ("r", "d"), elems, dt, reps)
     return out
 
 
