@@ -11,14 +11,14 @@ collective at different times. This compiles three programs over all devices, ea
 chain of `--chain` links on a per-device x [R, W] in f32 (w [W, W]):
 
 - compute: x = tanh(x @ w);
-- barrier: the same, then x + all_reduce(x[0, 0]) * 0 (a sync, no bytes to speak of);
+- sync: the same, then x + all_reduce(x[0, 0]) * 0 (a sync, no bytes to speak of);
 - all-reduce: the same, then all_reduce(x) / n (R·W·4 bytes a device).
 
 They are timed in turn, one call each a round (a slow spell falls on all three), and
 each link's extra seconds are the median over rounds of (program - compute) / chain.
 Printed per R: the all-reduce alone (`microbench.collective_run`, the model's timing),
-the barrier's and the all-reduce's extra seconds a link, the latter over the former, and
-the cores the all-reduce chain kept busy (process CPU time over wall time).
+the sync's and the all-reduce's extra seconds a link, the all-reduce's over its time
+alone, and the cores the all-reduce chain kept busy (process CPU time over wall time).
 """
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ def programs(mesh, chain: int):
     n = mesh.size
     links = {
         "compute": lambda y: y,
-        "barrier": lambda y: y + collectives.all_reduce(y[0, 0], "d") * 0,
+        "sync": lambda y: y + collectives.all_reduce(y[0, 0], "d") * 0,
         "all-reduce": lambda y: collectives.all_reduce(y, "d") / n,
     }
 
@@ -103,7 +103,7 @@ def measure(mesh, rows: int, width: int, chain: int, rounds: int) -> dict:
             runs[name].append(timed(f, x, w))
     extra = {name: statistics.median((t - c[0]) / chain for (t, _), c in
                                      zip(runs[name], runs["compute"]))
-             for name in ("barrier", "all-reduce")}
+             for name in ("sync", "all-reduce")}
     grid = Mesh(np.array(mesh.devices).reshape(1, mesh.size), ("r", "d"))
     alone = microbench.collective_run("all-reduce", grid, ("r", "d"), rows * width,
                                       jnp.float32, reps=5)
@@ -124,9 +124,9 @@ def main(argv=None) -> int:
     for r in args.rows:
         m = measure(mesh, r, args.width, args.chain, args.rounds)
         rows.append([m["rows"], f"{m['mib']:.2f}", f"{m['alone'] * 1e3:.2f}",
-                     f"{m['barrier'] * 1e3:.2f}", f"{m['all-reduce'] * 1e3:.2f}",
+                     f"{m['sync'] * 1e3:.2f}", f"{m['all-reduce'] * 1e3:.2f}",
                      f"{m['all-reduce'] / m['alone']:.2f}", f"{m['cores']:.2f}"])
-    print(tabulate(rows, headers=["R", "MiB a device", "alone ms", "barrier ms a link",
+    print(tabulate(rows, headers=["R", "MiB a device", "alone ms", "sync ms a link",
                                   "all-reduce ms a link", "in chain / alone",
                                   "cores busy"]))
     return 0
