@@ -112,7 +112,11 @@ def measure(mesh, rows: int, width: int, chain: int, rounds: int) -> dict:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if min(args.devices - 1, *args.rows, args.width, args.chain, args.rounds) < 1:
+        parser.error("--devices must be at least 2; --rows, --width, --chain and --rounds "
+                     "at least 1")
     force_host_devices(args.devices)
     import jax
     from tabulate import tabulate
