@@ -64,7 +64,9 @@ from layers.kernels.chunked import chunked_attention
 MiB = 2 ** 20
 F32 = 4
 # from this many rows B·L_x on, XLA:CPU materializes each norm's rsqrt broadcast over D
-# in the recompute (seen at 4096 rows, not at 1024 or fewer)
+# in the layer backward (seen at 4096 rows, not at 1024 or fewer): one f32 [B, L_x, D]
+# buffer per norm live at the peak (the compiled step's live-range report, small single
+# and tp2: bitcast_broadcast_fusion and .1, each a fusion of one norm's rsqrt)
 NORM_BROADCAST_ROWS = 4096
 
 
@@ -313,8 +315,8 @@ def predict(cfg: ModelConfig, tcfg: TrainConfig, layout: Layout, platform: str =
                   3 * x_full // a * c,
               "rope cos, sin [L, K/2]": L * K * F32}
     if cpu and B * Lx >= NORM_BROADCAST_ROWS:
-        stream["stream rsqrt(mean(x^2)) broadcast over D, 2 per norm (f32)"] = (
-            4 * x_stream // a * F32)
+        stream["stream rsqrt(mean(x^2)) broadcast over D, one per norm (f32)"] = (
+            2 * x_stream // a * F32)
     weights = {"layer weights but wd (compute dtype)": (W_rank - D * Ftp) * c}
     embed = {"embed grad, whole over fsdp (replaces its shard)": Vtp * D * F32 - grad_embed}
     # the end of the layer's backward (zero 3 over fsdp): its weight grads whole until
