@@ -369,7 +369,7 @@ def collective_times(mesh: Mesh, sizes_bytes, reps: int = 5) -> dict:
         for nbytes in sizes_bytes:
             per_device = nbytes // n if kind == "all-gather" else nbytes
             out[kind].append((nbytes, collective_run(kind, mesh, "d", per_device // 4,
-                                                      jnp.float32, reps)))
+                                                     jnp.float32, reps)))
     return out
 
 
