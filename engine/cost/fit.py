@@ -38,8 +38,8 @@ def mapped_bytes(pred, hw) -> int:
     engine/host.py `mapped_each_step`; 0 elsewhere or when `pred` is None.
     Read against the compiled steps of `small` on this host (bf16): fsdp8 remat none with
     prefetch 71.8 MiB predicted, 65.6 compiled (mapped: over a thread's 64 MiB heap);
-    remat full 17.9 and 19.4; single 148.8 and 144.8; tp8 70.9 and 57.3 (the memory
-    model's largest miss, which maps it where the step does not)."""
+    remat full 17.9 and 19.4; single 140.8 and 144.8; tp8 62.9 and 57.3 (both under the
+    heap, so not mapped, as in the step)."""
     if pred is None or not hw.shared_host:
         return 0
     from engine import host
