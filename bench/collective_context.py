@@ -4,11 +4,13 @@ it, against its time alone, on the forced host devices.
     python bench/collective_context.py
     python bench/collective_context.py --rows 256 2048 --chain 40 --rounds 7
 
-The cost model prices a CPU collective by timing it alone, every device arriving at
-once (`engine.cost.microbench.group_collective_seconds`). In a step, each device's
+Timed alone, every device arrives at a collective at once. In a step, each device's
 operand is the output of its own compute, and on shared cores the devices reach the
-collective at different times. This compiles three programs over all devices, each a
-chain of `--chain` links on a per-device x [R, W] in f32 (w [W, W]):
+collective at different times. So the cost model times a CPU all-reduce in a chain like
+the last one below (`engine.cost.microbench.in_chain_seconds`), and the other kinds
+alone (`microbench.group_collective_seconds`). This compiles three programs over all
+devices, each a chain of `--chain` links on a per-device x [R, W] in f32 (w [W, W],
+`microbench.chain_program`):
 
 - compute: x = tanh(x @ w);
 - sync: the same, then x + all_reduce(x[0, 0]) * 0 (a sync, no bytes to speak of);
@@ -16,7 +18,7 @@ chain of `--chain` links on a per-device x [R, W] in f32 (w [W, W]):
 
 They are timed in turn, one call each a round (a slow spell falls on all three), and
 each link's extra seconds are the median over rounds of (program - compute) / chain.
-Printed per R: the all-reduce alone (`microbench.collective_run`, the model's timing),
+Printed per R: the all-reduce alone (`microbench.collective_run`),
 the sync's and the all-reduce's extra seconds a link, the all-reduce's over its time
 alone, and the cores the all-reduce chain kept busy (process CPU time over wall time).
 """
@@ -48,11 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def programs(mesh, chain: int):
     """{name: jitted shard_map of a chain of `chain` links} (module docstring)."""
-    import jax
-    import jax.numpy as jnp
-    from jax.sharding import PartitionSpec as P
-
     import collectives
+    from engine.cost.microbench import chain_program
 
     n = mesh.size
     links = {
@@ -60,15 +59,7 @@ def programs(mesh, chain: int):
         "sync": lambda y: y + collectives.all_reduce(y[0, 0], "d") * 0,
         "all-reduce": lambda y: collectives.all_reduce(y, "d") / n,
     }
-
-    def chained(link):
-        def body(x_rw, w_ww):
-            for _ in range(chain):
-                x_rw = link(jnp.tanh(x_rw @ w_ww))
-            return x_rw
-        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("d"), P()),
-                                     out_specs=P("d")))
-    return {name: chained(link) for name, link in links.items()}
+    return {name: chain_program(mesh, link, chain) for name, link in links.items()}
 
 
 def timed(f, *args) -> tuple[float, float]:

@@ -303,6 +303,48 @@ def test_group_collectives_run_in_groups_of_the_rows_size():
     np.testing.assert_array_equal(got, np.repeat([1.0, 1.0, 5.0, 5.0], 8))
 
 
+def test_an_all_reduce_is_timed_between_the_matmuls_that_feed_it(monkeypatch):
+    """`group_collective_seconds` times an all-reduce with `in_chain_seconds` (a chain
+    x = all_reduce(tanh(x @ w)) / g against the same chain without it) and other kinds
+    with `collective_run`. The two chains it times must compute the same values when the
+    devices of a group hold the same rows and groups hold different ones: each group's
+    result is its own rows' plain chain, which a reduction over the wrong devices would
+    mix. The seconds are the paired difference over the links."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from engine.cost import microbench
+    from engine.cost.price import collective_key
+
+    paired = []
+    monkeypatch.setattr(microbench, "paired_seconds", lambda f, base, *args, reps: (
+        paired.append((f, base, args)) or 2.0))
+    monkeypatch.setattr(microbench, "collective_run", lambda kind, *a: 3.0)
+    ar = Row("mlp", "fwd", "collective", "psum", "float32", (64,), 0.0, 256.0, 3, ("tp",), 2)
+    rs = dataclasses.replace(ar, primitive="reduce_scatter")
+    devices = jax.devices()[:4]
+    timed = microbench.group_collective_seconds([ar, rs], devices, reps=1)
+    assert timed == {collective_key(ar): 2.0 / microbench.CHAIN_LINKS,
+                     collective_key(rs): 3.0}
+    (reduce, plain, (x, w)), = paired
+    assert x.shape == (4, 64) and w.shape == (64, 64)  # 64 elements a device, W = 64
+    mesh = x.sharding.mesh
+    assert mesh.devices.shape == (2, 2)
+    rows_gw = jax.random.normal(jax.random.key(0), (2, 64), jnp.float32)
+    w_ww = jax.random.normal(jax.random.key(1), (64, 64), jnp.float32) / 8
+    put = lambda a, s: jax.device_put(a, NamedSharding(mesh, s))  # noqa: E731
+    x = put(jnp.repeat(rows_gw, 2, axis=0), P(("r", "d")))  # devices (r, d) in order
+    w = put(w_ww, P())
+    want = rows_gw
+    for _ in range(microbench.CHAIN_LINKS):
+        want = jnp.tanh(want @ w_ww)
+    for f in (reduce, plain):
+        np.testing.assert_allclose(f(x, w), jnp.repeat(want, 2, axis=0), rtol=1e-5,
+                                   atol=1e-6)
+
+
 def test_a_measured_collective_is_priced_at_its_measurement():
     """`Hardware.collective_seconds` prices a collective row whose key it holds at that
     time, whatever the fit says; any other row keeps the fit's ring formula."""

@@ -20,7 +20,9 @@ is what the step pays for that op (no x n_devices afterwards):
   op per element), and `transcendental_rate`: one exponential an element a pass
   (`exp_pass`), the rate of exp, log, logistic and the like (`price.TRANSCENDENTAL`);
 - `group_collective_seconds`: each distinct collective of a ledger (kind, group size,
-  bytes, dtype) run alone, every group of its size at once;
+  bytes, dtype), every group of its size at once: an all-reduce between the matmuls
+  that write its operand and read its result (`in_chain_seconds`), the other kinds
+  alone;
 - `collective_times` / `fit`: each collective's time vs bytes over one axis of all
   devices, fitted to `latency * hops + ring_fraction * bytes / bandwidth` (the
   calibration file's, and the in-run price of a collective not timed on its own);
@@ -373,6 +375,42 @@ def collective_times(mesh: Mesh, sizes_bytes, reps: int = 5) -> dict:
     return out
 
 
+CHAIN_LINKS, CHAIN_WIDTH = 10, 512
+
+
+def chain_program(mesh: Mesh, link, links: int, spec=P("d")):
+    """jitted shard_map of `links` links x_rw = link(tanh(x_rw @ w_ww)) on each device's
+    rows x [R, W] (sharded over `spec`) and w [W, W] (replicated): compute whose every
+    link writes the operand of what `link` adds and reads its result."""
+    def body(x_rw, w_ww):
+        for _ in range(links):
+            x_rw = link(jnp.tanh(x_rw @ w_ww))
+        return x_rw
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec, P()), out_specs=spec))
+
+
+def in_chain_seconds(mesh: Mesh, axes, elems: int, dtype, reps: int,
+                     links: int = CHAIN_LINKS) -> float:
+    """Seconds one all-reduce over mesh axis "d" of `elems` elements of `dtype` a device
+    adds to compute that writes its operand and reads its result: `chain_program` with
+    x = all_reduce(tanh(x @ w)) / g, less the same chain without the all-reduce, timed in
+    pairs (`paired_seconds`), over `links`. x [R, W] a device, W = min(`CHAIN_WIDTH`,
+    elems). A step's all-reduce sits where this one does (a tp block's output, the
+    loss's sums); on forced host devices it costs more there than alone, the devices
+    arriving at it at different times from compute on shared cores:
+    bench/collective_context.py (8 devices, W = 1024: 4 MiB a device 4.45 ms alone,
+    12.19 ms a link in the chain; 16 MiB 24.76 against 87.63 ms)."""
+    width = min(CHAIN_WIDTH, elems)
+    g = mesh.shape["d"]
+    spec = P(axes)
+    reduce = chain_program(mesh, lambda y: collectives.all_reduce(y, "d") / g, links, spec)
+    plain = chain_program(mesh, lambda y: y, links, spec)
+    put = lambda shape, s: jax.device_put(  # noqa: E731
+        jnp.full(shape, 1 / width, dtype), NamedSharding(mesh, s))
+    x, w = put((mesh.size * max(elems // width, 1), width), spec), put((width, width), P())
+    return paired_seconds(reduce, plain, x, w, reps=reps) / links
+
+
 def group_collective_seconds(rows, devices, reps: int = 5) -> dict:
     """{price.collective_key: seconds of one execution} for every distinct collective of
     the ledger: the devices split into groups of the row's size, every group running it
@@ -382,7 +420,11 @@ def group_collective_seconds(rows, devices, reps: int = 5) -> dict:
     whole mesh to a group of two (`fit`). A bf16 collective of a kind a backend runs in
     f32 (`ledger.WIDENED_KINDS`, `collectives.widens_2byte`) is timed as that f32 op on
     as many elements: its casts are fusions of their own in the step, priced as the
-    ledger's `Row.widen` rows."""
+    ledger's `Row.widen` rows. An all-reduce is timed between the matmuls that write its
+    operand and read its result (`in_chain_seconds`), as a tp block's output is reduced in
+    the step; the other kinds alone (`collective_run`): a weight all-gather runs beside
+    compute and is priced with `beside_cost`, and a reduce-scatter's shard does not feed a
+    chain of the same shape."""
     n = len(devices)
     out = {}
     keys = {collective_key(r) for r in rows if r.kind == "collective" and r.bytes}
@@ -394,7 +436,10 @@ def group_collective_seconds(rows, devices, reps: int = 5) -> dict:
         elems = max(per_device // dt.itemsize // g * g, g)
         if dt == jnp.bfloat16 and kind in WIDENED_KINDS and collectives.widens_2byte(mesh):
             dt = jnp.dtype(jnp.float32)
-        out[key] = collective_run(kind, mesh, ("r", "d"), elems, dt, reps)
+        if kind == "all-reduce":
+            out[key] = in_chain_seconds(mesh, ("r", "d"), elems, dt, reps)
+        else:
+            out[key] = collective_run(kind, mesh, ("r", "d"), elems, dt, reps)
     return out
 
 
