@@ -8,7 +8,8 @@ stack's share of the bytes of a scan's stacked inputs and outputs (`Row.scan_sta
 not the stacks), the rest of those rows' bytes at `hbm`; a matmul whose
 exact dot the profile has timed (`Hardware.dot_seconds`, measured in the same run by
 `engine/cost/microbench.py`) costs its measured time, and so does a collective whose
-kind, group size, bytes and dtype it has timed (`Hardware.collective_seconds`). Other
+kind, group size, bytes and dtype it has timed (`Hardware.collective_seconds`; an
+all-reduce timed between the matmuls that feed and read it). Other
 collectives by ring formulas over the slowest link tier their axes use, n = group size:
 
     all-gather, reduce-scatter: (n-1)/n * bytes / bw + (n-1) * latency
