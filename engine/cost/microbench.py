@@ -398,8 +398,9 @@ def in_chain_seconds(mesh: Mesh, axes, elems: int, dtype, reps: int,
     elems). A step's all-reduce sits where this one does (a tp block's output, the
     loss's sums); on forced host devices it costs more there than alone, the devices
     arriving at it at different times from compute on shared cores:
-    bench/collective_context.py (8 devices, W = 1024: 4 MiB a device 4.45 ms alone,
-    12.19 ms a link in the chain; 16 MiB 24.76 against 87.63 ms)."""
+    `python bench/collective_context.py --rows 1024 4096 --width 1024 --chain 20 --rounds
+    5` (8 devices: 4 MiB a device 4.45 ms alone, 12.19 ms a link in the chain; 16 MiB
+    24.76 against 87.63 ms)."""
     width = min(CHAIN_WIDTH, elems)
     g = mesh.shape["d"]
     spec = P(axes)
@@ -422,9 +423,8 @@ def group_collective_seconds(rows, devices, reps: int = 5) -> dict:
     as many elements: its casts are fusions of their own in the step, priced as the
     ledger's `Row.widen` rows. An all-reduce is timed between the matmuls that write its
     operand and read its result (`in_chain_seconds`), as a tp block's output is reduced in
-    the step; the other kinds alone (`collective_run`): a weight all-gather runs beside
-    compute and is priced with `beside_cost`, and a reduce-scatter's shard does not feed a
-    chain of the same shape."""
+    the step; the other kinds alone (`collective_run`): their output has another shape
+    than their input, so they do not feed a chain of links of one shape."""
     n = len(devices)
     out = {}
     keys = {collective_key(r) for r in rows if r.kind == "collective" and r.bytes}
