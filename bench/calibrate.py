@@ -20,7 +20,7 @@ passes less one, `microbench.cold_bandwidth`, so the first touch of fresh pages 
 `fault_cost`; beside
 it, not used in pricing, `hbm_cold_scan`: that rate measured on a scan's stack itself,
 `microbench.stacking_bandwidth`, 1 MiB per slice), with freed
-memory kept in the process as the training step runs (engine/host.py); elementwise FLOP/s of
+memory kept in the process as the training step runs (engine/run/host.py); elementwise FLOP/s of
 arithmetic (`vector_flops`: 32 multiply-adds an element, one fused loop) and exponentials
 per second (`transcendental_flops`: one an element a pass), one device; and all-gather / reduce-scatter /
 all-reduce / ppermute time vs bytes on the forced 8-device mesh, fitted to
@@ -28,7 +28,7 @@ all-reduce / ppermute time vs bytes on the forced 8-device mesh, fitted to
 what a collective run beside compute adds to it, over its own time (`beside_cost`:
 a layer's matmuls and a weight all-gather alone and in one program); and what first
 touching freshly mapped memory costs a byte (`fault_cost`: the kernel's page faults, the
-price of a step's temporaries mapped anew each step, engine/host.py).
+price of a step's temporaries mapped anew each step, engine/run/host.py).
 `bench/roofline.py` re-measures the rates its step needs in the same run
 (engine/cost/microbench.py); this file is the profile for `--predict-only --hardware cpu`.
 """
@@ -50,16 +50,26 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
+from engine.cli.args import keep_freed_memory  # noqa: E402
 from engine.config import TrainConfig, model_config  # noqa: E402
 from engine.cost.hardware import CALIBRATION_PATH  # noqa: E402
 from engine.cost.ledger import step_ledger  # noqa: E402
-from engine.layout import Layout  # noqa: E402
-from engine.train import keep_freed_memory  # noqa: E402
-from engine.cost.microbench import (arithmetic_chain, bandwidth, beside_cost,  # noqa: E402
-                                     cold_bandwidth, collective_times,
-                                     dot_seconds, exp_pass, fault_cost, fit,
-                                     last_level_cache, relayout_bandwidth,
-                                     stacking_bandwidth, timed)
+from engine.cost.microbench import (  # noqa: E402
+    arithmetic_chain,
+    bandwidth,
+    beside_cost,
+    cold_bandwidth,
+    collective_times,
+    dot_seconds,
+    exp_pass,
+    fault_cost,
+    fit,
+    last_level_cache,
+    relayout_bandwidth,
+    stacking_bandwidth,
+    timed,
+)
+from engine.parallel.layout import Layout  # noqa: E402
 
 
 def matmul_flops(m: int, k: int, n: int, dtype) -> float:
@@ -112,7 +122,7 @@ def main(argv=None) -> int:
     measured = {f"{name}/{dt}": matmul_flops(*shape, dtype)
                 for name, shape in shapes.items()
                 for dt, dtype in (("float32", jnp.float32), ("bfloat16", jnp.bfloat16))}
-    # MFU peak: the large matmul, the best rate a matmul reaches (engine/mfu.py's
+    # MFU peak: the large matmul, the best rate a matmul reaches (engine/run/mfu.py's
     # measurement for the training CLI)
     mfu_peak = {dt: max(v for k, v in measured.items() if k.endswith(dt))
                 for dt in ("float32", "bfloat16")}

@@ -33,7 +33,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.train import force_host_devices  # noqa: E402
+from engine.cli.args import force_host_devices  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -76,8 +76,7 @@ def measure(mesh, rows: int, width: int, chain: int, rounds: int) -> dict:
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from jax.sharding import Mesh, NamedSharding
-    from jax.sharding import PartitionSpec as P
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
     from engine.cost import microbench
 

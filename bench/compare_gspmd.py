@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from engine.validate import ATTENTIONS  # noqa: E402 (imports jax; no backend started)
+from engine.parallel.validate import ATTENTIONS  # noqa: E402 (imports jax; no backend started)
 from layers.block import REMAT  # noqa: E402
 
 LAYOUTS = ["single", "fsdp8", "tp8", "fsdp4xtp2", "dp2xfsdp2xtp2"]
@@ -34,8 +34,8 @@ def gspmd_step(trainer):
     import optax
     from jax.sharding import NamedSharding
 
-    from engine import optim
-    from engine.params import fsdp_dims
+    from engine.parallel.grads import clip_by_norm
+    from engine.parallel.params import fsdp_dims
     from layers import model
     from layers.axes import Axes
 
@@ -45,7 +45,7 @@ def gspmd_step(trainer):
         loss, grads = jax.value_and_grad(model.loss)(params, tokens_BL[:, :-1], tokens_BL[:, 1:],
                                                      dims, cfg, Axes())
         grad_norm = optax.global_norm(grads)
-        grads = optim.clip_by_norm(grads, grad_norm, tcfg.clip_norm)
+        grads = clip_by_norm(grads, grad_norm, tcfg.clip_norm)
         updates, opt_state = trainer.tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, {"loss": loss,
                                                                   "grad_norm": grad_norm}
@@ -82,9 +82,9 @@ def measure(step_fn, trainer, tokens, steps: int) -> dict:
 
 def compare(preset: str, layout_text: str, args) -> list:
     from engine.config import TrainConfig, model_config
-    from engine.data import synthetic_tokens
-    from engine.layout import Layout
-    from engine.step import Trainer
+    from engine.parallel.layout import Layout
+    from engine.run.data import synthetic_tokens
+    from engine.run.step import Trainer
 
     cfg = model_config(preset, dtype=args.dtype, remat=args.remat, attention=args.attention)
     tcfg = TrainConfig(batch=args.batch, seq=args.seq)
@@ -105,10 +105,10 @@ def compare(preset: str, layout_text: str, args) -> list:
 
 
 def settings_problems(args) -> list[str]:
-    """`engine.validate`'s problems of every (preset, layout) asked for, each prefixed."""
-    from engine import validate
+    """`engine.parallel.validate`'s problems of every (preset, layout) asked for, each prefixed."""
     from engine.config import PRESETS, ConfigError, ParallelConfig, TrainConfig, model_config
-    from engine.layout import Layout
+    from engine.parallel import validate
+    from engine.parallel.layout import Layout
 
     problems = [f"unknown preset {p!r}" for p in args.presets if p not in PRESETS]
     tcfg = TrainConfig(batch=args.batch, seq=args.seq, steps=args.steps)
@@ -143,7 +143,7 @@ def main(argv=None) -> int:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=8".strip()
     from tabulate import tabulate
 
-    from engine.train import keep_freed_memory
+    from engine.cli.args import keep_freed_memory
 
     keep_freed_memory()
     rows = []

@@ -26,8 +26,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.train import build_parser as train_parser  # noqa: E402
-from engine.train import parse_or_exit  # noqa: E402
+from engine.cli.args import (
+    build_parser as train_parser,  # noqa: E402
+    parse_or_exit,  # noqa: E402
+)
 
 CANDIDATES = ("fsdp8 --zero 3", "fsdp4xtp2 --zero 3 --tp-comm sequence",
               "fsdp4xtp2 --zero 2 --tp-comm sequence", "dp2xfsdp4 --zero 3")

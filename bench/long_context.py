@@ -28,8 +28,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.train import OneLineParser, UsageError, force_host_devices  # noqa: E402
-from engine.train import keep_freed_memory  # noqa: E402
+from engine.cli.args import (  # noqa: E402
+    OneLineParser,
+    UsageError,
+    force_host_devices,
+    keep_freed_memory,  # noqa: E402
+)
 
 MiB = 2 ** 20
 FAST = {"xla_backend_optimization_level": 0}  # same buffer assignment, half the compile
@@ -68,8 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _setup(args, cp: int, comm: str, seq: int):
     """(cfg, tcfg, parallel, layout) for one row; raises UsageError if invalid."""
     from engine.config import ParallelConfig, TrainConfig, model_config
-    from engine.layout import Layout
-    from engine.validate import problems
+    from engine.parallel.layout import Layout
+    from engine.parallel.validate import problems
 
     cfg = model_config(args.preset, dtype=args.dtype, remat="full", attention="reference")
     tcfg = TrainConfig(batch=args.batch, seq=seq)
@@ -92,7 +96,7 @@ def measured(args, cp: int, comm: str, seq: int) -> int:
     import jax
 
     from engine.cost import memory
-    from engine.step import Trainer
+    from engine.run.step import Trainer
 
     cfg, tcfg, parallel, layout = _setup(args, cp, comm, seq)
     trainer = Trainer(cfg, tcfg, layout, layout.mesh(), parallel)
@@ -135,7 +139,7 @@ def speed(args, cp: int, comm: str) -> dict:
 
     from bench.timing import compiled_step, time_steps
     from engine.cost import memory
-    from engine.step import Trainer
+    from engine.run.step import Trainer
 
     cfg, tcfg, parallel, layout = _setup(args, cp, comm, args.seq)
     trainer = Trainer(cfg, tcfg, layout, layout.mesh(), parallel)

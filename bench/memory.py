@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.train import OneLineParser, UsageError, force_host_devices  # noqa: E402
+from engine.cli.args import OneLineParser, UsageError, force_host_devices  # noqa: E402
 
 MiB = 2 ** 20
 SEQ = {"tiny": 64, "small": 256}  # the sequence lengths engine/cost/memory.py was read at
@@ -51,9 +51,9 @@ def rows(args) -> list[dict]:
     from engine.config import ParallelConfig, TrainConfig, model_config
     from engine.cost import liveness, memory
     from engine.cost.ledger import trace_step
-    from engine.layout import Layout
-    from engine.step import Trainer
-    from engine.validate import problems
+    from engine.parallel.layout import Layout
+    from engine.parallel.validate import problems
+    from engine.run.step import Trainer
 
     out = []
     for preset in args.presets:
@@ -96,7 +96,7 @@ def _line(r: dict) -> str:
 def main(argv=None) -> int:
     try:
         args = build_parser().parse_args(argv)
-        from engine.layout import Layout
+        from engine.parallel.layout import Layout
 
         force_host_devices(max(Layout.parse(name).size for name in args.layouts))
         print("model  layout     dtype L     | measured |    hand model    |     liveness     "

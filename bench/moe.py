@@ -80,8 +80,8 @@ def layouts(names, model: str, batch: int, seq: int, steps: int) -> None:
     from bench.timing import compiled_step, time_steps
     from engine.config import TrainConfig, model_config
     from engine.cost.memory import measure
-    from engine.layout import Layout
-    from engine.step import Trainer
+    from engine.parallel.layout import Layout
+    from engine.run.step import Trainer
 
     cfg = model_config(model)
     tcfg = TrainConfig(batch=batch, seq=seq, steps=steps)
@@ -117,7 +117,7 @@ def main(argv=None) -> None:
     if args.matmuls:
         matmuls(args.tokens, args.experts, args.top_k, args.d_model, args.mlp_dim, args.reps)
         return
-    from engine.train import force_host_devices, keep_freed_memory
+    from engine.cli.args import force_host_devices, keep_freed_memory
 
     force_host_devices(8)
     keep_freed_memory()

@@ -41,7 +41,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.train import OneLineParser, force_host_devices  # noqa: E402
+from engine.cli.args import OneLineParser, force_host_devices  # noqa: E402
 
 MiB = 2 ** 20
 
@@ -116,11 +116,11 @@ def run_one(cfg, tcfg, layout, par, args) -> dict:
     import jax
 
     from bench.timing import compiled_step, time_steps
-    from engine import pipeline
     from engine.cost import hardware, memory, trace
     from engine.cost.ledger import step_ledger
     from engine.cost.pipeline import predict_step
-    from engine.step import Trainer
+    from engine.parallel import pipeline
+    from engine.run.step import Trainer
 
     trainer = Trainer(cfg, tcfg, layout, layout.mesh(), par)
     step, params, opt_state, tokens, _ = compiled_step(trainer)
@@ -165,7 +165,7 @@ def main(argv=None) -> int:
     from tabulate import tabulate
 
     from engine.config import ParallelConfig, TrainConfig, model_config
-    from engine.layout import Layout
+    from engine.parallel.layout import Layout
 
     cfg = model_config("tiny", dtype="f32", remat="full", n_layers=8)
     tcfg = TrainConfig(batch=args.batch, seq=args.seq)

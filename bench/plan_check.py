@@ -3,7 +3,7 @@
 
     python bench/plan_check.py --model small [--top 8] [--random 8] [--json out.json]
 
-Plans for the devices on the cpu profile (engine/plan.py; `--calibration`, else the
+Plans for the devices on the cpu profile (engine/planner/search.py; `--calibration`, else the
 calibration file if bench/calibrate.py wrote one, else the built-in defaults; the
 candidates within `--refine` of the first priced again with their matmuls timed on the
 devices, `plan.refine`), then compiles every chosen candidate (the planner's first
@@ -51,9 +51,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.plan import REFINE_WITHIN  # noqa: E402
-from engine.train import force_host_devices, keep_freed_memory, parse_or_exit  # noqa: E402
-from engine.train import build_parser as train_parser  # noqa: E402
+from engine.cli.args import (  # noqa: E402
+    build_parser as train_parser,  # noqa: E402
+    force_host_devices,
+    keep_freed_memory,
+    parse_or_exit,
+)
+from engine.planner.search import REFINE_WITHIN  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -76,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "bench/calibrate.py writes, else the built-in defaults")
     g.add_argument("--refine", type=float, default=REFINE_WITHIN, metavar="F",
                    help="the planner prices again the candidates predicted within F of the "
-                        "first with their matmuls timed on the devices (engine/plan.py "
+                        "first with their matmuls timed on the devices (engine/planner/search.py "
                         "refine), and the random ones measured too; 0 = one matmul rate")
     g.add_argument("--json", default=None, help="write figures as JSON")
     p = train_parser(prog="python bench/plan_check.py", description=__doc__.split("\n\n")[0],
@@ -112,7 +116,7 @@ def spearman(a, b) -> float:
 def compiled(cand, tcfg):
     """(compiled step, params, opt_state, tokens) of one candidate on the host devices."""
     from bench.timing import compiled_step
-    from engine.step import Trainer
+    from engine.run.step import Trainer
 
     trainer = Trainer(cand.cfg, tcfg, cand.layout, cand.layout.mesh(), cand.parallel)
     step, params, opt_state, tokens, _ = compiled_step(trainer)
@@ -184,8 +188,8 @@ def host_profile(n: int, calibration: str | None) -> tuple:
     keep_freed_memory()
     import jax
 
-    from engine import plan
     from engine.cost.hardware import ProfileError
+    from engine.planner import search as plan
 
     if len(jax.devices()) < n:
         return None, (f"{n} devices wanted, {len(jax.devices())} available (XLA_FLAGS sets "
@@ -212,7 +216,7 @@ def main(argv=None) -> int:
     from tabulate import tabulate
 
     from bench.timing import paired_ratio, split_half_noise
-    from engine import plan
+    from engine.planner import search as plan
 
     pinned = {"remat": mine.remat} if mine.remat else {}
     result = plan.plan(cfg, tcfg, mine.devices, hw, pinned=pinned, workers=2,

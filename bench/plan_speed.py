@@ -2,7 +2,7 @@
 
     python bench/plan_speed.py --devices 8 --model small [--sample 30]
 
-Enumerates the plan's candidates (engine/plan.py) and, in this one process without
+Enumerates the plan's candidates (engine/planner/search.py) and, in this one process without
 the ledger cache, runs every `len(programs) / --sample`-th program through the phases a
 worker runs: the memory model (engine/cost/fit.py), the trace on an AbstractMesh
 (engine/cost/ledger.py `trace_step`), the walk into ledger rows (`ledger`) and the
@@ -20,11 +20,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.train import build_parser as train_parser  # noqa: E402
-from engine.train import parse_or_exit  # noqa: E402
+from engine.cli.args import (
+    build_parser as train_parser,  # noqa: E402
+    parse_or_exit,  # noqa: E402
+)
 
-WORKER_IMPORTS = ("engine.plan", "engine.cost.cache", "engine.cost.ledger", "engine.cost.price",
-                  "engine.cost.fit", "engine.cost.memory", "engine.step")
+WORKER_IMPORTS = ("engine.planner.search", "engine.cost.cache", "engine.cost.ledger", "engine.cost.price",
+                  "engine.cost.fit", "engine.cost.memory", "engine.run.step")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,10 +53,10 @@ def main(argv=None) -> int:
     os.environ["SHARDWISE_LEDGER_CACHE"] = "off"
     import subprocess
 
-    from engine import plan
     from engine.cost import fit, hardware
     from engine.cost.ledger import ledger, trace_step
     from engine.cost.price import predict
+    from engine.planner import search as plan
 
     # what a fresh worker imports before its first job
     imports = float(subprocess.run(

@@ -10,7 +10,7 @@ parallelism are left out (this engine has no pipeline axis yet), as are float8 r
 (no fp8 peak in the profiles) and layouts this grammar cannot state (context
 parallelism).
 
-FLOP conventions. Every MFU here is this engine's: engine/mfu.py's model FLOPs per token
+FLOP conventions. Every MFU here is this engine's: engine/run/mfu.py's model FLOPs per token
 (6 per non-embedding parameter + 12·N·H·K·L attention, no causal halving, no remat) x
 published tokens/s per chip / the chip's dense bf16 peak (989 TFLOP/s H100, 312 A100,
 275 v4, 197 v5e, 459 v5p: the peaks every source used). So the published column is the
@@ -286,11 +286,11 @@ def profile(r: Run):
 
 def evaluate(r: Run) -> dict:
     """Predicted and published MFU (this engine's convention), peak HBM and fit."""
+    from engine.cli.args import build_parser, parse_or_exit
     from engine.cost.fit import memory_fit
     from engine.cost.ledger import step_ledger
     from engine.cost.price import predict, predicted_mfu
-    from engine.mfu import flops_per_token
-    from engine.train import build_parser, parse_or_exit
+    from engine.run.mfu import flops_per_token
 
     cfg, tcfg, parallel, layout, _ = parse_or_exit(r.argv(), build_parser())
     hw = profile(r)

@@ -11,9 +11,9 @@ two stages, and always holds the published configuration itself:
    most `--max-tp` (8: one NVLink domain of the GPUs; on TPUs the same bound), every
    order of the axes, with the published run's switches where they apply;
 2. switches: from the fastest of stage 1, one switch changed at a time (zero, prefetch,
-   tp-comm, remat; engine/plan.py `neighbours`), moving to the fastest while it
+   tp-comm, remat; engine/planner/search.py `neighbours`), moving to the fastest while it
    improves, at most `--rounds` times.
-Prints the table, then for each run where the choice differs, `engine.plan_report.why`:
+Prints the table, then for each run where the choice differs, `engine.planner.report.why`:
 the compute and exposed-communication difference and the category holding most of it.
 Candidates the memory model puts over the chip's HBM are dropped; where it puts the
 published configuration itself over the HBM (it ran, so the memory model overestimates
@@ -39,8 +39,8 @@ DATA_AXES = ("dp", "fsdp")
 
 def published_candidate(run):
     """(Candidate, TrainConfig) of the run as bench/published.py states it."""
-    from engine import plan
-    from engine.train import build_parser, parse_or_exit
+    from engine.cli.args import build_parser, parse_or_exit
+    from engine.planner import search as plan
 
     cfg, tcfg, parallel, layout, _ = parse_or_exit(run.argv(), build_parser())
     return plan.Candidate(layout, parallel, cfg), tcfg
@@ -48,7 +48,7 @@ def published_candidate(run):
 
 def shown(c) -> dict:
     """{switch: value} of the switches that apply to the candidate's layout."""
-    from engine import plan
+    from engine.planner import search as plan
 
     par = c.parallel
     return {s.name: v for s, v in zip(plan.SWITCHES, c.flags.values())
@@ -68,8 +68,8 @@ def changes(a, b) -> str:
 def search(run, hw, executor, max_tp: int, rounds: int) -> dict:
     """The restricted plan of one run (module doc): the published candidate priced, the
     choice, and how many programs were priced."""
-    from engine import plan
     from engine.cost import fit
+    from engine.planner import search as plan
 
     pub, tcfg = published_candidate(run)
     n = pub.layout.size
@@ -137,8 +137,8 @@ def main(argv=None) -> int:
         return 2
     from tabulate import tabulate
 
-    from engine import plan
-    from engine.plan_report import why
+    from engine.planner import search as plan
+    from engine.planner.report import why
 
     t0 = time.perf_counter()
     out = []

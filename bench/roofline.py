@@ -4,13 +4,13 @@
     python bench/roofline.py --predict-only --hardware h100 --layout fsdp32xtp8 \\
         --model llama3-70b --batch 256 --seq 4096
 
-Takes the training CLI's model and layout flags (`engine.train.build_parser`). Without
+Takes the training CLI's model and layout flags (`engine.cli.args.build_parser`). Without
 --predict-only it compiles the step on forced host devices, audits its collectives
 against the ledger, times `--steps` steps (median wall clock) and attributes the time of
 `--trace-steps` profiled steps to ledger categories (engine/cost/trace.py). On the cpu
 profile with in-run rates the rates are measured `--rounds` times, each just before its
 share of the timed steps. A step whose temporaries glibc maps anew every step (above a
-thread's heap, engine/host.py) is also priced for faulting them in.
+thread's heap, engine/run/host.py) is also priced for faulting them in.
 """
 from __future__ import annotations
 
@@ -27,10 +27,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.host import THREAD_HEAP_MAX, mapped_each_step  # noqa: E402
-from engine.train import force_host_devices, keep_freed_memory, parse_or_exit  # noqa: E402
+from engine.cli.args import (  # noqa: E402
+    build_parser as train_parser,  # noqa: E402
+    force_host_devices,
+    keep_freed_memory,
+    parse_or_exit,
+)
 from engine.cost.hardware import PROFILES  # noqa: E402
-from engine.train import build_parser as train_parser  # noqa: E402
+from engine.run.host import THREAD_HEAP_MAX, mapped_each_step  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -142,9 +146,9 @@ def flag_problem(mine) -> str | None:
 
 def run_peak(cfg, trainer) -> float:
     """The MFU denominator of a measured run, as the training CLI measures it on these
-    devices (engine/mfu.py: the best 2048^3 matmul in the compute dtype, on a CPU the
+    devices (engine/run/mfu.py: the best 2048^3 matmul in the compute dtype, on a CPU the
     host's), so both tools report the same MFU for the same step time."""
-    from engine.mfu import peak_flops
+    from engine.run.mfu import peak_flops
 
     return peak_flops(cfg.compute_dtype, list(trainer.mesh.devices.flat))[0]
 
@@ -166,9 +170,8 @@ def main(argv=None) -> int:
         keep_freed_memory()
     from engine.cost import report
     from engine.cost.ledger import step_ledger
-    from engine.cost.price import mfu as mfu_of
     from engine.cost.pipeline import predict_step
-    from engine.cost.price import mfu_peak, model_flops, predicted_mfu
+    from engine.cost.price import mfu as mfu_of, mfu_peak, model_flops, predicted_mfu
 
     rows = step_ledger(cfg, tcfg, layout, parallel, hw.bf16_collectives_in_f32)
     measured, step_s, audit_clean, orows, rounds = None, None, None, [], None
@@ -177,7 +180,7 @@ def main(argv=None) -> int:
         pred, pipe = predict_step(rows, hw, layout, parallel)
     else:
         from engine.cost.audit import audit
-        from engine.step import Trainer
+        from engine.run.step import Trainer
 
         trainer = Trainer(cfg, tcfg, layout, layout.mesh(), parallel)
         dtype = "bfloat16" if cfg.dtype == "bf16" else "float32"
@@ -292,7 +295,7 @@ def main(argv=None) -> int:
             "schedule_bubble": None if pipe is None else pipe.schedule_bubble,
             "predicted_comm_s": pred.comm_s, "predicted_exposed_comm_s": pred.exposed_comm_s,
             # one device's temporaries, the bytes of them mapped anew each step and the
-            # page faults that costs (engine/host.py); None / 0 without a compiled step
+            # page faults that costs (engine/run/host.py); None / 0 without a compiled step
             "temp_bytes": temp, "mapped_bytes": mapped, "predicted_fault_s": pred.fault_s,
             # per round: the rates measured, then its share of the timed steps (median)
             "rounds": rounds,

@@ -4,7 +4,7 @@
     python bench/step.py --layout fsdp8 --model small --steps 10
     python bench/step.py --compile-depths 4 32 --layout fsdp4xtp2 --model small
 
-Takes the training CLI's flags (`engine.train.build_parser`). The MFU denominator is the
+Takes the training CLI's flags (`engine.cli.args.build_parser`). The MFU denominator is the
 best throughput of square matmuls (1024^3, 2048^3; compute-dtype operands, f32
 accumulation, best of 3) measured in the same process just before the step is timed, so
 the figure means the same on any machine and under any load. On forced host devices
@@ -24,8 +24,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.train import force_host_devices, keep_freed_memory, parse_or_exit  # noqa: E402
-from engine.train import build_parser as train_parser  # noqa: E402
+from engine.cli.args import (  # noqa: E402
+    build_parser as train_parser,  # noqa: E402
+    force_host_devices,
+    keep_freed_memory,
+    parse_or_exit,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def best_matmul(dtype, sizes=(1024, 2048), reps: int = 3) -> float:
     """Best FLOP/s of n^3 matmuls in `dtype` with f32 accumulation, on one device."""
-    from engine.mfu import measured_matmul_peak
+    from engine.run.mfu import measured_matmul_peak
 
     return max(measured_matmul_peak(dtype, n, reps) for n in sizes)
 
@@ -51,7 +55,7 @@ def compile_seconds(cfg, tcfg, parallel, layout) -> float:
     import jax
 
     from engine.cost.ledger import _shape_dtype_specs
-    from engine.step import Trainer
+    from engine.run.step import Trainer
 
     trainer = Trainer(cfg, tcfg, layout, layout.mesh(), parallel)
     args = _shape_dtype_specs(cfg, tcfg, trainer)
@@ -70,8 +74,8 @@ def main(argv=None) -> int:
     from tabulate import tabulate
 
     from bench.timing import compiled_step, time_steps
-    from engine.mfu import flops_per_token
-    from engine.step import Trainer
+    from engine.run.mfu import flops_per_token
+    from engine.run.step import Trainer
 
     if mine.compile_depths:
         rows, first = [], None

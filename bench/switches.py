@@ -4,10 +4,10 @@ tokens/s, memory and predicted step time per config.
     python bench/switches.py --layout fsdp4xtp2 --model medium --steps 3 --json out.json
     python bench/switches.py --layout fsdp4xtp2 --model tiny --configs "tp_comm=ring,zero=2" zero=1
 
-Takes the training CLI's flags (`engine.train.build_parser`); they give the base config,
+Takes the training CLI's flags (`engine.cli.args.build_parser`); they give the base config,
 and each `--configs` entry (comma-separated `field=value` over `ParallelConfig` or
 `ModelConfig`: `tp_comm=sequence`, `zero=2`, `prefetch` or `prefetch=1`, `remat=dots`,
-...) overrides it. Each config is checked by `engine.validate` before anything runs.
+...) overrides it. Each config is checked by `engine.parallel.validate` before anything runs.
 Default: allreduce+zero3, sequence+zero3, ring+zero3, allreduce+zero3+prefetch,
 allreduce+zero2, allreduce+zero1. Every config is compiled and run one warm-up step,
 then the configs are timed one step at a time, round robin, `--steps` steps each (a slow
@@ -39,9 +39,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.train import UsageError, force_host_devices, keep_freed_memory  # noqa: E402
-from engine.train import parse_or_exit  # noqa: E402
-from engine.train import build_parser as train_parser  # noqa: E402
+from engine.cli.args import (  # noqa: E402
+    UsageError,
+    build_parser as train_parser,  # noqa: E402
+    force_host_devices,
+    keep_freed_memory,
+    parse_or_exit,  # noqa: E402
+)
 
 DEFAULT_CONFIGS = ("tp_comm=allreduce,zero=3", "tp_comm=sequence,zero=3",
                    "tp_comm=ring,zero=3", "tp_comm=allreduce,zero=3,prefetch",
@@ -100,8 +104,8 @@ def label(cfg, parallel) -> str:
 
 
 def check(cfg, tcfg, parallel, layout) -> None:
-    """`engine.validate`'s problems of one derived config (raises UsageError)."""
-    from engine import validate
+    """`engine.parallel.validate`'s problems of one derived config (raises UsageError)."""
+    from engine.parallel import validate
 
     if problems := validate.problems(cfg, tcfg, parallel, layout):
         raise UsageError(f"{label(cfg, parallel)}: " + "; ".join(problems))
@@ -117,7 +121,7 @@ def prepare(cfg, tcfg, parallel, layout) -> dict:
     from engine.cost import hardware, memory
     from engine.cost.ledger import step_ledger
     from engine.cost.price import predict
-    from engine.step import Trainer
+    from engine.run.step import Trainer
 
     trainer = Trainer(cfg, tcfg, layout, layout.mesh(), parallel)
     step, params, opt_state, tokens, compile_s = compiled_step(trainer)

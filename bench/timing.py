@@ -65,7 +65,7 @@ def split_half_noise(times: list[list[float]]) -> float:
 def compiled_step(trainer):
     """(compiled train step, params, opt_state, tokens, compile seconds): the trainer's
     params from its seed and synthetic batch 0, placed on its mesh."""
-    from engine.data import synthetic_tokens
+    from engine.run.data import synthetic_tokens
 
     cfg, tcfg = trainer.cfg, trainer.tcfg
     params, opt_state = trainer.init(tcfg.seed)

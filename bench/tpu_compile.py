@@ -184,7 +184,7 @@ def compile_step(name: str, hardware: str, cfg, tcfg, parallel, layout,
 
     from engine.cost import memory
     from engine.cost.hardware import get
-    from engine.step import Trainer
+    from engine.run.step import Trainer
 
     if cfg.attention == "auto":
         cfg = dataclasses.replace(cfg, attention="blocked")
@@ -223,7 +223,7 @@ def verdict(row: dict) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from engine.train import build_parser as train_parser
+    from engine.cli.args import build_parser as train_parser
 
     own = argparse.ArgumentParser(add_help=False)
     g = own.add_argument_group("tpu compile")
@@ -246,8 +246,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    from engine.train import build_parser as train_parser
-    from engine.train import parse_or_exit
+    from engine.cli.args import build_parser as train_parser, parse_or_exit
 
     cfg, tcfg, parallel, layout, args = parse_or_exit(argv, build_parser())
     if args.hardware is not None:

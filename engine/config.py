@@ -27,7 +27,7 @@ PRESETS: dict[str, dict] = {
 
 
 class ConfigError(ValueError):
-    """Settings that cannot run together (engine/validate.py); the message is one line."""
+    """Settings that cannot run together (engine/parallel/validate.py); the message is one line."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,7 +53,7 @@ GRAD_REDUCES = ("compute", "f32")
 class ParallelConfig:
     """How the layout's axes are used, apart from the model's shape.
 
-    zero:     what the fsdp axis shards (engine/zero.py): 3 = params, grads and optimizer
+    zero:     what the fsdp axis shards (engine/parallel/zero.py): 3 = params, grads and optimizer
               state (params gathered per layer); 2 = grads and optimizer state (params
               stored whole, grads reduce-scattered); 1 = optimizer state (grads
               all-reduced, then sliced).
@@ -71,7 +71,7 @@ class ParallelConfig:
               are accumulated before one optimizer update (the same loss and grads as
               one microbatch; activations of one microbatch alive at a time). Under
               pp these are the microbatches the pipeline schedule moves.
-    pp_schedule: the pipeline schedule over the pp axis (engine/pipeline.py
+    pp_schedule: the pipeline schedule over the pp axis (engine/parallel/pipeline.py
               `SCHEDULES`): gpipe = every forward, then every backward (M microbatches'
               stage inputs stashed per stage); 1f1b = one forward, one backward in the
               steady state (at most pp stashed); interleaved = `pp_virtual` chunks

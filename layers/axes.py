@@ -1,6 +1,6 @@
 """What a layer sees of the parallel layout: the mesh axes it may talk over, by role, and
 how it moves bytes over them. A static (hashable) dataclass, built by
-`engine.layout.Layout.role_axes` from the role registry (engine/roles.py)."""
+`engine.parallel.layout.Layout.role_axes` from the role registry (layers/roles.py)."""
 from __future__ import annotations
 
 import dataclasses
@@ -8,7 +8,7 @@ from typing import Mapping
 
 import collectives
 from collectives.ring import ALLREDUCE, TpComm
-from engine.roles import data_roles, roles_sharding
+from layers.roles import data_roles, roles_sharding
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,7 +44,7 @@ class Axes:
     fsdp: params, grads, optimizer state and batch sharded (ZeRO).
     tp:   heads, MLP hidden and vocab sharded (Megatron).
     cp:   the sequence sharded in load-balanced causal chunks (layers/context.py).
-    pp:   the stacked layers sharded in contiguous stages (engine/pipeline.py).
+    pp:   the stacked layers sharded in contiguous stages (engine/parallel/pipeline.py).
     ep:   experts sharded, batch sharded (layers/moe.py: tokens to their experts by
           all-to-all).
 
@@ -53,7 +53,7 @@ class Axes:
     cp_comm:  how attention reaches the keys of the other cp ranks
               (`layers.kernels.context.CP_COMMS`: allgather).
     weights:  how a layer's weights are made whole (`GatherWeights` for ZeRO-3; ZeRO-2's
-              `engine.optim.ResidentWeights`).
+              `engine.parallel.zero.ResidentWeights`).
     prefetch: gather layer i+1's weights before layer i's compute (layers/block.py).
     grad_reduce: the dtype fsdp reduce-scatters weight grads in: "compute" (the dtype
               the weights were gathered in) or "f32" (the params', as PyTorch FSDP's

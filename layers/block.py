@@ -36,7 +36,7 @@ def gather_weights(p: dict, fsdp_dims: Mapping[str, int | None], axes: Axes, dty
     """A layer's weights made whole over fsdp, each along the dim the param table shards,
     as `axes.weights` says: ZeRO-3 all-gathers them in one collective, cast to `dtype`
     first (`layers.axes.GatherWeights`); ZeRO-2's weights are already whole
-    (`engine.optim.ResidentWeights`). Weights not sharded over fsdp pass through in f32."""
+    (`engine.parallel.zero.ResidentWeights`). Weights not sharded over fsdp pass through in f32."""
     return axes.gather_weights(p, fsdp_dims, dtype)
 
 

@@ -21,8 +21,7 @@ import jax.numpy as jnp
 from jax import lax
 
 import collectives
-from layers import scopes
-from layers import model
+from layers import model, scopes
 from layers.attention import LayerCache
 from layers.axes import Axes
 from layers.block import block, gather_weights
@@ -43,7 +42,7 @@ def forward(params: dict, cache: KVCache, tokens_BL, start_B, last_B,
     inside the scan as in training -> (logits [B, V_tp] of token last_B[b] of each row,
     the cache with the new tokens written).
 
-    params: local shards as stored (engine/params.py); tokens: [B, L]; start_B: the
+    params: local shards as stored (engine/parallel/params.py); tokens: [B, L]; start_B: the
     cache slot of each row's first new token; last_B: index in [0, L). Decoding always
     keeps activations replicated over tp (tp_comm allreduce): a step has one token per row.
     """

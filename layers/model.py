@@ -3,7 +3,7 @@ training loss composed of them (vocab-parallel cross-entropy after the head).
 
 Between the stages the residual stream is x [B, L, D] (`cfg.act_dtype`) replicated over tp
 (axes.tp_comm allreduce) or [B, L_tp, D] (sequence, ring). params: local shards as stored
-(see engine/params.py); fsdp_dims: for every param, the dim sharded over fsdp (None if
+(see engine/parallel/params.py); fsdp_dims: for every param, the dim sharded over fsdp (None if
 replicated), in per-layer coordinates.
 """
 from __future__ import annotations
@@ -14,8 +14,7 @@ import jax
 import jax.numpy as jnp
 
 import collectives
-from layers import scopes
-from layers import block, vocab
+from layers import block, scopes, vocab
 from layers.axes import Axes
 from layers.config import ModelConfig
 from layers.norm import rms_norm

@@ -30,7 +30,7 @@ T=4096, K=2, E=8, D=256, F=512 in bf16 (`nice python bench/moe.py --matmuls`, me
 1.40 s). So the experts are padded einsums; the price is E/K times the routed FLOPs
 when dropless (every expert's buffer holds its worst case).
 
-tp (allreduce tp_comm only, engine/validate.py) splits every expert's hidden dim: the
+tp (allreduce tp_comm only, engine/parallel/validate.py) splits every expert's hidden dim: the
 routing and dispatch are the same on every tp rank, the routed tokens are broadcast over
 tp before the experts (the backward all-reduces their grad) and the combined output is
 all-reduced over tp, as in `layers.mlp`.

@@ -2,7 +2,7 @@
 and the names of the values remat `dots` saves (`SAVED_BY_DOTS`).
 
 The ledger (from the jaxpr's name stacks), the trace attribution (from HLO `op_name`
-metadata) and the pricing group rows by these names; layers/ and engine/step.py open
+metadata) and the pricing group rows by these names; layers/ and engine/run/step.py open
 them. A row's scope is the first of SCOPES on its name stack, else "other".
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ REDUCE_GRADS = "reduce_grads"  # grad reductions after the backward
 OPTIMIZER = "optimizer"  # the optimizer update
 LOGITS = "logits"  # decoding: final norm and the last token's logits
 
-# The pipeline's tick (engine/pipeline.py): its body, the unit each branch of its switch
+# The pipeline's tick (engine/parallel/pipeline.py): its body, the unit each branch of its switch
 # runs, and the parts only the first / last stage runs (conds on the stage index).
 # Not in SCOPES (a row keeps its layer scope); the ledger records them in `Row.pp`.
 PP_TICK = "pp_tick"

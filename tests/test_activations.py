@@ -15,10 +15,10 @@ import jax
 import jax.extend.core as jex
 import jax.numpy as jnp
 import pytest
+from test_step import CFG, assert_tree_close, host, tokens, trainer
 
 from engine.config import ParallelConfig, model_config
 from engine.cost.ledger import scan_counts
-from test_step import CFG, assert_tree_close, host, tokens, trainer
 
 BF16 = model_config("tiny", n_heads=8, n_kv_heads=2, head_dim=8, dtype="bf16",
                     activations="bf16")
@@ -60,9 +60,10 @@ def test_grads_reduced_in_f32_match_single(zero, single_bf16):
     of their grads (every one: blocks, unembed) run in f32 instead of bf16, so the grads
     lose the rounding of the reduced sum: within the bf16 bound of `single` (measured
     0.38% of max|grad| per tensor on fsdp8 against 0.56% with bf16 reduces)."""
-    from engine.cost.ledger import step_ledger
-    from engine.layout import Layout
     from test_step import TCFG
+
+    from engine.cost.ledger import step_ledger
+    from engine.parallel.layout import Layout
 
     parallel = ParallelConfig(zero=zero, grad_reduce="f32")
     loss, grads, gnorm = loss_and_grads("fsdp8", parallel=parallel)

@@ -14,13 +14,13 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from engine import checkpoint
+from engine.cli.train import main
 from engine.config import TrainConfig, model_config
-from engine.data import synthetic_tokens
-from engine.layout import Layout
-from engine.params import fsdp_dims, param_shapes
-from engine.step import Trainer
-from engine.train import main
+from engine.parallel.layout import Layout
+from engine.parallel.params import fsdp_dims, param_shapes
+from engine.run import checkpoint
+from engine.run.data import synthetic_tokens
+from engine.run.step import Trainer
 from layers import model
 
 CFG = model_config("tiny", n_heads=8, n_kv_heads=2, head_dim=8, dtype="f32")

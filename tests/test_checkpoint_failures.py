@@ -6,9 +6,9 @@ import os
 
 import msgpack
 import pytest
-
-from engine import checkpoint
 from test_checkpoint import host_state, meta, run_main, trainer
+
+from engine.run import checkpoint
 
 
 @pytest.fixture

@@ -12,11 +12,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-
-from engine.config import TrainConfig
-from engine.optim import make_optimizer, schedule
-from engine.train import main
 from subprocess_env import cli_env
+
+from engine.cli.train import main
+from engine.config import TrainConfig
+from engine.run.optim import make_optimizer, schedule
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CLI = ["--model", "tiny", "--layout", "single", "--steps", "2", "--batch", "2", "--seq", "8"]
@@ -94,7 +94,7 @@ def test_read_only_metrics_file_is_refused(tmp_path, capsys, monkeypatch):
 
 
 def test_checked_metrics_file_is_not_left_behind(tmp_path):
-    from engine.train import check_output_file
+    from engine.cli.args import check_output_file
 
     check_output_file(str(tmp_path / "m.jsonl"), "--metrics-file")
     assert os.listdir(tmp_path) == []
@@ -150,7 +150,7 @@ def test_train_help_shows_defaults_once(capsys):
 
 
 def test_generate_help_shows_defaults_once(capsys):
-    from engine.generate import main as generate_main
+    from engine.cli.generate import main as generate_main
 
     text = help_text(generate_main, capsys)
     assert "new tokens per prompt at most (default: 200)" in text
@@ -163,8 +163,8 @@ def test_generate_help_shows_defaults_once(capsys):
 def test_slow_rates_keep_their_digits():
     import types
 
-    from engine.generate import rate
-    from engine.loop import Log
+    from engine.cli.generate import rate
+    from engine.run.loop import Log
 
     lines = []
     rates = types.SimpleNamespace(tokens=16, flops=1e9, peak=1e12)
@@ -179,13 +179,12 @@ def test_slow_rates_keep_their_digits():
 @pytest.fixture(scope="module")
 def tiny_checkpoint(tmp_path_factory):
     """A checkpoint of the tiny preset, built on the host (no compile)."""
-    from engine import checkpoint
-    from engine.config import model_config
+    import jax
     from test_checkpoint import host_state, meta, trainer
 
-    import jax
-
-    from engine.params import param_shapes
+    from engine.config import model_config
+    from engine.parallel.params import param_shapes
+    from engine.run import checkpoint
 
     cfg = model_config("tiny")
     state = host_state(trainer("single", cfg), 0)  # flat: {keystr: array}
@@ -197,7 +196,7 @@ def tiny_checkpoint(tmp_path_factory):
 
 
 def run_generate(capsys, *args):
-    from engine.generate import main as generate_main
+    from engine.cli.generate import main as generate_main
 
     code = generate_main(list(args))
     out, err = capsys.readouterr()
@@ -214,7 +213,7 @@ def run_generate(capsys, *args):
 ])
 def test_cache_that_cannot_fit_is_refused_up_front(args, phrase, tiny_checkpoint, capsys,
                                                    monkeypatch):
-    from engine import validate
+    from engine.parallel import validate
 
     monkeypatch.setattr(validate, "available_host_memory", lambda: 64 * 2**30)
     code, out, err = run_generate(capsys, "--checkpoint-dir", tiny_checkpoint, "--prompt", "hi",
@@ -225,8 +224,8 @@ def test_cache_that_cannot_fit_is_refused_up_front(args, phrase, tiny_checkpoint
 
 def test_cache_bytes_follow_the_layout():
     from engine.config import model_config
-    from engine.layout import Layout
-    from engine.validate import cache_bytes_per_device, decoder_problems
+    from engine.parallel.layout import Layout
+    from engine.parallel.validate import cache_bytes_per_device, decoder_problems
 
     cfg = model_config("tiny", n_heads=8, n_kv_heads=2, head_dim=8, dtype="f32")
     B, C = 4, 1000
@@ -245,10 +244,10 @@ def test_cache_bytes_follow_the_layout():
 
 def test_decoder_refuses_a_cache_that_cannot_fit(monkeypatch):
     """The rule lives in the library: building a Decoder checks it too."""
-    from engine import validate
     from engine.config import ConfigError, model_config
-    from engine.decode import Decoder, Sampling
-    from engine.layout import Layout
+    from engine.parallel import validate
+    from engine.parallel.layout import Layout
+    from engine.run.decode import Decoder, Sampling
 
     monkeypatch.setattr(validate, "available_host_memory", lambda: 2**30)
     layout = Layout.parse("single")
@@ -258,7 +257,7 @@ def test_decoder_refuses_a_cache_that_cannot_fit(monkeypatch):
 
 # -- generation: streaming and Ctrl-C ------------------------------------------------------
 def test_stream_holds_back_a_possible_stop_and_split_utf8():
-    from engine.generate import Stream
+    from engine.cli.generate import Stream
 
     written = []
     stream = Stream(b"\n\n", written.append)
@@ -280,7 +279,7 @@ def test_stream_holds_back_a_possible_stop_and_split_utf8():
 
 def interrupting_step(after: int):
     """A Decoder.step that raises KeyboardInterrupt (as Ctrl-C would) on call `after`."""
-    from engine.decode import Decoder
+    from engine.run.decode import Decoder
 
     real, calls = Decoder.step, []
 
@@ -297,7 +296,7 @@ def interrupting_step(after: int):
 def test_interrupted_generation_keeps_its_text(prompts, tiny_checkpoint, capsys,
                                                monkeypatch):
     """One prompt streams; several print every row's text so far; exit 130, one line."""
-    from engine.decode import Decoder
+    from engine.run.decode import Decoder
 
     monkeypatch.setattr(Decoder, "step", interrupting_step(after=4))
     args = [a for p in prompts for a in ("--prompt", p)]
@@ -313,7 +312,7 @@ def test_interrupted_generation_keeps_its_text(prompts, tiny_checkpoint, capsys,
 
 
 def test_ctrl_c_while_generate_compiles_is_one_line(tiny_checkpoint, capsys, monkeypatch):
-    from engine.decode import Decoder
+    from engine.run.decode import Decoder
 
     def compile(self, *a, **k):
         raise KeyboardInterrupt

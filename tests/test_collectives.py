@@ -340,8 +340,8 @@ def test_the_step_packs_its_gathers_only_where_the_backend_widens_bf16():
     """XLA:CPU runs bf16 collectives in f32, so a step on CPU devices (and a trace on an
     AbstractMesh on this host) packs them; the choice reaches the ZeRO-3 weights."""
     from engine.config import ParallelConfig, TrainConfig, model_config
-    from engine.layout import Layout
-    from engine.step import Trainer
+    from engine.parallel.layout import Layout
+    from engine.run.step import Trainer
 
     assert collectives.widens_2byte(make_mesh((8,)))
     abstract = jax.sharding.AbstractMesh((8,), ("a",))

@@ -15,8 +15,8 @@ from engine.cost import hardware
 from engine.cost.audit import audit, compiled_text
 from engine.cost.ledger import Row, step_ledger
 from engine.cost.price import collective_seconds, predict, predicted_mfu
-from engine.layout import Layout
-from engine.mfu import flops_per_token
+from engine.parallel.layout import Layout
+from engine.run.mfu import flops_per_token
 
 # tp up to 8 needs 8 heads; G=2 exercises both kv rules (tp <= G sharded, tp > G replicated)
 CFG = dict(n_heads=8, n_kv_heads=2, head_dim=8)
@@ -29,7 +29,7 @@ def _cfg(dtype="f32", remat="full"):
 
 @functools.lru_cache(maxsize=None)
 def _compiled(layout: str, dtype: str) -> str:
-    from engine.step import Trainer
+    from engine.run.step import Trainer
 
     lay = Layout.parse(layout)
     return compiled_text(Trainer(_cfg(dtype), TCFG, lay, lay.mesh()))
@@ -42,7 +42,7 @@ def _flops(rows, phases, kind="matmul"):
 @pytest.mark.parametrize("layout", ["single", "fsdp4xtp2"])
 def test_ledger_flops_match_model_formula(layout):
     """fwd + bwd matmul FLOPs summed over devices = 6 * (non-embedding params) * tokens
-    + 12 N H K L * tokens (engine.mfu, PaLM's count: full, non-causal score matmuls).
+    + 12 N H K L * tokens (engine.run.mfu, PaLM's count: full, non-causal score matmuls).
     Remat recompute is hardware FLOPs, not model FLOPs: it is checked separately against
     the blocks' forward matmuls minus the MLP down projection, whose output the backward
     never needs (jax dead-code-eliminates it from the rematted forward)."""
@@ -126,7 +126,7 @@ def test_audit_clean(layout):
 
 def _audit_step(cfg, layout: str, par: ParallelConfig):
     """The audit of the step's compiled HLO on `layout` (8 host devices) against its ledger."""
-    from engine.step import Trainer
+    from engine.run.step import Trainer
 
     lay = Layout.parse(layout)
     text = compiled_text(Trainer(cfg, TCFG, lay, lay.mesh(), par),
@@ -493,7 +493,7 @@ def test_replica_groups_read_alike_in_both_hlo_spellings():
 def test_audit_clean_pp(layout, microbatches, schedule):
     """Pipeline stages: the compiled step holds exactly the ledger's collectives, the
     stage ppermutes included (one forward and one backward shift per tick)."""
-    from engine.step import Trainer
+    from engine.run.step import Trainer
 
     cfg, lay = dataclasses.replace(_cfg(), n_layers=4), Layout.parse(layout)
     par = ParallelConfig(microbatches=microbatches, pp_schedule=schedule)

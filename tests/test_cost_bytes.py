@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from engine.cost import hardware
-from engine.layout import Layout
+from engine.parallel.layout import Layout
 
 
 def _scan_example():

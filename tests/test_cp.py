@@ -13,21 +13,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import reference_model as ref
 from jax.sharding import PartitionSpec as P
+from test_step import CFG, RTOL, TCFG, assert_tree_close, host, run
+from test_tp_comm import compiled_loss_and_grads, random_params
 
 import collectives
-import reference_model as ref
 from engine.config import ConfigError, ParallelConfig, TrainConfig
-from engine.data import synthetic_tokens
-from engine.layout import Layout
-from engine.params import activation_spec
-from engine.step import Trainer
-from engine import validate
+from engine.parallel import validate
+from engine.parallel.layout import Layout
+from engine.parallel.params import activation_spec
+from engine.run.data import synthetic_tokens
+from engine.run.step import Trainer
 from layers import context
 from layers.kernels import KERNELS, BlockSizes
 from layers.kernels.context import CP_COMMS, CP_KERNELS
-from test_step import CFG, RTOL, TCFG, assert_tree_close, host, run
-from test_tp_comm import compiled_loss_and_grads, random_params
 
 CP_LAYOUTS = ["cp4xfsdp2", "cp2xfsdp2xtp2", "dp2xcp4", "cp8"]
 
@@ -295,9 +295,16 @@ def test_cp_checkpoint_resumes_on_other_layouts_and_back(tmp_path):
     """One step under cp4xfsdp2, saved; loaded under fsdp4xtp2 and single (values
     identical) the next step's loss equals the cp run's; saved again from fsdp4xtp2 and
     loaded back under cp8, the same."""
-    from engine import checkpoint
-    from test_checkpoint import assert_same, batch, flat_host, host_state, meta
-    from test_checkpoint import trainer as ck_trainer
+    from test_checkpoint import (
+        assert_same,
+        batch,
+        flat_host,
+        host_state,
+        meta,
+        trainer as ck_trainer,
+    )
+
+    from engine.run import checkpoint
 
     for sub in ("cp", "back"):
         (tmp_path / sub).mkdir()

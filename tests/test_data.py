@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from engine import data as D
-from engine.layout import Layout
-from engine.train import main
+from engine.cli.train import main
+from engine.parallel.layout import Layout
+from engine.run import data as D
 
 B, L = 8, 16
 

@@ -17,10 +17,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-from layers.kernels import (BlockSizes, blocked, blocked_attention, chunked_attention, pallas,
-                            pallas_attention, reference_attention)
 from reference_model import dense_attention
+
+from layers.kernels import (
+    BlockSizes,
+    blocked,
+    blocked_attention,
+    chunked_attention,
+    pallas,
+    pallas_attention,
+    reference_attention,
+)
 
 # f32: online softmax reorders the dense reference's sums; measured errors are
 # <= 1.2e-6 of the largest entry (about 10 f32 epsilons), so 1e-5 relative to
@@ -284,9 +291,9 @@ def test_inside_the_full_step_matches_reference_attention(attention):
     """Loss and grads of the whole step under fsdp4xtp2 (heads sharded over tp, Pallas
     run in its nested check_vma=False region) equal those with the dense reference."""
     from engine.config import TrainConfig, model_config
-    from engine.data import synthetic_tokens
-    from engine.layout import Layout
-    from engine.step import Trainer
+    from engine.parallel.layout import Layout
+    from engine.run.data import synthetic_tokens
+    from engine.run.step import Trainer
 
     layout = Layout.parse("fsdp4xtp2")
     results = {}

@@ -1,4 +1,4 @@
-"""Decoding with the sharded KV cache (engine/decode.py, layers/cache.py) and the
+"""Decoding with the sharded KV cache (engine/run/decode.py, layers/cache.py) and the
 `python -m engine.generate` CLI.
 
 One model, trained in-process for a few seconds on the synthetic task (arithmetic
@@ -14,18 +14,18 @@ import sys
 import jax
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding
-
 import reference_model as ref
-from engine import checkpoint
-from engine.config import TrainConfig, model_config
-from engine.data import synthetic_tokens
-from engine.decode import Decoder, Sampling
-from engine.generate import generate
-from engine.layout import Layout
-from engine.params import param_specs
-from engine.step import Trainer
+from jax.sharding import NamedSharding
 from subprocess_env import cli_env
+
+from engine.cli.generate import generate
+from engine.config import TrainConfig, model_config
+from engine.parallel.layout import Layout
+from engine.parallel.params import param_specs
+from engine.run import checkpoint
+from engine.run.data import synthetic_tokens
+from engine.run.decode import Decoder, Sampling
+from engine.run.step import Trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CFG = model_config("tiny", n_heads=8, n_kv_heads=2, head_dim=8, dtype="f32", remat="none")

@@ -1,10 +1,10 @@
-"""engine.host: glibc keeps XLA:CPU's freed step buffers in the process."""
+"""engine.run.host: glibc keeps XLA:CPU's freed step buffers in the process."""
 import ctypes
 import platform
 
 import pytest
 
-from engine import host
+from engine.run import host
 
 
 class MallInfo2(ctypes.Structure):

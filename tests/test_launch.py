@@ -3,7 +3,7 @@
 import subprocess
 import sys
 
-from engine.launch import Relay
+from engine.cli.launch import Relay
 
 CHILD = r"""
 import sys

@@ -4,7 +4,7 @@ import math
 import pytest
 
 from engine.config import model_config
-from engine.layout import AXIS_ROLES, Layout, LayoutError
+from engine.parallel.layout import AXIS_ROLES, Layout, LayoutError
 
 SMALL = model_config("small")
 
@@ -60,8 +60,8 @@ def test_tp_above_kv_heads_is_allowed_when_it_is_a_multiple():
 
 
 def test_the_roles_come_from_the_registry():
-    from engine import roles
-    from engine.params import ACTIVATION_TABLE, DERIVED_ROLES, PARAM_TABLE
+    from engine.parallel.params import ACTIVATION_TABLE, DERIVED_ROLES, PARAM_TABLE
+    from layers import roles
 
     assert AXIS_ROLES == tuple(roles.ROLES)
     for role in roles.ROLES.values():
@@ -94,14 +94,14 @@ def test_the_roles_come_from_the_registry():
 def test_residual_stream_spec(layout, tp_comm, spec):
     from jax.sharding import PartitionSpec as P
 
-    from engine.params import activation_spec
+    from engine.parallel.params import activation_spec
 
     assert activation_spec("residual", Layout.parse(layout), tp_comm) == P(*spec)
 
 
 def test_allowed_values_come_from_their_registries():
     from collectives.ring import TP_COMMS
-    from engine import validate, zero
+    from engine.parallel import validate, zero
     from layers import block
     from layers.kernels import KERNELS
 
@@ -124,7 +124,7 @@ def test_trainer_refuses_bad_settings_at_construction(parallel, seq, phrases):
     """Refused in one line before anything is traced (no devices used: an abstract
     mesh); `tp_comm sequence` with seq 15 on tp2 used to fail inside the first step."""
     from engine.config import ConfigError, ParallelConfig, TrainConfig
-    from engine.step import Trainer
+    from engine.run.step import Trainer
 
     layout = Layout.parse("fsdp4xtp2")
     with pytest.raises(ConfigError) as e:
@@ -136,8 +136,8 @@ def test_trainer_refuses_bad_settings_at_construction(parallel, seq, phrases):
 
 
 def test_validate_returns_every_problem():
-    from engine import validate
     from engine.config import ParallelConfig, TrainConfig
+    from engine.parallel import validate
 
     cfg = model_config("small", n_heads=6, n_kv_heads=2, mlp_dim=770, vocab=250)
     found = validate.problems(cfg, TrainConfig(batch=16, seq=15),

@@ -13,8 +13,8 @@ import pytest
 from engine.config import ParallelConfig, TrainConfig, model_config
 from engine.cost import liveness, memory
 from engine.cost.ledger import trace_step
-from engine.layout import Layout
-from engine.step import Trainer
+from engine.parallel.layout import Layout
+from engine.run.step import Trainer
 
 U = 256 * 4  # bytes of one f32[256]
 X = jax.ShapeDtypeStruct((256,), jnp.float32)

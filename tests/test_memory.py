@@ -19,8 +19,8 @@ import pytest
 
 from engine.config import ParallelConfig, TrainConfig, model_config
 from engine.cost import memory
-from engine.layout import Layout
-from engine.step import Trainer
+from engine.parallel.layout import Layout
+from engine.run.step import Trainer
 
 CFG = model_config("tiny", dtype="bf16", remat="full", attention="reference")
 TCFG = TrainConfig(batch=16, seq=64)

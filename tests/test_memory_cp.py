@@ -9,13 +9,13 @@ import dataclasses
 import functools
 
 import pytest
+from test_memory import CFG, FAST, TCFG, TOLERANCE
 
 from engine.config import ParallelConfig, TrainConfig
 from engine.cost import liveness, memory
 from engine.cost.ledger import trace_step
-from engine.layout import Layout
-from engine.step import Trainer
-from test_memory import CFG, FAST, TCFG, TOLERANCE
+from engine.parallel.layout import Layout
+from engine.run.step import Trainer
 
 COMMS = ["allgather", "ring"]
 

@@ -2,14 +2,14 @@
 in loss, grads and grad norm (f32, tolerances as in test_step.py); a batch the
 microbatches do not divide is refused in one line."""
 import pytest
-
-from engine import validate
-from engine.config import ConfigError, ParallelConfig, TrainConfig
-from engine.data import synthetic_tokens
-from engine.layout import Layout
-from engine.step import Trainer
 from test_step import CFG, RTOL, TCFG, assert_tree_close, tokens, trainer
 from test_tp_comm import compiled_loss_and_grads, random_params
+
+from engine.config import ConfigError, ParallelConfig, TrainConfig
+from engine.parallel import validate
+from engine.parallel.layout import Layout
+from engine.run.data import synthetic_tokens
+from engine.run.step import Trainer
 
 
 @pytest.fixture(scope="module")

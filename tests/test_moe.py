@@ -13,16 +13,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 import reference_model as ref
-from engine.config import ConfigError, ParallelConfig, TrainConfig, model_config
-from engine.layout import Layout
-from engine.step import Trainer
-from engine.validate import check
-from layers import moe
-from layers.axes import Axes
 from test_step import RTOL, TCFG, assert_tree_close, host, tokens
 from test_tp_comm import compiled_loss_and_grads, random_params
+
+from engine.config import ConfigError, ParallelConfig, TrainConfig, model_config
+from engine.parallel.layout import Layout
+from engine.parallel.validate import check
+from engine.run.step import Trainer
+from layers import moe
+from layers.axes import Axes
 
 CFG = model_config("moe-tiny", n_heads=8, n_kv_heads=2, head_dim=8, dtype="f32",
                    shared_experts=1, experts=8, top_k=2)
@@ -256,7 +256,7 @@ def test_ep_checkpoint_resumes_on_other_layouts(init, tmp_path):
     (experts gathered instead of sharded) and on ep8, and train on from there alike."""
     import dataclasses
 
-    from engine import checkpoint
+    from engine.run import checkpoint
 
     t = trainer("ep4xfsdp2")
     shapes = jax.tree_util.tree_flatten_with_path(init)[0]
@@ -295,8 +295,8 @@ def test_cached_decoding_equals_full_sequence(layout, init):
     logits on the whole sequence (rows of different lengths, right-padded)."""
     from jax.sharding import NamedSharding
 
-    from engine.decode import Decoder, Sampling
-    from engine.params import param_specs
+    from engine.parallel.params import param_specs
+    from engine.run.decode import Decoder, Sampling
 
     B, new, lengths = 8, 3, np.array([5, 2, 4, 5, 3, 1, 5, 2], np.int32)
     lay = Layout.parse(layout)

@@ -13,10 +13,10 @@ import sys
 import time
 
 import pytest
-
-from engine import distributed
-from engine.train import UsageError, parse
 from subprocess_env import cli_env
+
+from engine.cli.args import UsageError, parse
+from engine.run import distributed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ARGS = ["--model", "tiny", "--layout", "fsdp4xtp2", "--batch", "8", "--seq", "32",

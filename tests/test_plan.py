@@ -1,5 +1,5 @@
-"""The planner (engine/plan.py): it enumerates every layout, never ranks what
-engine.validate refuses or what does not fit, prices as the cost model does (in worker
+"""The planner (engine/planner/search.py): it enumerates every layout, never ranks what
+engine.parallel.validate refuses or what does not fit, prices as the cost model does (in worker
 processes, from the ledger cache, with `refine`'s timed matmuls). Its command lines:
 tests/test_plan_cli.py."""
 import dataclasses
@@ -13,12 +13,14 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from engine import plan, roles, validate  # noqa: E402
 from engine.config import TrainConfig, model_config  # noqa: E402
 from engine.cost import hardware  # noqa: E402
 from engine.cost.ledger import step_ledger  # noqa: E402
 from engine.cost.price import predict  # noqa: E402
-from engine.layout import Layout  # noqa: E402
+from engine.parallel import validate
+from engine.parallel.layout import Layout  # noqa: E402
+from engine.planner import search as plan  # noqa: E402
+from layers import roles
 
 pytestmark = pytest.mark.usefixtures("own_ledger_cache")
 
@@ -62,8 +64,8 @@ def test_switches_multiply_only_where_they_change_the_program():
 def test_candidates_keep_the_grad_reduce_they_are_given():
     """`--grad-reduce` is not a switch of the plan: every candidate, and every neighbour
     of one, carries the base's (as `--layout auto` and `python -m engine.plan` pass it)."""
+    from engine.cli.args import parse
     from engine.config import ParallelConfig
-    from engine.train import parse
 
     par = parse(["--layout", "fsdp8", "--model", "tiny", "--grad-reduce", "f32"])[2]
     assert par.grad_reduce == "f32"
@@ -259,7 +261,7 @@ def test_the_reason_line_skips_the_first_choice_in_another_order():
                            model_config("tiny"))
         return plan.Priced(c, step, step, 0.0, 0.0, 0.1, None)
 
-    from engine.plan_report import runner_up
+    from engine.planner.report import runner_up
     assert runner_up([priced("fsdp2xtp2", 3, 1.0), priced("tp2xfsdp2", 3, 1.0),
                       priced("fsdp2xtp2", 1, 1.1)]) == 2
     assert runner_up([priced("fsdp2xtp2", 3, 1.0), priced("tp2xfsdp2", 3, 1.2)]) == 1
@@ -384,10 +386,10 @@ def test_a_step_that_maps_its_temporaries_pays_their_page_faults_on_the_cpu():
     arguments) outgrow a device thread's heap maps them anew every step on a shared
     host: the plan adds their page faults (price.fault_seconds) to its step, and not a
     step whose temporaries stay in the heap, nor one on an accelerator."""
-    from engine import host
     from engine.cost import fit
     from engine.cost.pipeline import predict_step
     from engine.cost.price import fault_seconds
+    from engine.run import host
 
     if not host.keep_freed_memory():
         pytest.skip("not glibc: the mapped temporaries are not modelled")

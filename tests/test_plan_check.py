@@ -9,9 +9,10 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine import plan, validate  # noqa: E402
 from engine.config import model_config  # noqa: E402
-from engine.layout import Layout  # noqa: E402
+from engine.parallel import validate
+from engine.parallel.layout import Layout  # noqa: E402
+from engine.planner import search as plan  # noqa: E402
 
 
 def test_plan_check_spearman_matches_the_textbook_formula():
@@ -158,8 +159,7 @@ def test_collective_context_chains_compute_the_same_values():
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
+    from jax.sharding import NamedSharding, PartitionSpec as P
 
     from bench import collective_context
 

@@ -1,4 +1,4 @@
-"""The planner's command lines: `python -m engine.plan` (engine/plan_cli.py: its table,
+"""The planner's command lines: `python -m engine.plan` (engine/cli/plan.py: its table,
 `--json`, `--axes` / `--max`, `--refine` on the host, one-line errors) and `python -m
 engine.train --layout auto`, which trains with the plan's first choice."""
 import functools
@@ -14,8 +14,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench import roofline  # noqa: E402
-from engine import plan, plan_cli  # noqa: E402
+from engine.cli import plan as plan_cli
 from engine.config import TrainConfig, model_config  # noqa: E402
+from engine.planner import search as plan  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("own_ledger_cache")
 

@@ -11,14 +11,15 @@ import dataclasses
 import jax
 import numpy as np
 import pytest
-
-from engine import checkpoint, pipeline, validate
-from engine.config import ConfigError, ParallelConfig
-from engine.data import synthetic_tokens
-from engine.layout import Layout
-from engine.step import Trainer
 from test_step import CFG, RTOL, TCFG, assert_tree_close, host
 from test_tp_comm import compiled_loss_and_grads, random_params
+
+from engine.config import ConfigError, ParallelConfig
+from engine.parallel import pipeline, validate
+from engine.parallel.layout import Layout
+from engine.run import checkpoint
+from engine.run.data import synthetic_tokens
+from engine.run.step import Trainer
 
 PP_CFG = dataclasses.replace(CFG, n_layers=8)
 

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from engine import train
+from engine.cli import train
 
 
 @pytest.fixture

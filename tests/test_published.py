@@ -11,9 +11,15 @@ import pytest
 from engine.config import ParallelConfig, TrainConfig, model_config
 from engine.cost import hardware, memory
 from engine.cost.ledger import ledger, step_ledger
-from engine.cost.price import (attention_flops, causal_tile_fraction, compute_seconds,
-                               moved_bytes, priced_rows, ring_factor)
-from engine.layout import Layout
+from engine.cost.price import (
+    attention_flops,
+    causal_tile_fraction,
+    compute_seconds,
+    moved_bytes,
+    priced_rows,
+    ring_factor,
+)
+from engine.parallel.layout import Layout
 
 
 def _rows(f, *shapes):
@@ -169,7 +175,7 @@ def test_megatron_accumulates_its_microbatches_and_then_fits_the_a100():
     size 8 on 32 data-parallel ranks, 4 microbatches accumulated. Its peak fits the
     A100's 80 GB; the same 1024 sequences as one microbatch do not."""
     from bench.published import RUNS
-    from engine.train import build_parser, parse
+    from engine.cli.args import build_parser, parse
 
     r = next(r for r in RUNS if r.name.startswith("Megatron 18.4B"))
     assert (r.batch, r.microbatches) == (1024, 4)

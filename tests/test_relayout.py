@@ -15,7 +15,7 @@ from engine.cost import hardware
 from engine.cost.ledger import ledger, relayout_order, step_ledger
 from engine.cost.microbench import flat_mesh, relayout_bandwidth, typical_relayout
 from engine.cost.price import predict
-from engine.layout import Layout
+from engine.parallel.layout import Layout
 
 CFG = model_config("tiny", dtype="bf16", remat="full", n_heads=8, n_kv_heads=2, head_dim=8)
 TCFG = TrainConfig(batch=8, seq=32)

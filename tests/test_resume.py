@@ -11,9 +11,9 @@ import sys
 import time
 
 import pytest
-
-from engine import checkpoint
 from subprocess_env import cli_env
+
+from engine.run import checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ARGS = ["--model", "tiny", "--layout", "fsdp4xtp2", "--batch", "8", "--seq", "32",

@@ -16,7 +16,7 @@ from engine.config import TrainConfig, model_config  # noqa: E402
 from engine.cost import hardware  # noqa: E402
 from engine.cost.ledger import step_ledger  # noqa: E402
 from engine.cost.price import model_flops, predict, predicted_mfu  # noqa: E402
-from engine.layout import Layout  # noqa: E402
+from engine.parallel.layout import Layout  # noqa: E402
 
 TINY = ["--predict-only", "--model", "tiny"]
 PROFILE = {"peak_flops": {"float32": 5e10, "bfloat16": 4e10}, "vector_flops": 2e9,
@@ -222,8 +222,8 @@ def test_pp_prediction_reports_the_bubble(tmp_path, capsys):
     """--predict-only on a pp layout prices along the schedule: the JSON holds the
     predicted bubble and the schedule's idle stage-ticks (p-1)/(M+p-1), the text says
     both, and the step is the pipeline's prediction."""
+    from engine.cli.args import parse_or_exit
     from engine.cost.pipeline import predict_step
-    from engine.train import parse_or_exit
 
     out_json = tmp_path / "out.json"
     argv = ["--predict-only", "--model", "tiny", "--hardware", "h100", "--layout", "pp2xfsdp4",

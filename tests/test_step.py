@@ -4,12 +4,12 @@ Model: H=8 heads over G=2 kv heads, so tp=2 shards kv heads and tp=4, 8 replicat
 import jax
 import numpy as np
 import pytest
-
 import reference_model as ref
+
 from engine.config import ParallelConfig, TrainConfig, model_config
-from engine.data import synthetic_tokens
-from engine.layout import Layout
-from engine.step import Trainer
+from engine.parallel.layout import Layout
+from engine.run.data import synthetic_tokens
+from engine.run.step import Trainer
 
 CFG = model_config("tiny", n_heads=8, n_kv_heads=2, head_dim=8, dtype="f32")
 TCFG = TrainConfig(batch=8, seq=16, steps=3, warmup=1, lr=1e-2)

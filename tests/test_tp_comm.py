@@ -15,10 +15,10 @@ import jax
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding
+from test_step import CFG, RTOL, TCFG, assert_tree_close, host, tokens, trainer
 
 from engine.config import ParallelConfig
-from engine.params import param_shapes
-from test_step import CFG, RTOL, TCFG, assert_tree_close, host, tokens, trainer
+from engine.parallel.params import param_shapes
 
 LAYOUTS = ["fsdp4xtp2", "fsdp2xtp4", "tp8"]
 FAST_COMPILE = {"xla_backend_optimization_level": 0}
@@ -84,7 +84,7 @@ def test_remat_dots_does_not_run_the_forwards_tp_reductions_again(tp_comm, init,
     import dataclasses
 
     from engine.cost.ledger import step_ledger
-    from engine.layout import Layout
+    from engine.parallel.layout import Layout
 
     cfg, par = dataclasses.replace(CFG, remat="dots"), ParallelConfig(tp_comm=tp_comm)
     t = trainer("fsdp4xtp2", cfg, par)

@@ -103,7 +103,7 @@ def test_ledger_cost_counts_the_attention_the_compile_runs():
     from engine.cost import hardware
     from engine.cost.ledger import step_ledger
     from engine.cost.price import priced_rows
-    from engine.layout import Layout
+    from engine.parallel.layout import Layout
 
     cfg = model_config("tiny", dtype="bf16", remat="full", attention="blocked")
     tcfg, layout, parallel = TrainConfig(seq=256, batch=8), Layout.parse("fsdp4"), ParallelConfig()

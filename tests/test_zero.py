@@ -14,16 +14,15 @@ import functools
 import jax
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
-
 import reference_model as ref
-from engine import checkpoint
-from engine.cost.ledger import step_ledger
+from jax.sharding import NamedSharding, PartitionSpec as P
+from test_step import CFG, RTOL, TCFG, assert_params_close, assert_tree_close, host, tokens, trainer
+
 from engine.config import ParallelConfig
-from engine.layout import Layout
-from engine.params import init_params, param_shapes, param_specs
-from test_step import (CFG, RTOL, TCFG, assert_params_close, assert_tree_close, host,
-                       tokens, trainer)
+from engine.cost.ledger import step_ledger
+from engine.parallel.layout import Layout
+from engine.parallel.params import init_params, param_shapes, param_specs
+from engine.run import checkpoint
 
 CASES = [(1, False), (2, False), (3, True)]  # (zero, prefetch)
 LAYOUTS = ["fsdp4xtp2", "fsdp8", "dp2xfsdp2xtp2"]

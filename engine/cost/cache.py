@@ -70,7 +70,7 @@ def code_fingerprint() -> str:
     planner or the CLI can change without invalidating the cache)."""
     import jax
 
-    seen, todo = {}, ["engine.step", "engine.cost.ledger"]
+    seen, todo = {}, ["engine.run.step", "engine.cost.ledger"]
     while todo:
         name = todo.pop()
         path = _module_file(name)
@@ -89,7 +89,7 @@ def code_fingerprint() -> str:
 def key(cfg, tcfg, parallel, layout, pack=None) -> str:
     """What the traced step depends on, hashed: the configs, the axis sizes by role
     (not their order) and the weight gather's packing (`trace_step`'s `pack`)."""
-    from engine.layout import AXIS_ROLES
+    from engine.parallel.layout import AXIS_ROLES
 
     sizes = tuple(layout.degree(r) for r in AXIS_ROLES)
     text = repr((cfg, tcfg, parallel, sizes, pack, code_fingerprint()))

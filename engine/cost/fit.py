@@ -35,14 +35,14 @@ def mapped_bytes(pred, hw) -> int:
     the step pays (`price.fault_seconds`), predicted before anything is compiled: on a
     shared host, the memory prediction `pred`'s temporaries (`MemoryPrediction.temp`,
     its peak less the step's arguments; XLA:CPU's `temp_size_in_bytes`) through
-    engine/host.py `mapped_each_step`; 0 elsewhere or when `pred` is None.
+    engine/run/host.py `mapped_each_step`; 0 elsewhere or when `pred` is None.
     Read against the compiled steps of `small` on this host (bf16): fsdp8 remat none with
     prefetch 71.8 MiB predicted, 65.6 compiled (mapped: over a thread's 64 MiB heap);
     remat full 17.9 and 19.4; single 140.8 and 144.8; tp8 62.9 and 57.3 (both under the
     heap, so not mapped, as in the step)."""
     if pred is None or not hw.shared_host:
         return 0
-    from engine import host
+    from engine.run import host
 
     return host.mapped_each_step(pred.temp)
 
@@ -55,7 +55,7 @@ def capacity(hw, n_devices: int, hbm_bytes: float | None = None) -> float | None
     if hw.hbm_capacity:
         return float(hw.hbm_capacity)
     if hw.shared_host:
-        from engine.validate import available_host_memory
+        from engine.parallel.validate import available_host_memory
 
         return available_host_memory() / max(1, n_devices)
     return None

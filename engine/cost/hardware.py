@@ -109,12 +109,12 @@ class Hardware:
     memory_platform: str = "accelerator"
     # the MFU denominator per operand dtype, when it is not `peak_flops`: on the CPU,
     # `peak_flops` is the rate the step's own matmul shapes reach (what pricing uses)
-    # and this is the best rate a large matmul reaches (engine/mfu.py's measurement)
+    # and this is the best rate a large matmul reaches (engine/run/mfu.py's measurement)
     mfu_peak: dict = dataclasses.field(default_factory=dict)
     transcendental_flops: float = 0.0
     # a shared host: seconds per byte that first touching freshly mapped memory adds (the
     # kernel's page fault and zero fill), the price of a step's temporaries mapped anew
-    # each step (engine/host.py `mapped_each_step`, `price.fault_seconds`); 0: not priced
+    # each step (engine/run/host.py `mapped_each_step`, `price.fault_seconds`); 0: not priced
     fault_cost: float = 0.0
     # a shared host: bytes/s (read + written) one device gets copying a dot operand into
     # the layout XLA:CPU's dot library takes while every device does (`Row.relayout`,
@@ -308,9 +308,9 @@ PROFILES["h100-gt"] = dataclasses.replace(
 # the median rate of the `small` model's matmul shapes (what pricing uses), timed then
 # as the step writes them, their operands' relayout copies inside (now priced apart at
 # `relayout_bw`, so these rates understate the dots alone); mfu_peak is
-# engine/mfu.py's 2048^3 matmul (f32 accumulation, best of 5) on one device, measured
+# engine/run/mfu.py's 2048^3 matmul (f32 accumulation, best of 5) on one device, measured
 # on 2026-11-23 at load average ~1.4 with
-# `python -c "from engine.mfu import measured_matmul_peak as m; import jax.numpy as j;
+# `python -c "from engine.run.mfu import measured_matmul_peak as m; import jax.numpy as j;
 # print(m(j.float32, reps=5), m(j.bfloat16, reps=5))"`: 9.71e10 and 5.39e10.
 # all-to-all: `microbench.collective_times` + `fit` over 8 devices at 64 KiB..4 MiB on
 # 2026-11-23 at load average ~8 (other jobs running); all-gather in the same run fitted
@@ -318,7 +318,7 @@ PROFILES["h100-gt"] = dataclasses.replace(
 # hbm: that calibration's one device on 64 MiB arrays (out of cache), not today's sum
 # over 8 devices in cache, and no hbm_cold: all traffic at an out-of-cache rate.
 # beside_cost: `microbench.beside_cost` (median of 21 rounds) three times on 2026-11-27 at
-# load average ~1.2, `python -c "from engine.train import force_host_devices as f; f(8);
+# load average ~1.2, `python -c "from engine.cli.args import force_host_devices as f; f(8);
 # import jax, numpy as np; from engine.cost.microbench import beside_cost as b;
 # m = jax.sharding.Mesh(np.array(jax.devices()), ('d',)); print([b(m) for _ in range(3)])"`:
 # 1.18, 0.84, 0.88 (the middle one here).

@@ -31,12 +31,25 @@ from jax._src.interpreters import partial_eval as pe
 from jax.extend import core as jcore
 
 from engine.cost.fusion import (  # noqa: F401  (the op sets, as the ledger's)
-    FREE, FUSIBLE, INLINED, MARKS, REDUCTIONS, Domain, canon, io_bytes, loop_fusion_bytes,
-    loop_fusion_sets, nbytes,
+    FREE,
+    FUSIBLE,
+    INLINED,
+    MARKS,
+    REDUCTIONS,
+    Domain,
+    canon,
+    io_bytes,
+    loop_fusion_bytes,
+    loop_fusion_sets,
+    nbytes,
 )
 from engine.cost.rows import Row, dtype_name  # noqa: F401  (Row, as the ledger's)
 from engine.cost.scan_rows import (  # noqa: F401  (scan_counts, as the ledger's)
-    carry_copy_rows, scan_copy_rows, stack_slot_bytes, scan_counts, sub_jaxprs,
+    carry_copy_rows,
+    scan_copy_rows,
+    scan_counts,
+    stack_slot_bytes,
+    sub_jaxprs,
 )
 from layers.scopes import PP_SCOPES, SCOPES  # the named scopes, outermost first
 
@@ -63,7 +76,7 @@ ARITH = {"add", "add_any", "sub", "mul", "div", "neg", "max", "min", "exp", "exp
 
 
 def _shape_dtype_specs(cfg, tcfg, trainer):
-    from engine.params import param_shapes
+    from engine.parallel.params import param_shapes
 
     params = param_shapes(cfg)
     opt_state = jax.eval_shape(trainer.tx.init, params)
@@ -93,7 +106,7 @@ def trace_step(cfg, tcfg, layout, parallel=None, pack=None) -> jcore.ClosedJaxpr
     to take its transpose). pack: the Trainer's (its weight gather's 2-byte packing: the
     target's `Hardware.bf16_collectives_in_f32`; None: as this host's backend)."""
     from engine.config import ParallelConfig
-    from engine.step import Trainer
+    from engine.run.step import Trainer
 
     with paused_gc():
         trainer = Trainer(cfg, tcfg, layout, layout.abstract_mesh(),
@@ -336,7 +349,7 @@ def ledger(closed: jcore.ClosedJaxpr, layout) -> list[Row]:
 
     while bodies count once (the step has none: layers scan, optax is loop-free) and
     every branch of a cond is counted (an upper bound). The pipeline's tick scan
-    (engine/pipeline.py) is a switch over units and conds on the stage: its rows carry
+    (engine/parallel/pipeline.py) is a switch over units and conds on the stage: its rows carry
     the pipeline scopes (`Row.pp`) that engine/cost/pipeline.py prices per unit."""
     rows: list[Row] = []
     with paused_gc():

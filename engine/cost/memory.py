@@ -23,7 +23,7 @@ instead (below). Under zero 3 over fsdp a third, "layer backward end": the layer
 grads whole until their reduce-scatter, beside its weights and the stream (weight-heavy
 models peak there).
 
-Shapes per device, read off the specs (engine/params.py): B, L_x = this device's shard of
+Shapes per device, read off the specs (engine/parallel/params.py): B, L_x = this device's shard of
 the residual stream [B, L, D] under the activation table (B = batch / (dp·fsdp); L_x =
 L / tp under a sequence-sharding tp_comm, else L); L = seq; H_tp, F_tp, V_tp = heads, MLP
 hidden, vocab of one tp rank's shard of wq, wg, embed in the param table; G_tp = kv heads
@@ -56,7 +56,7 @@ from jax.sharding import PartitionSpec as P
 
 from engine.config import TrainConfig
 from engine.cost.scan_rows import cpu_upcasts_bf16_stacks
-from engine.layout import Layout
+from engine.parallel.layout import Layout
 from layers.attention import cp_kernel, resolve_attention
 from layers.config import ModelConfig
 from layers.kernels.chunked import chunked_attention
@@ -163,9 +163,8 @@ def predict(cfg: ModelConfig, tcfg: TrainConfig, layout: Layout, platform: str =
     f32), anything else keeps them in the compute dtype and runs a flash kernel:
     "accelerator" a GPU's (FlashAttention), "tpu" Pallas's. `trainer`: a `Trainer` for (cfg,
     tcfg, layout) to take the specs from; by default one on the layout's abstract mesh."""
-    from engine.params import PARAMS_ROLE, activation_spec, param_shapes, param_specs
-
     from engine.config import ParallelConfig
+    from engine.parallel.params import PARAMS_ROLE, activation_spec, param_shapes, param_specs
 
     par = trainer.parallel if trainer is not None else parallel or ParallelConfig()
     if layout.degree("pp") > 1:  # one stage's backward unit and the pipeline's buffers
@@ -193,7 +192,7 @@ def predict(cfg: ModelConfig, tcfg: TrainConfig, layout: Layout, platform: str =
         raise Unsupported("no memory model for a mixture of experts (its dispatch buffers "
                           "were not read off the compiler); engine.cost.liveness walks it")
     if trainer is None:
-        from engine.step import Trainer
+        from engine.run.step import Trainer
 
         trainer = Trainer(cfg, tcfg, layout, layout.abstract_mesh(), par)
     t = trainer

@@ -28,7 +28,7 @@ is what the step pays for that op (no x n_devices afterwards):
   calibration file's, and the in-run price of a collective not timed on its own);
 - `fault_cost`: seconds per byte of first touching freshly mapped memory (the kernel's
   page faults), one thread, with plain numpy: the step's temporaries above a thread's
-  heap are mapped anew every step (engine/host.py).
+  heap are mapped anew every step (engine/run/host.py).
 
 `in_run_profile` measures all of these for one ledger just before the step is timed,
 so predictions and measurement see the same machine load (`bench/roofline.py`);
@@ -54,7 +54,7 @@ import collectives
 from engine.cost.hardware import Hardware
 from engine.cost.ledger import WIDENED_KINDS, ledger
 from engine.cost.price import collective_key, ring_factor
-from engine.layout import Layout
+from engine.parallel.layout import Layout
 
 
 def timed(f, *args, reps: int = 5) -> float:
@@ -90,7 +90,7 @@ def fault_cost(nbytes: int = 64 << 20, reps: int = 9) -> float:
     one thread: a new anonymous mapping of `nbytes` written once and unmapped, less the
     same write into memory already touched, timed in pairs (`paired_seconds`). The
     kernel's page fault and zero fill of each page: what a step pays for temporaries
-    mapped anew each step (engine/host.py `mapped_each_step`)."""
+    mapped anew each step (engine/run/host.py `mapped_each_step`)."""
     warm = np.ones(nbytes, np.uint8)
 
     def fresh():
@@ -286,7 +286,7 @@ def last_level_cache() -> int:
 def cold_elems() -> int:
     """f32 elements per array of `bandwidth` out of cache: a device's two arrays
     together the size of the host's last-level cache, so with the devices streaming at
-    once no pass finds the last one's data there. Above a thread's heap (engine/host.py)
+    once no pass finds the last one's data there. Above a thread's heap (engine/run/host.py)
     a call's output is mapped anew and faulted in: `cold_bandwidth` times passes apart
     from that."""
     return last_level_cache() // 8

@@ -1,4 +1,4 @@
-"""Price a pipelined step (engine/pipeline.py) tick by tick from its schedule's table.
+"""Price a pipelined step (engine/parallel/pipeline.py) tick by tick from its schedule's table.
 
 The pipelined step is a scan over T ticks; in each, every stage runs one unit (idle, the
 forward of a microbatch or its backward) picked by `lax.switch`, then shifts its outputs
@@ -38,9 +38,9 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
-from engine import pipeline
 from engine.cost.ledger import Row
 from engine.cost.price import Prediction, fault_seconds, predict, with_faults
+from engine.parallel import pipeline
 from layers import scopes
 
 UNITS = {pipeline.FORWARD: scopes.PP_FORWARD, pipeline.BACKWARD: scopes.PP_BACKWARD}
@@ -143,7 +143,7 @@ def predict_pipeline(rows: list[Row], hw, mesh_axes, the_plan: pipeline.Plan,
 def predict_step(rows: list[Row], hw, layout, parallel, mapped_bytes: float = 0.0):
     """(`Prediction` of the step, its `PipelinePrediction` or None): `price.predict`,
     or with a pp axis `predict_pipeline` along the step's schedule. mapped_bytes: each
-    device's temporaries mapped anew every step (engine/host.py `mapped_each_step`, known
+    device's temporaries mapped anew every step (engine/run/host.py `mapped_each_step`, known
     once the step is compiled), whose page faults the step pays (`price.fault_seconds`)."""
     fault_s = fault_seconds(hw, layout.size, mapped_bytes)
     the_plan = pipeline.step_plan(layout, parallel)
@@ -160,7 +160,7 @@ def stage_problem(cfg, tcfg, layout, parallel):
     """(the model one device holds, as a step without pp: N/pp layers, the global batch
     / M, the layout without its pp axis; and the parallel config with one microbatch
     and no pipeline)."""
-    from engine.layout import Layout
+    from engine.parallel.layout import Layout
 
     pp = layout.degree("pp")
     return (dataclasses.replace(cfg, n_layers=cfg.n_layers // pp),
@@ -188,7 +188,7 @@ def predict_memory(cfg, tcfg, layout, platform: str = "cpu", parallel=None):
 
     B_m = this device's rows of one microbatch; a = bytes of the activation dtype."""
     from engine.cost import memory
-    from engine.params import activation_spec
+    from engine.parallel.params import activation_spec
 
     the_plan = pipeline.step_plan(layout, parallel)
     scfg, stcfg, slayout, spar = stage_problem(cfg, tcfg, layout, parallel)

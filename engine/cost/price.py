@@ -305,7 +305,7 @@ def predict(rows: list[Row], hw: Hardware, mesh_axes, prefetch: bool = False) ->
 
 def fault_seconds(hw: Hardware, n_devices: int, mapped_bytes: float) -> float:
     """Seconds a step spends faulting in the temporaries each of `n_devices` devices maps
-    anew every step (`mapped_bytes` per device: engine/host.py `mapped_each_step`), at
+    anew every step (`mapped_bytes` per device: engine/run/host.py `mapped_each_step`), at
     the profile's `fault_cost` a byte, measured on one thread. The kernel serves a
     thread's page faults on the core that thread runs on, so the devices' faults spread
     over the host's cores: n_devices x bytes x cost / min(n_devices, cores)."""
@@ -323,7 +323,7 @@ def with_faults(pred: Prediction, fault_s: float) -> Prediction:
 def model_flops(cfg, tcfg) -> float:
     """Model FLOPs of one step (6 per param per token + attention; no remat): the MFU
     numerator the training CLI uses."""
-    from engine.mfu import flops_per_token
+    from engine.run.mfu import flops_per_token
 
     return flops_per_token(cfg, tcfg.seq) * tcfg.batch * tcfg.seq
 
@@ -331,7 +331,7 @@ def model_flops(cfg, tcfg) -> float:
 def mfu_peak(cfg, hw: Hardware, n_devices: int) -> float:
     """The MFU denominator, FLOP/s: the peak matmul rate of the compute dtype
     (`Hardware.mfu_peak_of`) per chip times chips; on a shared host the host's peak once
-    (its devices share it), as engine/mfu.py measures it for the training CLI."""
+    (its devices share it), as engine/run/mfu.py measures it for the training CLI."""
     dtype = "bfloat16" if cfg.dtype == "bf16" else "float32"
     return hw.mfu_peak_of(dtype) * (1 if hw.shared_host else n_devices)
 

@@ -1,5 +1,5 @@
 """Tables of a prediction beside a measurement, shared by bench/roofline.py and the
-training CLI's profile (engine/profile.py): per ledger scope, per fusion group and per
+training CLI's profile (engine/cost/profile.py): per ledger scope, per fusion group and per
 collective, and the roofline plot.
 
 `measured` is `engine.cost.trace.attribute`'s {(kind, scope, phase, key): seconds per

@@ -46,7 +46,7 @@ class Row:
     # accelerator replaces by its own attention kernel (a `kind="attention"` row)
     kernel: str = ""
     # the pipeline scopes (layers.scopes.PP_SCOPES) on the row's name stack, outermost
-    # first: which tick unit of engine/pipeline.py runs it (engine/cost/pipeline.py)
+    # first: which tick unit of engine/parallel/pipeline.py runs it (engine/cost/pipeline.py)
     pp: tuple = ()
     # the row is traffic XLA adds to lower a `lax.scan` to a loop (`scan_copy_rows`:
     # the slices of its stacked inputs, the updates of its stacked outputs, their

@@ -1,7 +1,7 @@
 """One training step = one `jax.jit(jax.shard_map(step))`; every collective is in the code.
 
 `parallel.zero` picks what the fsdp axis shards (params / grads / optimizer state): a
-strategy from engine/zero.py (storage and grad specs, what the model sees, the loss's
+strategy from engine/parallel/zero.py (storage and grad specs, what the model sees, the loss's
 reduction, the update). `parallel.tp_comm`, `parallel.cp_comm` and `parallel.prefetch`
 reach the layers through `layers.axes.Axes`. `parallel.microbatches` splits the local
 batch into microbatches whose grads are accumulated in a scan (`Trainer._accumulate`). Under cp the tokens are replicated over cp
@@ -20,11 +20,19 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import collectives
-from engine import optim, pipeline, zero
 from engine.config import ParallelConfig, TrainConfig
-from engine.layout import Layout
-from engine.params import activation_spec, fsdp_dims, init_params, param_shapes, param_specs
-from engine.validate import check
+from engine.parallel import pipeline, zero
+from engine.parallel.grads import all_reduce_grads, clip_by_norm, global_norm
+from engine.parallel.layout import Layout
+from engine.parallel.params import (
+    activation_spec,
+    fsdp_dims,
+    init_params,
+    param_shapes,
+    param_specs,
+)
+from engine.parallel.validate import check
+from engine.run import optim
 from layers import context, model, moe, scopes
 from layers.axes import GatherWeights
 from layers.config import ModelConfig
@@ -40,7 +48,7 @@ class Trainer:
     tokens: [B, L+1] int32, global; params stored as `specs`, the optimizer state as
     `opt_specs`, grads returned as `grad_specs`. `parallel` says how the layout's axes
     are used (ZeRO level, prefetch, tp-comm); settings that cannot run together raise
-    one `ConfigError` line here (`engine.validate`), before anything is traced. pack:
+    one `ConfigError` line here (`engine.parallel.validate`), before anything is traced. pack:
     whether ZeRO-3's weight gather moves bf16 as uint32 pairs (`collectives.gather_many`);
     None: where the mesh's backend widens bf16 collectives (`collectives.widens_2byte`).
     A trace on an AbstractMesh for another target passes the target's.
@@ -118,8 +126,8 @@ class Trainer:
                                              self.cfg.compute_dtype)
         loss, metrics, grads = self._accumulate(diff, seen, tokens_BL)
         with jax.named_scope(scopes.REDUCE_GRADS):
-            grads = optim.all_reduce_grads(grads, self.grad_specs, self.axes)
-            grad_norm = optim.global_norm(grads, self.grad_specs)
+            grads = all_reduce_grads(grads, self.grad_specs, self.axes)
+            grad_norm = global_norm(grads, self.grad_specs)
         if with_metrics:
             return loss, grads, grad_norm, metrics
         return loss, grads, grad_norm
@@ -152,7 +160,7 @@ class Trainer:
 
     def _pipeline(self, params, tokens_BL, the_plan, seen=lambda p: p):
         """The loss (and with a backward plan the grads) over the pp stages
-        (engine/pipeline.py), the local batch cut into `parallel.microbatches`."""
+        (engine/parallel/pipeline.py), the local batch cut into `parallel.microbatches`."""
         m = self.parallel.microbatches
         inputs_MBL, targets_MBL = (
             x.reshape(m, x.shape[0] // m, x.shape[1])
@@ -173,7 +181,7 @@ class Trainer:
     def _train_step(self, params, opt_state, tokens_BL):
         loss, grads, grad_norm, metrics = self._loss_and_grads(params, tokens_BL, True)
         with jax.named_scope(scopes.OPTIMIZER):
-            grads = optim.clip_by_norm(grads, grad_norm, self.tcfg.clip_norm)
+            grads = clip_by_norm(grads, grad_norm, self.tcfg.clip_norm)
             params, opt_state = self.zero.update(self.tx, grads, opt_state, params,
                                                  self.shard_specs, self.axes.fsdp)
         return params, opt_state, {"loss": loss, "grad_norm": grad_norm, **metrics}

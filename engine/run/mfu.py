@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import time
 
-from engine.params import param_count
+from engine.parallel.params import param_count
 from layers.config import ModelConfig
 
 # Dense bf16 peak per chip, FLOP/s, from the vendors' spec sheets.

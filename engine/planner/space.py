@@ -1,11 +1,11 @@
 """The planner's candidate space: every layout of N devices with every switch.
 
 Candidates are every factorisation of N into the axes of the role registry
-(engine/roles.py; axes of size 1 left out) in every order, times every value of each
+(layers/roles.py; axes of size 1 left out) in every order, times every value of each
 switch in `SWITCHES` (each read from its own registry, offered only where it changes the
-program). `candidates` splits them into what `engine.validate` lets run and what it
+program). `candidates` splits them into what `engine.parallel.validate` lets run and what it
 refuses; `neighbours` are the runnable ones a switch away; `accumulated` is a candidate
-with twice its microbatches. engine/plan.py prices them.
+with twice its microbatches. engine/planner/search.py prices them.
 """
 from __future__ import annotations
 
@@ -15,11 +15,12 @@ import math
 from typing import Callable
 
 from collectives.ring import COMMS
-from engine import roles, validate
 from engine.config import ParallelConfig, TrainConfig
-from engine.layout import AXIS_ROLES, Layout
-from engine.pipeline import SCHEDULES
-from engine.zero import ZERO
+from engine.parallel import validate
+from engine.parallel.layout import AXIS_ROLES, Layout
+from engine.parallel.pipeline import SCHEDULES
+from engine.parallel.zero import ZERO
+from layers import roles
 from layers.block import REMAT
 from layers.config import ModelConfig
 from layers.kernels.context import CP_COMMS
@@ -178,7 +179,7 @@ def candidates(cfg: ModelConfig, tcfg: TrainConfig, n: int, pinned: dict | None 
                base: ParallelConfig = ParallelConfig()):
     """(runnable candidates, [(refused candidate, reason)]) of n devices over the roles
     `names` (sizes up to `limits`, as `layouts`); ParallelConfig fields that are not
-    switches from `base`. The switches and `engine.validate` read the axis sizes, not
+    switches from `base`. The switches and `engine.parallel.validate` read the axis sizes, not
     their order, so both run once per factorisation and hold for all its orders (a
     refusal names each order's own layout)."""
     ok, refused = [], []

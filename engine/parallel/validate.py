@@ -3,7 +3,7 @@
 `problems` returns each as a short phrase; `check` raises them as one `ConfigError`
 line. `Trainer`, `Decoder` and every tool call these; the CLIs print the line and exit
 2. Allowed values come from their registries: `collectives.ring.TP_COMMS`,
-`engine.zero.ZERO_LEVELS`, `layers.block.REMAT_POLICIES`, the attention kernel table.
+`engine.parallel.zero.ZERO_LEVELS`, `layers.block.REMAT_POLICIES`, the attention kernel table.
 `decoder_problems` adds the KV cache's size against the memory it must fit in.
 """
 from __future__ import annotations
@@ -14,10 +14,10 @@ import os
 import numpy as np
 
 from collectives.ring import COMMS, TP_COMMS
-from engine import roles
 from engine.config import GRAD_REDUCES, ConfigError, ParallelConfig, TrainConfig
-from engine.pipeline import SCHEDULES
-from engine.zero import ZERO
+from engine.parallel.pipeline import SCHEDULES
+from engine.parallel.zero import ZERO
+from layers import roles
 from layers.block import REMAT
 from layers.config import DTYPES, ModelConfig
 from layers.kernels import KERNELS
@@ -179,7 +179,7 @@ def check(cfg: ModelConfig, tcfg: TrainConfig, parallel: ParallelConfig, layout)
 def cache_bytes_per_device(cfg: ModelConfig, layout, batch: int, cache_len: int) -> int:
     """Bytes of one device's KV cache (keys and values, every layer, compute dtype): the
     global cache [N, B, C, G', K] (G' = max(G, tp)) with B sharded over the batch axes and
-    G' over tp, as engine/decode.py places it."""
+    G' over tp, as engine/run/decode.py places it."""
     tp = math.prod(layout.degree(r) for r in roles.roles_sharding("heads"))
     rows = math.prod(layout.degree(r) for r in roles.roles_sharding("batch"))
     kv_heads = max(cfg.n_kv_heads, tp)

@@ -3,7 +3,7 @@ predicted difference split into compute and exposed communication, by category).
 from __future__ import annotations
 
 from engine.config import TrainConfig
-from engine.plan import Priced, gib, predict_candidate
+from engine.planner.search import Priced, gib, predict_candidate
 
 
 def _categories(pred) -> dict:

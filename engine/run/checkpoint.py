@@ -5,7 +5,7 @@ layout reads them back, re-sharded into whatever layout the reader runs.
     DIR/step_00000100.ckpt                     the manifest (msgpack map), written last:
       format, step          "shardwise-checkpoint/3", steps completed
       rng                   {"seed": s}: params init from jax.random.key(s); the batch of
-                            step t is drawn from np.random.default_rng([s, t]) (engine.data)
+                            step t is drawn from np.random.default_rng([s, t]) (engine.run.data)
       model, train          every ModelConfig and TrainConfig field
       layout, data          the writer's layout string and data source
       versions              python, jax, jaxlib, numpy, optax, ml_dtypes, shardwise
@@ -50,12 +50,12 @@ import msgpack
 import numpy as np
 from jax.sharding import NamedSharding
 
-from engine.params import param_shapes
+from engine.parallel.params import param_shapes
 
 FORMAT = "shardwise-checkpoint/3"
 FORMAT_2 = "shardwise-checkpoint/2"  # the down projections stored [F, D]: still read
 FORMAT_1 = "shardwise-checkpoint/1"  # one file, whole arrays, as format 2: still read
-# params stored [.., F, D] before format 3 and [.., D, F] since (engine/params.py: wd as
+# params stored [.., F, D] before format 3 and [.., D, F] since (engine/parallel/params.py: wd as
 # wg and wu), with their optimizer state
 DOWN_PROJECTIONS = ("['wd']", "['ws_d']")
 SHARD_FORMAT = "shardwise-checkpoint-shard/2"

@@ -1,4 +1,4 @@
-"""`python -m engine.plan`: the planner's command line (the planning is engine/plan.py).
+"""`python -m engine.plan`: the planner's command line (the planning is engine/planner/search.py).
 
 Parses the model and training flags of `python -m engine.train` and the plan's own
 (`--devices`, `--hardware`, `--hbm-gib`, `--top`, `--json`, `--workers`, `--refine`,
@@ -13,16 +13,22 @@ import os
 import sys
 
 from engine.config import GRAD_REDUCES, ConfigError, ParallelConfig
-from engine.layout import AXIS_ROLES
-from engine.plan import (REFINE_WITHIN, gib, hardware_profile, no_plan_message, plan,
-                         progress_line)
+from engine.parallel.layout import AXIS_ROLES
+from engine.planner.search import (
+    REFINE_WITHIN,
+    gib,
+    hardware_profile,
+    no_plan_message,
+    plan,
+    progress_line,
+)
 
 
 def build_parser():
     import argparse
 
+    from engine.cli.args import build_parser as train_parser
     from engine.cost.hardware import PROFILES
-    from engine.train import build_parser as train_parser
 
     own = argparse.ArgumentParser(add_help=False)
     g = own.add_argument_group("plan")
@@ -49,10 +55,10 @@ def build_parser():
     g.add_argument("--max", default="", metavar="ROLE=SIZE,...",
                    help="the largest size of a role's axis, e.g. tp=8 to keep tensor "
                         "parallelism within an 8-GPU node (default: no limit)")
-    import engine.plan
+    from engine.planner import search
 
     p = train_parser(prog="python -m engine.plan",
-                     description=engine.plan.__doc__.split("\n\n")[0],
+                     description=search.__doc__.split("\n\n")[0],
                      parents=[own], groups=("model", "training"))
     # --remat pins remat; without it the plan chooses it
     p.set_defaults(remat=None)
@@ -98,7 +104,7 @@ def host_devices(mine, say) -> list | None:
     jax already runs with fewer."""
     if mine.hardware != "cpu" or mine.refine == 0:
         return None
-    from engine.train import force_host_devices
+    from engine.cli.args import force_host_devices
 
     force_host_devices(mine.devices)
     import jax
@@ -112,7 +118,7 @@ def host_devices(mine, say) -> list | None:
 
 
 def main(argv=None) -> int:
-    from engine.train import UsageError, check_output_file, parse_or_exit
+    from engine.cli.args import UsageError, check_output_file, parse_or_exit
 
     cfg, tcfg, _, _, mine = parse_or_exit(argv, build_parser())
     names, limits, space_problems = search_space(mine)
@@ -148,12 +154,12 @@ def main(argv=None) -> int:
     print(f"priced {total} candidates ({result.programs} distinct programs: "
           f"{result.programs - result.cached} traced with {result.workers} worker(s), "
           f"{result.cached} from the ledger cache) in {result.seconds:.1f} s; {len(result.refused)} "
-          f"refused by engine.validate, {len(result.over)} over memory")
+          f"refused by engine.parallel.validate, {len(result.over)} over memory")
     if result.refined:
         print(f"the first {result.refined} priced again with their matmuls timed on "
               f"{mine.devices} host devices (those predicted within {mine.refine:.0%} of the "
               f"first at the profile's one matmul rate)")
-    from engine.plan_report import runner_up, table, why
+    from engine.planner.report import runner_up, table, why
 
     print(table(result.ranked, mine.top))
     if (k := runner_up(result.ranked)) is not None:

@@ -2,7 +2,7 @@
 
 The table drives init, the optimizer state's sharding, the FSDP gathers inside the
 scan, the gradient reductions and (later) checkpoints and the cost model. Roles in a
-spec are names from the role registry (engine/roles.py) and resolve against the layout:
+spec are names from the role registry (layers/roles.py) and resolve against the layout:
 `fsdp`/`tp` become that mesh axis (or None when the layout lacks it); `tp_kv` is `tp`
 when tp divides the kv heads and None (replicated) when tp > kv heads, as Megatron does
 for GQA.
@@ -23,8 +23,8 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from collectives.ring import TP_COMMS
-from engine import roles
-from engine.layout import Layout
+from engine.parallel.layout import Layout
+from layers import roles
 from layers.config import ModelConfig
 
 # name: (shape letters, storage spec by role, init). Block params are stacked over N and
@@ -142,10 +142,10 @@ def param_specs(cfg: ModelConfig, layout: Layout) -> dict:
 
 
 def storage_specs(cfg: ModelConfig, layout: Layout, zero: int = 3) -> dict:
-    """How params are stored between steps under ZeRO level `zero` (engine/zero.py):
+    """How params are stored between steps under ZeRO level `zero` (engine/parallel/zero.py):
     `param_specs` for ZeRO-3; ZeRO-1 and ZeRO-2 keep every param whole on each fsdp
     device (the fsdp entry dropped), so their forward gathers nothing."""
-    from engine import zero as zero_levels
+    from engine.parallel import zero as zero_levels
 
     fsdp = _resolve(PARAMS_ROLE, cfg, layout)
     return zero_levels.level(zero, fsdp).storage_specs(param_specs(cfg, layout), fsdp)

@@ -2,7 +2,7 @@
 
     single | dp8 | fsdp8 | tp8 | fsdp4xtp2 | fsdp2xtp4 | dp2xfsdp2xtp2 | ...
 
-The axis names and what each must divide come from the role registry (engine/roles.py).
+The axis names and what each must divide come from the role registry (layers/roles.py).
 Parsing and validation import no jax (the CLI must force host devices before jax loads).
 """
 from __future__ import annotations
@@ -11,8 +11,8 @@ import dataclasses
 import math
 import re
 
-from engine import roles
 from engine.config import ConfigError
+from layers import roles
 
 AXIS_ROLES = tuple(roles.ROLES)
 

@@ -26,10 +26,10 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import collectives
-from engine import validate
 from engine.config import ConfigError
-from engine.layout import Layout
-from engine.params import activation_spec, fsdp_dims, param_specs
+from engine.parallel import validate
+from engine.parallel.layout import Layout
+from engine.parallel.params import activation_spec, fsdp_dims, param_specs
 from layers import cache as kv
 from layers.config import ModelConfig
 
@@ -56,7 +56,7 @@ def sample(logits_BV: jax.Array, seed, t, rows_B: jax.Array, sampling: Sampling)
 
 
 def check_decoder(cfg: ModelConfig, layout: Layout, batch: int, cache_len: int) -> None:
-    """`engine.validate.decoder_problems` for decoding `batch` rows into `cache_len`
+    """`engine.parallel.validate.decoder_problems` for decoding `batch` rows into `cache_len`
     slots, the cache measured against the memory it will live in (on CPU every device of
     the layout shares this host's available RAM; on an accelerator each device has its
     own, as its memory_stats report); raises ConfigError before anything is allocated."""

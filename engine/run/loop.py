@@ -1,5 +1,5 @@
 """The training loop and its hooks: after each step every hook sees the step's record
-(and the session, for the params), in order. engine/train.py builds the hooks from its
+(and the session, for the params), in order. engine/cli/train.py builds the hooks from its
 flags; another tool can run `loop` with its own."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import math
 import sys
 import time
 
-from engine import distributed
+from engine.run import distributed
 
 
 @dataclasses.dataclass
@@ -71,8 +71,8 @@ class Rates:
     """Adds lr, tokens/s and MFU to the record."""
 
     def __init__(self, cfg, tcfg, peak: float):
-        from engine import mfu
-        from engine.optim import schedule
+        from engine.run import mfu
+        from engine.run.optim import schedule
 
         self.lr_at, self.tokens = schedule(tcfg), tcfg.batch * tcfg.seq  # per step
         self.flops = mfu.flops_per_token(cfg, tcfg.seq) * self.tokens  # per step
@@ -157,7 +157,7 @@ class Checkpoints:
         self.meta, self.say = meta, say
 
     def __call__(self, record, session):
-        from engine import checkpoint
+        from engine.run import checkpoint
 
         done = record["step"]
         if done % self.every == 0 or done == self.steps:

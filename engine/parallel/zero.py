@@ -3,7 +3,7 @@
     zero 3   params sharded, gathered per layer in the scan; grads reduce-scattered by
              the gathers' transpose; the update runs on the shards.
     zero 2   params stored whole; the step differentiates each param's fsdp shard and the
-             forward uses the stored whole through `optim.Resident` (no gather), whose
+             forward uses the stored whole through `Resident` (no gather), whose
              backward reduce-scatters the grad per layer; the update runs on the shards,
              which are then all-gathered back to whole params.
     zero 1   params stored whole; grads all-reduced over fsdp (as over dp), then sliced to
@@ -12,7 +12,7 @@
 The optimizer state is sharded as `param_specs` says under every level. Without an fsdp
 axis the three are the same program (zero 3's): `level` picks zero 3 then.
 
-Each level answers, for the step in engine/step.py:
+Each level answers, for the step in engine/run/step.py:
     storage_specs  how params are stored between steps
     grad_specs     how the grads come out of `loss_and_grads`
     model_axes     what the model sees of the layout (under zero 1/2 fsdp is only a batch
@@ -25,17 +25,81 @@ Each level answers, for the step in engine/step.py:
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import optax
 from jax.sharding import PartitionSpec as P
 
 import collectives
-from engine import optim
+from engine.parallel.grads import broadcast_params, fsdp_dim, fsdp_shards, gather_shards
 from layers import scopes
 from layers.axes import Axes
 
-RESIDENT = optim.ResidentWeights()
+
+# -- ZeRO-2's weights: the stored whole param, differentiated through its fsdp shard --
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["shard", "whole"],
+                   meta_fields=["axis"])
+@dataclasses.dataclass(frozen=True)
+class Resident:
+    """A ZeRO-2 param: `shard`, this device's fsdp slice (what the step differentiates),
+    and `whole`, the stored param it was sliced from, already on every device. One
+    pytree, so per-layer slices of both travel through the scan over layers together;
+    `ResidentWeights` calls `gather` where ZeRO-3 all-gathers a shard."""
+
+    shard: jax.Array
+    whole: jax.Array
+    axis: str
+
+    def gather(self, dim: int, dtype=None, grad_reduce: str = "compute") -> jax.Array:
+        """`whole`, typed per-device like `collectives.gather(shard)`'s result, with no
+        bytes moved; the backward reduce-scatters the cotangent onto `shard` over `axis`
+        along `dim`, as the transpose of that gather would. Both cast to `dtype` first;
+        grad_reduce "f32": only `whole`, the cotangent cast back to the shard's f32
+        before the reduce-scatter (`layers.axes.Axes.grad_reduce`)."""
+        if dtype is None:
+            shard, whole = self.shard, self.whole
+        elif grad_reduce == "f32":
+            shard, whole = self.shard, self.whole.astype(dtype)
+        else:
+            shard, whole = self.shard.astype(dtype), self.whole.astype(dtype)
+        return _resident_gather(self.axis, dim, shard.dtype)(shard, whole)
+
+
+
+def _mark_like(shard, whole):
+    return collectives.broadcast(whole, tuple(collectives.varying_axes(shard)))
+
+
+
+@functools.cache
+def _resident_gather(axis: str, dim: int, dtype):
+    """custom_vjp (shard, whole) -> whole; cotangent -> reduce_scatter onto the shard,
+    in the shard's `dtype` (`whole` is a constant of the step: its cotangent is zero)."""
+    def reduce(ct):
+        return collectives.reduce_scatter(ct if ct.dtype == dtype else ct.astype(dtype),
+                                          axis, dim)
+
+    gather = jax.custom_vjp(_mark_like)
+    gather.defvjp(lambda shard, whole: (_mark_like(shard, whole), None),
+                  lambda _, ct: (reduce(ct), None))
+    return gather
+
+
+
+@dataclasses.dataclass(frozen=True)
+class ResidentWeights:
+    """How ZeRO-2's layer weights are made whole (`layers.axes.Axes.weights`): each
+    weight the param table shards over fsdp is a `Resident`, whose `gather` returns the
+    stored whole without moving bytes; the others (norm scales) pass through in f32."""
+
+    def __call__(self, p: dict, fsdp_dims, axis, dtype, grad_reduce: str = "compute") -> dict:
+        return {name: w if fsdp_dims[name] is None
+                else w.gather(fsdp_dims[name], dtype, grad_reduce) for name, w in p.items()}
+
+
+RESIDENT = ResidentWeights()
+
 
 
 def _drop_axis(specs, axis: str | None):
@@ -65,7 +129,7 @@ class ZeroLevel:
     def differentiate(self, params, storage_specs, shard_specs, axes: Axes, dtype):
         """(the pytree differentiated, a function from it to the params the model sees):
         params marked per-device over the data axes they are replicated on."""
-        return optim.broadcast_params(params, storage_specs, axes), lambda diff: diff
+        return broadcast_params(params, storage_specs, axes), lambda diff: diff
 
     def finish_loss(self, loss, axes: Axes):
         return loss
@@ -102,15 +166,15 @@ class _Replicated(ZeroLevel):
 
     def update(self, tx, grads, opt_state, params, shard_specs, fsdp):
         grads = self._shard_grads(grads, shard_specs, fsdp)
-        local = optim.fsdp_shards(params, shard_specs, fsdp)
+        local = fsdp_shards(params, shard_specs, fsdp)
         updates, opt_state = tx.update(grads, opt_state, local)
         params = optax.apply_updates(local, updates)
-        return optim.gather_shards(params, shard_specs, fsdp), opt_state
+        return gather_shards(params, shard_specs, fsdp), opt_state
 
 
 @dataclasses.dataclass(frozen=True)
 class Zero2(_Replicated):
-    """Grads reduce-scattered per layer (by `optim.Resident`'s backward), params whole."""
+    """Grads reduce-scattered per layer (by `Resident`'s backward), params whole."""
 
     level: int = 2
 
@@ -124,14 +188,14 @@ class Zero2(_Replicated):
         whole per layer by `ResidentWeights` inside the scan, embed / unembed here, in
         the dtype `model.loss` gathers them in. Others (norm scales) are the shards."""
         fsdp = axes.fsdp
-        diff = optim.broadcast_params(optim.fsdp_shards(params, shard_specs, fsdp),
+        diff = broadcast_params(fsdp_shards(params, shard_specs, fsdp),
                                       shard_specs, axes)
 
         def one(path, shard, whole, spec):
-            dim = optim.fsdp_dim(spec, fsdp)
+            dim = fsdp_dim(spec, fsdp)
             if dim is None:
                 return shard
-            resident = optim.Resident(shard, whole, fsdp)
+            resident = Resident(shard, whole, fsdp)
             name = jax.tree_util.keystr(path)
             if name.startswith("['blocks']"):
                 return resident
@@ -153,7 +217,7 @@ class Zero1(_Replicated):
         return storage_specs
 
     def _shard_grads(self, grads, shard_specs, fsdp):
-        return optim.fsdp_shards(grads, shard_specs, fsdp)
+        return fsdp_shards(grads, shard_specs, fsdp)
 
 
 ZERO_LEVELS: dict[int, ZeroLevel] = {z.level: z for z in (Zero1(), Zero2(), Zero3())}

@@ -2,7 +2,7 @@
 the run, where their time went per ledger scope and per collective, measured vs
 predicted.
 
-`Profile` is a training-loop hook (engine/loop.py): `begin` or the hook of step A-1
+`Profile` is a training-loop hook (engine/run/loop.py): `begin` or the hook of step A-1
 starts `jax.profiler.start_trace(DIR, create_perfetto_trace=True)`, the hook of step B
 stops it. DIR then holds `plugins/profile/<run>/<host>.xplane.pb` (TensorBoard's profile
 plugin: `tensorboard --logdir DIR`) and `<host>.trace.json.gz` (ui.perfetto.dev). The
@@ -121,7 +121,7 @@ class Profile:
         from engine.cost.audit import axes_by_groups
         from engine.cost.ledger import step_ledger
         from engine.cost.pipeline import predict_step
-        from engine.host import mapped_each_step
+        from engine.run.host import mapped_each_step
 
         step_s = statistics.median(self.times)
         events = trace.op_events(self.directory)

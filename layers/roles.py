@@ -13,7 +13,7 @@ mesh axis name; `shards` says what is split over it:
     experts   the experts of a mixture-of-experts MLP
 
 Everything below (`Layout.parse/check`, `Layout.role_axes`, the param specs, the grad
-reductions, `engine.validate`) reads this table; adding a parallelism adds a `Role`
+reductions, `engine.parallel.validate`) reads this table; adding a parallelism adds a `Role`
 here and its fields to `layers.axes.Axes`.
 """
 from __future__ import annotations
@@ -51,10 +51,10 @@ ROLES: dict[str, Role] = {r.name: r for r in (
          doc="params, grads, optimizer state and batch sharded (ZeRO)"),
     Role("tp", ("heads",), data=False, divides=("heads", "mlp_dim", "vocab"),
          doc="heads, MLP hidden and vocab sharded (Megatron)"),
-    # cp's rule is seq divisible by 2*cp (load-balanced chunks): engine/validate.py
+    # cp's rule is seq divisible by 2*cp (load-balanced chunks): engine/parallel/validate.py
     Role("cp", ("sequence",), data=True, divides=(),
          doc="sequence sharded in load-balanced causal chunks (context parallel)"),
-    # the schedule's rules (microbatches >= pp for 1f1b): engine/validate.py
+    # the schedule's rules (microbatches >= pp for 1f1b): engine/parallel/validate.py
     Role("pp", ("layers",), data=False, divides=("layers",),
          doc="stacked layers sharded in contiguous stages (pipeline parallel)"),
     # a data axis for everything but the experts, which are sharded over it

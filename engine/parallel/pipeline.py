@@ -54,7 +54,7 @@ import numpy as np
 from jax import lax
 
 import collectives
-from engine import optim
+from engine.parallel.grads import spec_axes
 from layers import scopes
 from layers.axes import Axes
 
@@ -415,5 +415,5 @@ def run(stages: Stages, params, inputs_MBL, targets_MBL, x_shape, x_axes, axes: 
 def reduce_shared(grads, specs, axes: Axes):
     """Sum over pp the grads of params every stage holds (embedding, head, final norm):
     each stage computed its own share (zero where it does not own the part)."""
-    return jax.tree.map(lambda g, s: g if axes.pp in optim.spec_axes(s)
+    return jax.tree.map(lambda g, s: g if axes.pp in spec_axes(s)
                         else collectives.all_reduce(g, axes.pp), grads, specs)

@@ -105,14 +105,14 @@ def host_count() -> int:
 
 
 def peak_flops(dtype, devices) -> tuple[float, str]:
-    """`engine.mfu.peak_flops` for the global devices, the same figure on every process:
+    """`engine.run.mfu.peak_flops` for the global devices, the same figure on every process:
     process 0 measures (a CPU matmul, with the other processes waiting, so they do not
     compete for its cores) and broadcasts; a CPU peak is per host, so it is multiplied
     by the number of distinct hosts."""
     import jax
     import numpy as np
 
-    from engine import mfu
+    from engine.run import mfu
     if jax.process_count() == 1:
         return mfu.peak_flops(dtype, devices)
     from jax.experimental import multihost_utils

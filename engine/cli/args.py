@@ -1,0 +1,284 @@
+"""The flags `engine.train`, `engine.plan`, `engine.generate` and the bench scripts share:
+the model, parallel and training flags (`build_parser`), their parsing into the frozen
+configs (`parse`), and the helpers that turn bad input into one line and exit code 2.
+
+Nothing here imports jax at module level, so a CLI can force host devices first."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+
+from collectives.ring import COMMS
+from engine.config import (
+    GRAD_REDUCES,
+    PRESETS,
+    ConfigError,
+    ParallelConfig,
+    TrainConfig,
+    model_config,
+)
+from engine.cost import profile
+from engine.parallel import validate
+from engine.parallel.layout import Layout
+from engine.parallel.zero import ZERO
+from engine.run import distributed
+from engine.run.data import BIN_DTYPES
+from layers import roles
+from layers.block import REMAT
+from layers.config import DTYPES
+
+
+class UsageError(Exception):
+    """Bad input: reported as one line, exit code 2."""
+
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse whose errors raise UsageError (one line, exit 2) instead of printing usage."""
+
+    def error(self, message):
+        raise UsageError(message)
+
+
+
+GROUPS = ("model", "parallel", "training", "output", "data", "checkpoints", "processes")
+
+
+
+class DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows "(default: X)" after a flag's help, except when there is no default to show
+    (None, a flag that is off) or the help already says what the default is."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if (any(action.default is v for v in (None, False, argparse.SUPPRESS))
+                or action.default == [] or "default" in text):
+            return text
+        return super()._get_help_string(action)
+
+
+
+def build_parser(prog: str = "python -m engine.train", description: str | None = None,
+                 parents=(), groups=GROUPS) -> argparse.ArgumentParser:
+    """The training flags; tools that take the same model flags pass their own prog,
+    description, parent parsers (for their extra flags) and the flag `groups` they use
+    (--layout is always there). A group left out is not accepted on the command line;
+    its flags' defaults are still set, so `parse` sees every attribute."""
+    p = OneLineParser(prog=prog, description=description or __doc__.split("\n\n")[0],
+                parents=list(parents), formatter_class=DefaultsFormatter)
+    unused = argparse.ArgumentParser(add_help=False)  # holds the groups left out
+    group = lambda name, title: (p if name in groups else unused).add_argument_group(title)
+    p.add_argument("--layout", default="single",
+                   help="mesh axes outermost first with sizes: single, dp8, fsdp8, tp8, "
+                        "fsdp4xtp2, dp2xfsdp2xtp2, ... (axes: "
+                        + "; ".join(f"{r.name}: {r.doc}" for r in roles.ROLES.values())
+                        + "); training only: auto = the planner's choice for the devices "
+                          "at hand, with its --zero, --prefetch, --tp-comm, --cp-comm and "
+                          "--remat (engine/planner/search.py)")
+    m = group("model", "model (a preset, then any dimension overridden)")
+    m.add_argument("--model", default="small", choices=sorted(PRESETS),
+                   help="preset dimensions (engine/config.py)")
+    for flag, field, what in [("--d-model", "d_model", "D"), ("--layers", "n_layers", "N"),
+                              ("--heads", "n_heads", "H"), ("--kv-heads", "n_kv_heads", "G"),
+                              ("--head-dim", "head_dim", "K"), ("--mlp-dim", "mlp_dim", "F"),
+                              ("--vocab", "vocab", "V"),
+                              ("--experts", "experts", "E, routed experts (0: dense MLP)"),
+                              ("--top-k", "top_k", "the experts each token is routed to"),
+                              ("--shared-experts", "shared_experts",
+                               "experts every token passes through")]:
+        m.add_argument(flag, dest=field, type=int, default=None, help=f"override {what}")
+    m.add_argument("--capacity-factor", type=float, default=None,
+                   help="each expert takes at most ceil(C*seq*top_k/experts) of a "
+                        "sequence's tokens, the rest pass through (0: dropless, default)")
+    m.add_argument("--dtype", default="bf16", choices=sorted(DTYPES),
+                   help="compute dtype of matmuls (params and optimizer state are f32)")
+    m.add_argument("--activations", default="f32", choices=sorted(DTYPES),
+                   help="dtype of the activations between matmuls: matmul results, the "
+                        "residual stream and what the backward keeps (bf16 halves "
+                        "activation memory; norms, softmax and the loss compute in f32)")
+    m.add_argument("--remat", default="full", choices=REMAT,
+                   help="what the backward recomputes (see layers/block.py)")
+    m.add_argument("--attention", default="auto", choices=validate.ATTENTIONS,
+                   help="auto: blocked flash from 1024 tokens, else chunked (dense scores, "
+                        "causal tiles skipped, flash backward); reference: plain dense "
+                        "softmax, autodiff; pallas runs in interpret mode on CPU")
+    x = group("parallel", "where bytes move (see docs/architecture.md)")
+    x.add_argument("--tp-comm", default="allreduce", choices=COMMS,
+                   help="allreduce: Megatron TP; sequence: sequence parallel (activations "
+                        "sharded over tp along the sequence between blocks); ring: sequence "
+                        "parallel with collective matmuls (ppermute steps interleaved with "
+                        "partial matmuls)")
+    x.add_argument("--cp-comm", default="allgather", choices=list(validate.CP_COMMS),
+                   help="on the cp axis: allgather: all-gather K and V over cp, "
+                        "reduce-scatter dK and dV in the backward; ring: K and V passed "
+                        "around the cp ring (ppermute) into an online softmax")
+    x.add_argument("--zero", type=int, default=3, choices=ZERO,
+                   help="on the fsdp axis: 1 shards optimizer state, 2 also grads, 3 also "
+                        "params (gathered per layer inside the scan)")
+    x.add_argument("--grad-reduce", default="compute", choices=GRAD_REDUCES,
+                   help="zero 2 and 3: the dtype fsdp reduce-scatters weight grads in: "
+                        "compute = the compute dtype the weights were gathered in; f32 = "
+                        "the params' (twice the bytes; as PyTorch FSDP's mixed precision "
+                        "by default)")
+    x.add_argument("--microbatches", type=int, default=1,
+                   help="split each device's batch into M microbatches and accumulate "
+                        "their grads before one optimizer update")
+    x.add_argument("--pp-schedule", default="1f1b", choices=list(validate.SCHEDULES),
+                   help="on the pp axis: " + "; ".join(
+                       f"{s.name}: {s.doc}" for s in validate.SCHEDULES.values()))
+    x.add_argument("--pp-virtual", type=int, default=1, metavar="V",
+                   help="--pp-schedule interleaved: layer chunks per device (circular: "
+                        "device s runs chunks s, s+pp, ...); layers divisible by pp x V")
+    x.add_argument("--prefetch", action="store_true",
+                   help="zero 3: gather layer i+1's weights before layer i's compute")
+    t = group("training", "training")
+    d = TrainConfig()
+    t.add_argument("--seq", type=int, default=d.seq, help="tokens per sequence")
+    t.add_argument("--batch", type=int, default=d.batch, help="global sequences per step")
+    t.add_argument("--steps", type=int, default=d.steps, help="optimizer steps in the run")
+    t.add_argument("--lr", type=float, default=d.lr, help="peak learning rate")
+    t.add_argument("--warmup", type=int, default=d.warmup, help="linear warmup steps")
+    t.add_argument("--seed", type=int, default=d.seed,
+                   help="init and batch order are functions of the seed")
+    o = group("output", "output")
+    o.add_argument("--log-every", type=int, default=10, help="progress line every N steps")
+    o.add_argument("--metrics-file", default=None, help="JSONL, one object per step")
+    o.add_argument("--peak-flops", type=float, default=None,
+                   help="MFU denominator in FLOP/s (default: spec sheet, or a matmul "
+                        "measured at start-up on CPU)")
+    o.add_argument("--profile-steps", default=None, metavar="A:B",
+                   help="profiler trace of steps A..B (inclusive, from 1) and, at the end, "
+                        "a table of their time per scope and collective, measured vs "
+                        "predicted (engine/cost/profile.py)")
+    o.add_argument("--profile-dir", default="profile", help="where --profile-steps writes")
+    g = group("data", "data (see engine/run/data.py)")
+    g.add_argument("--data", default="synthetic",
+                   help="synthetic, python-stdlib, or a PATH.txt / PATH.jsonl (bytes as "
+                        "tokens) / PATH.bin (flat token array, nanoGPT's format)")
+    g.add_argument("--data-dtype", default="uint16", choices=BIN_DTYPES,
+                   help="token dtype of a .bin file")
+    g.add_argument("--eval-every", type=int, default=None,
+                   help="validation loss every N steps and at the end (off when unset)")
+    g.add_argument("--eval-batches", type=int, default=4,
+                   help="validation batches averaged per evaluation")
+    c = group("checkpoints", "checkpoints (see engine/run/checkpoint.py)")
+    c.add_argument("--checkpoint-dir", default=None, help="where checkpoints are written")
+    c.add_argument("--checkpoint-every", type=int, default=50,
+                   help="checkpoint every N steps and at the last step")
+    c.add_argument("--keep", type=int, default=3, help="keep the newest N checkpoints")
+    c.add_argument("--resume", action="store_true",
+                   help="continue from the newest complete checkpoint in --checkpoint-dir "
+                        "(any layout; appends to --metrics-file)")
+    h = group("processes", "several processes (see engine/run/distributed.py; "
+                           "python -m engine.launch starts them on one machine)")
+    h.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                   help="address of process 0's coordination service; default: a cluster's "
+                        "environment (SLURM, Open MPI, Cloud TPU), else one process")
+    h.add_argument("--num-processes", type=int, default=None, help="processes in the run")
+    h.add_argument("--process-id", type=int, default=None, help="this process, 0-based")
+    p.set_defaults(**vars(unused.parse_args([])))
+    return p
+
+
+
+def parse(argv, parser: argparse.ArgumentParser | None = None, auto: bool = False) -> tuple:
+    """argv -> (ModelConfig, TrainConfig, ParallelConfig, Layout, args); raises
+    UsageError / ConfigError (`engine.parallel.validate`'s problems, one line). With `auto`,
+    `--layout auto` returns Layout None: the planner chooses it (`engine.plan.auto`)."""
+    args = (parser or build_parser()).parse_args(argv)
+    cfg = model_config(args.model, **{k: getattr(args, k) for k in (
+        "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "mlp_dim", "vocab",
+        "experts", "top_k", "shared_experts", "capacity_factor")},
+        dtype=args.dtype, activations=args.activations, remat=args.remat,
+        attention=args.attention)
+    tcfg = TrainConfig(batch=args.batch, seq=args.seq, steps=args.steps, lr=args.lr,
+                       warmup=args.warmup, seed=args.seed)
+    parallel = ParallelConfig(zero=args.zero, prefetch=args.prefetch, tp_comm=args.tp_comm,
+                              cp_comm=args.cp_comm, microbatches=args.microbatches,
+                              pp_schedule=args.pp_schedule, pp_virtual=args.pp_virtual,
+                              grad_reduce=args.grad_reduce)
+    problems = validate.config_problems(cfg, tcfg, parallel) + flag_problems(args, cfg, tcfg)
+    if problems:
+        raise UsageError("; ".join(problems))
+    if auto and args.layout == "auto":
+        if distributed.process_count(args) > 1 or args.coordinator is not None:
+            raise UsageError("--layout auto plans for the devices of one process; "
+                             "name a layout to train with several processes")
+        return cfg, tcfg, parallel, None, args
+    layout = Layout.parse(args.layout)
+    if problems := distributed.flag_problems(args, layout.size):
+        raise UsageError("; ".join(problems))
+    validate.check(cfg, tcfg, parallel, layout)
+    return cfg, tcfg, parallel, layout, args
+
+
+
+def parse_or_exit(argv, parser: argparse.ArgumentParser) -> tuple:
+    """`parse` for tools sharing the training flags: bad input prints one line and
+    exits 2 (SystemExit), like the training CLI."""
+    try:
+        return parse(sys.argv[1:] if argv is None else argv, parser)
+    except (UsageError, ConfigError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+
+# Far beyond anything this engine trains; past them a typo, not a plan.
+LIMITS = dict(steps=10**9, batch=2**20, seq=2**20, d_model=2**17, n_layers=2**12,
+              n_heads=2**12, n_kv_heads=2**12, head_dim=2**12, mlp_dim=2**20, vocab=2**24)
+
+
+
+def flag_problems(args, cfg, tcfg) -> list[str]:
+    """Non-positive, absurd or contradictory numbers among the flags."""
+    values = {**dataclasses.asdict(cfg), **dataclasses.asdict(tcfg)}
+    problems = [f"{name}={values[name]} is absurd (limit {limit:,})"
+                for name, limit in LIMITS.items() if values[name] > limit]
+    for name in ("log_every", "checkpoint_every", "keep", "eval_batches", "eval_every"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            problems.append(f"{name}={getattr(args, name)} must be >= 1")
+    if not 0 <= args.seed < 2**32:
+        problems.append(f"seed={args.seed} must be in [0, 2**32)")
+    if args.peak_flops is not None and not args.peak_flops > 0:
+        problems.append(f"peak_flops={args.peak_flops} must be > 0")
+    if args.resume and not args.checkpoint_dir:
+        problems.append("--resume needs --checkpoint-dir")
+    problems += profile.flag_problems(args.profile_steps, args.profile_dir, tcfg.steps)
+    return problems
+
+
+
+def keep_freed_memory() -> None:
+    """On XLA:CPU, keep the step's freed buffers in the process (engine/run/host.py). Changes
+    process-wide malloc settings, so tools call it from `main`, not the library."""
+    import jax
+
+    from engine.run import host
+
+    if jax.default_backend() == "cpu":
+        host.keep_freed_memory()
+
+
+
+def force_host_devices(n: int) -> None:
+    """Ask XLA's CPU backend for n devices unless the user already chose a count.
+    Must run before jax is imported; harmless on accelerators (only the host backend)."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if n > 1 and "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+
+
+
+def check_output_file(path: str, flag: str) -> None:
+    """Raise UsageError (one line) unless `path` can be opened for writing; a file the
+    check creates is removed again. Run before compiling, so a typo costs no compile."""
+    existed = os.path.lexists(path)
+    try:
+        open(path, "a").close()
+    except OSError as e:
+        raise UsageError(f"{flag} {path}: cannot write it ({e.strerror or e})") from None
+    if not existed:
+        os.remove(path)

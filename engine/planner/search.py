@@ -1,0 +1,441 @@
+"""The planner: every layout of N devices with every switch, ranked by the cost model.
+
+    python -m engine.plan --devices 8 --hardware cpu --model small --seq 256 --batch 16
+    python -m engine.plan --devices 8 --hardware h100 --model llama3-8b --seq 8192 \\
+        --batch 16 --remat full --top 5 --json plan.json
+    python -m engine.plan --devices 64 --hardware h100 --model llama3-8b --seq 8192 \\
+        --batch 64 --axes dp,fsdp,tp --max tp=8
+
+Candidates (engine/planner/space.py) are every factorisation of N into the axes of the
+role registry (layers/roles.py; axes of size 1 left out) in every order, times every
+value of each switch in `SWITCHES` (each read from its own registry, offered only where
+it changes the program: `--zero` and `--prefetch` with an fsdp axis, `--tp-comm` with tp, `--cp-comm`
+with cp, `--pp-schedule` with pp, at 4·pp microbatches, and `--pp-virtual 2` with the
+interleaved schedule). `engine.parallel.validate` drops what cannot run, the memory
+model (engine/cost/fit.py) what does not fit the device; the rest are ranked by the
+predicted step of `bench/roofline.py --predict-only` (the ledger of the traced step
+priced by engine/cost/price.py, a pp step along its schedule by
+engine/cost/pipeline.py).
+
+Speed: a step's ledger depends on the axis sizes and the switches, not on the order of
+the axes (the order only picks, in pricing, the link tier a collective runs over), so
+each distinct program (`Candidate.program`) is traced once on an AbstractMesh, in a pool
+of worker processes (`Pool`), and priced there for every order. `price` takes any
+candidate list, so a restricted search (`layouts` over some roles, `neighbours`) reuses
+it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import multiprocessing
+import os
+import time
+from concurrent.futures import ProcessPoolExecutor
+
+from engine.config import ConfigError, ParallelConfig, TrainConfig
+from engine.parallel.layout import AXIS_ROLES
+from engine.planner.space import (  # noqa: F401  (the candidate space, as the planner's)
+    SHARED_TRACE,
+    SWITCHES,
+    Candidate,
+    Switch,
+    accumulated,
+    candidates,
+    degree,
+    factorisations,
+    layouts,
+    neighbours,
+    switch_settings,
+)
+from layers.config import ModelConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class Priced:
+    """A candidate with its predicted step (seconds), MFU (a fraction) and peak bytes
+    per device (None: the memory model does not cover it)."""
+
+    candidate: Candidate
+    step_s: float
+    compute_s: float
+    comm_s: float
+    exposed_comm_s: float
+    mfu: float
+    peak_bytes: int | None
+    dots_timed: bool = False  # its matmuls priced by their time on the host (`timed_prices`)
+    # each device's temporaries mapped anew every step (engine/cost/fit.py `mapped_bytes`),
+    # whose page faults its step_s includes
+    mapped_bytes: int = 0
+
+    def record(self) -> dict:
+        return dict(layout=str(self.candidate.layout), flags=self.candidate.flags,
+                    predicted_step_s=self.step_s, predicted_mfu=self.mfu,
+                    predicted_peak_bytes=self.peak_bytes,
+                    predicted_compute_s=self.compute_s, predicted_comm_s=self.comm_s,
+                    predicted_exposed_comm_s=self.exposed_comm_s,
+                    predicted_mapped_bytes=self.mapped_bytes, dots_timed=self.dots_timed)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """ranked: fitting candidates, fastest first; refused: [(candidate, reason)] by
+    engine.parallel.validate; over: [(candidate, predicted peak bytes)] over `capacity` bytes
+    per device; programs: distinct programs priced; cached: how many of them came from
+    the ledger cache; workers: processes that traced; seconds: wall clock of `plan`;
+    hw: the profile the first candidates are priced with (with their timed matmuls,
+    `Hardware.dot_seconds`, when `refine` ran); refined: candidates `refine` re-priced."""
+
+    ranked: list
+    refused: list
+    over: list
+    capacity: float | None
+    programs: int
+    cached: int
+    workers: int
+    seconds: float
+    hw: object = None
+    refined: int = 0
+
+
+def predict_candidate(cand: Candidate, tcfg: TrainConfig, hw, mapped_bytes: int = 0):
+    """The cost model's Prediction for one candidate, as roofline's --predict-only, plus
+    the page faults of `mapped_bytes` per device (`Priced.mapped_bytes`)."""
+    from engine.cost import cache
+    from engine.cost.pipeline import predict_step
+
+    rows, _ = cache.step_ledger(cand.cfg, tcfg, cand.layout, cand.parallel,
+                                hw.bf16_collectives_in_f32)
+    return predict_step(rows, hw, cand.layout, cand.parallel, mapped_bytes)[0]
+
+
+def _price_program(job) -> tuple[list, bool, list, list]:
+    """One program: each candidate's peak memory (engine/cost/fit.py); if any fits
+    `capacity`, the program's ledger (traced on its first candidate, unless
+    engine/cost/cache.py holds it) priced for every candidate that fits. With `grow`, a
+    step without pp over memory is retried with 2, 4, ... microbatches (`accumulated`,
+    the program of the next M) while they divide its batch, here in the worker, so the
+    pool never waits on a round of retries. On a shared host a step also pays the page
+    faults of the temporaries it maps anew (`fit.mapped_bytes` of its memory
+    prediction). Returns ([(step, compute, comm, exposed comm, mapped bytes), or None
+    when over memory] per candidate, whether the ledger came from the cache, [peak
+    bytes] per candidate, the candidates priced: the job's, or the microbatched ones
+    they grew into)."""
+    from engine.cost import cache, fit
+    from engine.cost.pipeline import predict_step
+
+    cands, tcfg, hw, capacity, grow = job
+    first = cands[0]
+    mem_of: dict = {}  # memory depends on the sizes and switches, not the axis order
+    for c in cands:
+        if c.parallel not in mem_of:
+            mem_of[c.parallel] = fit.predicted(c.cfg, tcfg, c.parallel, c.layout, hw)
+    peaks = [None if mem_of[c.parallel] is None else mem_of[c.parallel].peak for c in cands]
+    if capacity is not None and all(p is not None and p > capacity for p in peaks):
+        # engine.parallel.validate reads axis sizes, not their order: a program grows as a whole
+        grown = [accumulated(c, tcfg) for c in cands] if grow else [None]
+        if all(g is not None for g in grown):
+            return _price_program((grown, tcfg, hw, capacity, grow))
+        return [None] * len(cands), False, peaks, cands
+    rows, cached = cache.step_ledger(first.cfg, tcfg, first.layout, first.parallel,
+                                     hw.bf16_collectives_in_f32)
+    # within one fast domain every axis is on the fast links whatever its place
+    # (price.link_for), so the orders of the axes price alike: once per switch setting
+    one_domain = first.layout.size <= hw.fast_domain
+    out, seen = [], {}
+    for c, peak in zip(cands, peaks):
+        if capacity is not None and peak is not None and peak > capacity:
+            out.append(None)
+            continue
+        axes = c.layout.mesh_axes()
+        key = (c.parallel, tuple(sorted(axes)) if one_domain else axes)
+        if key not in seen:
+            mapped = fit.mapped_bytes(mem_of[c.parallel], hw)
+            p = predict_step(rows, hw, c.layout, c.parallel, mapped)[0]
+            seen[key] = (p.step_s, p.compute_s, p.comm_s, p.exposed_comm_s, mapped)
+        out.append(seen[key])
+    return out, cached, peaks, cands
+
+
+class Pool(ProcessPoolExecutor):
+    """A process pool of `workers` spawned processes (fresh interpreters: safe whatever
+    jax backend this process started). Each imports jax and the traced step once, then
+    takes jobs. Workers forked from a forkserver that had imported them instead traced
+    ~25% slower (the 8-device plan of `small`, 129 vs 101 s at load ~2), so spawn."""
+
+    def __init__(self, workers: int):
+        super().__init__(workers, mp_context=multiprocessing.get_context("spawn"))
+        self.workers = workers
+
+
+def _price_programs(jobs: list) -> list:
+    """`_price_program` of each job in turn (one chunk, in one worker)."""
+    return [_price_program(j) for j in jobs]
+
+
+# the longest run of programs one worker takes at a time: a run's results (and the
+# plan's progress line) come back when all of it is priced, ~1 s per program traced
+LONGEST_RUN = 8
+
+
+def chunks(n: int, workers: int, longest: int = LONGEST_RUN) -> list[range]:
+    """Jobs 0..n-1 cut into runs of consecutive ones for `workers` processes, largest
+    first: each run is the jobs left over 2·workers (at least 1, at most `longest`), so
+    the runs at the end are single jobs and no worker waits long for the last (guided
+    scheduling), and results come back every few programs however many there are.
+    Consecutive jobs in one worker reuse jax's tracing caches."""
+    out, start = [], 0
+    while start < n:
+        size = max(1, min(longest, (n - start) // (2 * max(workers, 1))))
+        out.append(range(start, start + size))
+        start += size
+    return out
+
+
+def _run(jobs: list, workers: int, executor=None, progress=None) -> list:
+    """`_price_program` over jobs: in `executor` (a `Pool`) if given, else in a `Pool` of
+    `workers` (here when 1). Jobs go out in their order (programs of one layout's sizes
+    next to each other), in `chunks` of consecutive ones, largest first: a worker tracing
+    programs of the same shapes in a row reuses jax's tracing caches (a longest-first
+    order without chunks measured ~20% slower on the 8-device plan of `small`), and the
+    single jobs at the end keep every worker busy to the last. `progress(done, total)` is
+    called as results come in."""
+    progress = progress or (lambda done, total: None)
+
+    def collect(batches):  # lists of results, as they come in
+        out = []
+        for batch in batches:
+            out.extend(batch)
+            progress(len(out), len(jobs))
+        return out
+
+    if executor is None and workers <= 1:
+        return collect([_price_program(j)] for j in jobs)
+
+    def submit(ex: Pool):
+        return [ex.submit(_price_programs, jobs[r.start:r.stop])
+                for r in chunks(len(jobs), ex.workers)]
+
+    if executor is None:
+        with Pool(workers) as ex:
+            return collect(f.result() for f in submit(ex))
+    return collect(f.result() for f in submit(executor))
+
+
+def progress_line(say, every_s: float = 15.0, clock=time.perf_counter):
+    """A `progress` for `plan` that says how many programs are priced and, at the mean
+    time per program so far, about how long the rest will take, at most once every
+    `every_s` seconds and never for a plan that takes less."""
+    start = last = clock()
+
+    def report(done: int, total: int):
+        nonlocal last
+        now = clock()
+        if now - last >= every_s:
+            last = now
+            left = (now - start) / max(done, 1) * (total - done)
+            say(f"planning: {done}/{total} programs priced ({now - start:.0f} s, about "
+                f"{left:.0f} s left)")
+    return report
+
+
+def price(cands: list, tcfg: TrainConfig, hw, n: int, capacity: float | None,
+          workers: int = 1, executor=None, progress=None,
+          grow: bool = False) -> tuple[list, list, int, int, int]:
+    """Price candidates of n devices: grouped by program, each program's memory checked
+    and its ledger traced once (`_run`), every candidate priced; with `grow`, a step
+    without pp over memory is priced at the fewest microbatches (2, 4, ...) that fit
+    (`_price_program`). Returns (ranked: [Priced] fastest first, over: [(candidate, peak
+    bytes)] over `capacity`, programs, programs whose ledger came from the cache,
+    workers used)."""
+    from engine.cost.price import mfu
+
+    groups: dict[tuple, list] = {}
+    for c in cands:
+        groups.setdefault(c.program, []).append(c)
+    jobs = [(group, tcfg, hw, capacity, grow) for group in groups.values()]
+    if executor is None:
+        workers = min(workers, max(1, len(jobs) // 8))  # a worker costs a jax import
+    ranked, over, programs, cached = [], [], 0, 0
+    for priced, hit, peaks, group in _run(jobs, workers, executor, progress):
+        if all(p is None for p in priced):
+            over.extend(zip(group, peaks))
+            continue
+        programs += 1
+        cached += hit
+        for c, got, peak in zip(group, priced, peaks):
+            if got is None:
+                over.append((c, peak))
+                continue
+            step, compute, comm, exposed, mapped = got
+            ranked.append(Priced(c, step, compute, comm, exposed,
+                                 mfu(c.cfg, tcfg, hw, n, step), peak, mapped_bytes=mapped))
+    ranked.sort(key=_rank)
+    return ranked, over, programs, cached, workers
+
+
+def _rank(p: Priced) -> tuple:
+    return p.step_s, str(p.candidate.layout), p.candidate.describe()
+
+
+def timed_prices(priced: list, tcfg: TrainConfig, hw, n: int, devices,
+                 time_dots=None) -> tuple[list, object]:
+    """`priced` [Priced] priced again with every matmul of their steps timed on the first
+    n of `devices`, all at once (engine/cost/microbench.py `dot_seconds`, as
+    `bench/roofline.py`'s in-run profile times them, here the fastest of `DOT_PASSES`
+    passes), instead of the profile's one matmul rate. Returns ([Priced] in the same
+    order, the profile with those times).
+    `time_dots(rows, mesh)` -> {Row.dot: seconds} replaces the timing (tests)."""
+    from engine.cost import cache
+    from engine.cost.microbench import dot_seconds, flat_mesh
+    from engine.cost.pipeline import predict_step
+    from engine.cost.price import mfu
+
+    rows_of: dict = {}
+    for p in priced:
+        c = p.candidate
+        if c.program not in rows_of:
+            rows_of[c.program] = cache.step_ledger(c.cfg, tcfg, c.layout, c.parallel,
+                                                   hw.bf16_collectives_in_f32)[0]
+    todo = [r for rows in rows_of.values() for r in rows
+            if r.dot is not None and r.dot not in hw.dot_seconds]
+    time_dots = time_dots or functools.partial(dot_seconds, passes=DOT_PASSES)
+    timed = time_dots(todo, flat_mesh(list(devices)[:n])) if todo else {}
+    hw = dataclasses.replace(hw, dot_seconds={**hw.dot_seconds, **timed})
+    out = []
+    for p in priced:
+        c = p.candidate
+        pred = predict_step(rows_of[c.program], hw, c.layout, c.parallel, p.mapped_bytes)[0]
+        out.append(Priced(c, pred.step_s, pred.compute_s, pred.comm_s, pred.exposed_comm_s,
+                          mfu(c.cfg, tcfg, hw, n, pred.step_s), p.peak_bytes, True,
+                          p.mapped_bytes))
+    return out, hw
+
+
+# The cpu profile prices every matmul at one rate: the rate of one model's dots
+# (bench/calibrate.py: `small` on fsdp8). XLA:CPU runs other shapes at other rates:
+# 0.75e10-9.3e10 FLOP/s per device over the dots of `medium` on fsdp8 against 3.5e10
+# over `small`'s (8 devices at once on the 2-core host, 2026-11-27): timed, two
+# `medium` candidates predicted 9.7% apart came out 1.8% apart, the one rate's relative
+# error between them 8%. So on the host the planner prices again, with their matmuls
+# timed, every candidate predicted within this fraction of the first (`refine`): a search
+# margin, about twice that error, not a price.
+REFINE_WITHIN = 0.15
+
+# Passes over the refined candidates' matmuls, each dot's fastest kept (`dot_seconds`).
+# `python bench/dot_passes.py --model medium --calibration cal.json` (one and three
+# passes alternating, six timings each, load average 1.6-4.5 from other jobs,
+# 2026-11-27): timed in one pass, the dots put fsdp4xtp2's predicted step (zero 3,
+# tp_comm sequence, remat full) at 0.892-1.148 of fsdp8's (standard deviation 0.085);
+# in three, at 0.965-1.010 (0.017). One pass took 6.6-12.8 s, three 8.3-9.8 s: building
+# every dot's programs comes first and once.
+DOT_PASSES = 3
+
+
+def refine(ranked: list, tcfg: TrainConfig, hw, n: int, devices,
+           within: float = REFINE_WITHIN, time_dots=None) -> tuple[list, object, int]:
+    """The candidates of `ranked` (fastest first) predicted within `within` of the first
+    priced again with their matmuls timed on `devices` (`timed_prices`) and ranked
+    among themselves, ahead of the rest. Returns (ranked, the profile they are priced
+    with, how many were priced again)."""
+    if not ranked:
+        return ranked, hw, 0
+    near = [p for p in ranked if p.step_s <= ranked[0].step_s * (1 + within)]
+    again, hw = timed_prices(near, tcfg, hw, n, devices, time_dots)
+    return sorted(again, key=_rank) + ranked[len(near):], hw, len(near)
+
+
+def plan(cfg: ModelConfig, tcfg: TrainConfig, n: int, hw, hbm_bytes: float | None = None,
+         pinned: dict | None = None, workers: int = 1, names: tuple[str, ...] = AXIS_ROLES,
+         limits: dict | None = None, executor=None, progress=None, devices=None,
+         within: float = REFINE_WITHIN, say=None,
+         base: ParallelConfig = ParallelConfig()) -> Plan:
+    """Enumerate (`candidates`), validate, check memory, trace and price each program
+    once (`price`), rank by predicted step. A candidate without pp over memory is
+    priced at the fewest of 2, 4, ... microbatches that fit while they divide its batch
+    (`price`'s `grow`). On a shared host (the cpu profile) with `devices` (at least n
+    of them), the candidates within `within` of the first are priced again with their
+    matmuls timed on those devices (`refine`; `say` gets one line before it). `base`:
+    the ParallelConfig fields that are not the plan's switches (grad_reduce)."""
+    from engine.cost import fit
+
+    t0 = time.perf_counter()
+    ok, refused = candidates(cfg, tcfg, n, pinned, names, limits, base)
+    capacity = fit.capacity(hw, n, hbm_bytes)
+    ranked, over, programs, cached, workers = price(ok, tcfg, hw, n, capacity, workers,
+                                                    executor, progress, grow=True)
+    refined = 0
+    if ranked and hw.shared_host and devices is not None and len(devices) >= n and within > 0:
+        if say is not None:
+            say(f"planning: timing the matmuls of the candidates predicted within "
+                f"{within:.0%} of the first on {n} host devices")
+        ranked, hw, refined = refine(ranked, tcfg, hw, n, devices, within)
+    return Plan(ranked, refused, over, capacity, programs, cached, workers,
+                time.perf_counter() - t0, hw, refined)
+
+
+def gib(x) -> str:
+    return "-" if x is None else f"{x / 2**30:.3g} GiB" if x >= 2**30 else f"{x / 2**20:.3g} MiB"
+
+
+def hardware_profile(name: str, calibration=None, say=print):
+    """The profile to plan with; for the cpu without a calibration file, one line saying
+    that the built-in defaults are used (engine/cost/hardware.py CPU_DEFAULTS)."""
+    from engine.cost import hardware
+
+    if name == "cpu" and calibration is None and not hardware.CALIBRATION_PATH.exists():
+        say(f"no cpu calibration at {hardware.CALIBRATION_PATH} (bench/calibrate.py writes "
+            f"it): planning with the built-in defaults (engine/cost/hardware.py CPU_DEFAULTS)")
+    return hardware.get(name, calibration)
+
+
+def no_plan_message(result: Plan, n: int) -> str:
+    """Why no candidate is left, in one line."""
+    if result.over:
+        least = min(peak for _, peak in result.over)
+        return (f"no layout of {n} devices fits {gib(result.capacity)} per device: "
+                f"{len(result.over)} candidates predicted over it (the smallest peak is "
+                f"{gib(least)}); {len(result.refused)} refused by engine.parallel.validate")
+    reason = result.refused[0][1] if result.refused else "no candidates"
+    return (f"no layout of {n} devices can run this model ({len(result.refused)} "
+            f"refused; first: {reason})")
+
+
+# `--layout auto` on a host without accelerators plans for this many forced host-CPU
+# devices unless XLA_FLAGS already forces a count (the 8 the tests and benches use)
+AUTO_HOST_DEVICES = 8
+# substrings of a jax device_kind -> hardware profile
+DEVICE_KINDS = {"h100": "h100", "a100": "a100", "v5 lite": "v5e", "v5e": "v5e", "v5p": "v5p",
+                "v4": "v4"}
+
+
+def auto(cfg: ModelConfig, tcfg: TrainConfig, say=print,
+         base: ParallelConfig = ParallelConfig()):
+    """`--layout auto`: plan for every device jax finds (the cpu profile on the host,
+    else the profile of the accelerator's kind) and return the first choice as (model
+    config with its remat, ParallelConfig, Layout); raises ConfigError (one line) when
+    nothing fits or the accelerator has no profile. base: as `plan`'s."""
+    import jax
+
+    devices = jax.devices()
+    kind = devices[0].device_kind.lower()
+    name = "cpu" if devices[0].platform == "cpu" else next(
+        (p for k, p in DEVICE_KINDS.items() if k in kind), None)
+    if name is None:
+        raise ConfigError(f"--layout auto: no hardware profile for {devices[0].device_kind!r} "
+                          f"(known: cpu, {', '.join(sorted(set(DEVICE_KINDS.values())))}); "
+                          f"name a layout")
+    hw = hardware_profile(name, None, say)
+    result = plan(cfg, tcfg, len(devices), hw, workers=os.cpu_count() or 1,
+                  progress=progress_line(say), devices=devices, say=say, base=base)
+    if not result.ranked:
+        raise ConfigError(no_plan_message(result, len(devices)))
+    best = result.ranked[0]
+    timed = ", its matmuls timed here" if best.dots_timed else ""
+    say(f"layout auto: {best.candidate.describe()}, predicted {best.step_s:.4g} s/step"
+        f"{timed}, MFU {100 * best.mfu:.1f}%, peak {gib(best.peak_bytes)} per device on {hw.name}; "
+        f"first of {len(result.ranked)} candidates for {len(devices)} devices "
+        f"({result.seconds:.1f} s; python -m engine.plan ranks them)")
+    c = best.candidate
+    return c.cfg, c.parallel, c.layout
+
