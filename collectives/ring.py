@@ -99,10 +99,12 @@ class TpComm:
         output of a row-parallel matmul), stored as this strategy keeps activations.
     shards_sequence: activations between blocks are [.., X_axis, ..] along `dim`
         (the sequence) rather than replicated over `axis`.
+    doc: one line for `--help` and the docs.
     """
 
     name: str
     shards_sequence: bool
+    doc: str
 
     def column(self, x: jax.Array, f: Callable, axis: str | None, dim: int):
         raise NotImplementedError
@@ -145,10 +147,19 @@ class RingComm(TpComm):
         return apply_reduce_scatter(h, f, axis, dim)
 
 
-ALLREDUCE = AllReduceComm("allreduce", shards_sequence=False)
+ALLREDUCE = AllReduceComm(
+    "allreduce", shards_sequence=False,
+    doc="Megatron TP: activations replicated over tp between blocks; each block's "
+        "row-parallel output is all-reduced")
 TP_COMMS: dict[str, TpComm] = {c.name: c for c in (
-    ALLREDUCE, SequenceComm("sequence", shards_sequence=True),
-    RingComm("ring", shards_sequence=True))}
+    ALLREDUCE,
+    SequenceComm("sequence", shards_sequence=True,
+                 doc="Megatron sequence parallel: activations sharded over tp along the "
+                     "sequence between blocks; all-gather before, reduce-scatter after"),
+    RingComm("ring", shards_sequence=True,
+             doc="sequence parallel with collective matmuls: the all-gather and "
+                 "reduce-scatter decomposed into ppermute steps interleaved with partial "
+                 "matmuls"))}
 COMMS = tuple(TP_COMMS)
 
 

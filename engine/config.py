@@ -51,32 +51,21 @@ GRAD_REDUCES = ("compute", "f32")
 
 @dataclasses.dataclass(frozen=True)
 class ParallelConfig:
-    """How the layout's axes are used, apart from the model's shape.
+    """How the layout's axes are used, apart from the model's shape. Each registry entry
+    a switch names carries its one description (`doc`), which `--help` and
+    docs/parallelism.md print (`engine.cli.args.switch_table`).
 
-    zero:     what the fsdp axis shards (engine/parallel/zero.py): 3 = params, grads and optimizer
-              state (params gathered per layer); 2 = grads and optimizer state (params
-              stored whole, grads reduce-scattered); 1 = optimizer state (grads
-              all-reduced, then sliced).
+    zero:     what the fsdp axis shards: a level of `engine.parallel.zero.ZERO_LEVELS`.
     prefetch: zero 3: gather layer i+1's weights before layer i's compute.
-    tp_comm:  how tp moves activations (collectives/ring.py `TP_COMMS`): allreduce =
-              Megatron TP, activations replicated over tp between blocks; sequence =
-              Megatron sequence parallel (activations sharded over tp along L between
-              blocks); ring = sequence parallel with the gather and reduce-scatter
-              decomposed into ppermute steps interleaved with partial matmuls.
-    cp_comm:  how attention reaches the keys of the other cp ranks
-              (layers/kernels/context.py `CP_COMMS`): allgather = all-gather K and V
-              over cp, reduce-scatter dK and dV in the backward; ring = K and V
-              passed around the cp ring by ppermute into an online-softmax carry.
+    tp_comm:  how tp moves activations: a strategy of `collectives.ring.TP_COMMS`.
+    cp_comm:  how attention reaches the keys of the other cp ranks: a strategy of
+              `layers.kernels.context.CP_COMMS`.
     microbatches: the per-device batch is split into this many microbatches whose grads
               are accumulated before one optimizer update (the same loss and grads as
               one microbatch; activations of one microbatch alive at a time). Under
               pp these are the microbatches the pipeline schedule moves.
-    pp_schedule: the pipeline schedule over the pp axis (engine/parallel/pipeline.py
-              `SCHEDULES`): gpipe = every forward, then every backward (M microbatches'
-              stage inputs stashed per stage); 1f1b = one forward, one backward in the
-              steady state (at most pp stashed); interleaved = `pp_virtual` chunks
-              of N/(pp·V) layers per device, device s running chunks s, s+pp, ...
-              (circular, GPipe order: V·M chunk inputs stashed).
+    pp_schedule: the pipeline schedule over the pp axis: a schedule of
+              `engine.parallel.pipeline.SCHEDULES`.
     pp_virtual: the chunks per device of the interleaved schedule (1 otherwise).
     grad_reduce: the dtype fsdp reduce-scatters weight grads in (zero 2 and 3): compute =
               the compute dtype the weights were gathered in (half the bytes of f32);

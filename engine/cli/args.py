@@ -10,7 +10,7 @@ import dataclasses
 import os
 import sys
 
-from collectives.ring import COMMS
+from collectives.ring import COMMS, TP_COMMS
 from engine.config import (
     GRAD_REDUCES,
     PRESETS,
@@ -22,12 +22,37 @@ from engine.config import (
 from engine.cost import profile
 from engine.parallel import validate
 from engine.parallel.layout import Layout
-from engine.parallel.zero import ZERO
+from engine.parallel.pipeline import SCHEDULES
+from engine.parallel.zero import ZERO, ZERO_LEVELS
 from engine.run import distributed
 from engine.run.data import BIN_DTYPES
 from layers import roles
 from layers.block import REMAT
 from layers.config import DTYPES
+from layers.kernels.context import CP_COMMS
+
+
+TRAIN_DESCRIPTION = ("`python -m engine.train --layout fsdp4xtp2`: train a decoder-only "
+                     "transformer with explicit FSDP + Megatron TP, one jit(shard_map) per step.")
+
+# The switches that say how a layout's axes move bytes: flag, axis, registry. Each entry of
+# a registry carries the one description `--help` and docs/parallelism.md print.
+SWITCHES = (("--tp-comm", "tp", TP_COMMS), ("--cp-comm", "cp", CP_COMMS),
+            ("--zero", "fsdp", ZERO_LEVELS), ("--pp-schedule", "pp", SCHEDULES))
+
+
+def described(registry: dict) -> str:
+    """`name: doc; name: doc` of a registry whose entries have a `doc`."""
+    return "; ".join(f"{name}: {entry.doc}" for name, entry in registry.items())
+
+
+def switch_table() -> str:
+    """The markdown table of every switch value and its description (docs/parallelism.md
+    holds it between its `switches` markers; a test keeps the two equal)."""
+    rows = ["| flag | axis | value | what it does |", "|---|---|---|---|"]
+    rows += [f"| `{flag}` | {axis} | `{name}` | {entry.doc} |"
+             for flag, axis, registry in SWITCHES for name, entry in registry.items()]
+    return "\n".join(rows)
 
 
 class UsageError(Exception):
@@ -66,7 +91,7 @@ def build_parser(prog: str = "python -m engine.train", description: str | None =
     description, parent parsers (for their extra flags) and the flag `groups` they use
     (--layout is always there). A group left out is not accepted on the command line;
     its flags' defaults are still set, so `parse` sees every attribute."""
-    p = OneLineParser(prog=prog, description=description or __doc__.split("\n\n")[0],
+    p = OneLineParser(prog=prog, description=description or TRAIN_DESCRIPTION,
                 parents=list(parents), formatter_class=DefaultsFormatter)
     unused = argparse.ArgumentParser(add_help=False)  # holds the groups left out
     group = lambda name, title: (p if name in groups else unused).add_argument_group(title)
@@ -106,17 +131,11 @@ def build_parser(prog: str = "python -m engine.train", description: str | None =
                         "softmax, autodiff; pallas runs in interpret mode on CPU")
     x = group("parallel", "where bytes move (see docs/architecture.md)")
     x.add_argument("--tp-comm", default="allreduce", choices=COMMS,
-                   help="allreduce: Megatron TP; sequence: sequence parallel (activations "
-                        "sharded over tp along the sequence between blocks); ring: sequence "
-                        "parallel with collective matmuls (ppermute steps interleaved with "
-                        "partial matmuls)")
-    x.add_argument("--cp-comm", default="allgather", choices=list(validate.CP_COMMS),
-                   help="on the cp axis: allgather: all-gather K and V over cp, "
-                        "reduce-scatter dK and dV in the backward; ring: K and V passed "
-                        "around the cp ring (ppermute) into an online softmax")
+                   help="on the tp axis: " + described(TP_COMMS))
+    x.add_argument("--cp-comm", default="allgather", choices=list(CP_COMMS),
+                   help="on the cp axis: " + described(CP_COMMS))
     x.add_argument("--zero", type=int, default=3, choices=ZERO,
-                   help="on the fsdp axis: 1 shards optimizer state, 2 also grads, 3 also "
-                        "params (gathered per layer inside the scan)")
+                   help="on the fsdp axis: " + described(ZERO_LEVELS))
     x.add_argument("--grad-reduce", default="compute", choices=GRAD_REDUCES,
                    help="zero 2 and 3: the dtype fsdp reduce-scatters weight grads in: "
                         "compute = the compute dtype the weights were gathered in; f32 = "
@@ -126,8 +145,7 @@ def build_parser(prog: str = "python -m engine.train", description: str | None =
                    help="split each device's batch into M microbatches and accumulate "
                         "their grads before one optimizer update")
     x.add_argument("--pp-schedule", default="1f1b", choices=list(validate.SCHEDULES),
-                   help="on the pp axis: " + "; ".join(
-                       f"{s.name}: {s.doc}" for s in validate.SCHEDULES.values()))
+                   help="on the pp axis: " + described(SCHEDULES))
     x.add_argument("--pp-virtual", type=int, default=1, metavar="V",
                    help="--pp-schedule interleaved: layer chunks per device (circular: "
                         "device s runs chunks s, s+pp, ...); layers divisible by pp x V")

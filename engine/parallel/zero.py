@@ -113,9 +113,12 @@ def _drop_axis(specs, axis: str | None):
 @dataclasses.dataclass(frozen=True)
 class ZeroLevel:
     """A ZeRO level; the methods here are zero 3's (params, grads and optimizer state
-    sharded over fsdp), which zero 1 and 2 override where they differ."""
+    sharded over fsdp), which zero 1 and 2 override where they differ. doc: one line
+    for `--help` and the docs."""
 
     level: int = 3
+    doc: str = ("params, grads and optimizer state sharded over fsdp; each layer's params "
+                "all-gathered inside the scan, grads reduce-scattered by the gather's transpose")
 
     def storage_specs(self, shard_specs, fsdp: str | None):
         return shard_specs
@@ -143,8 +146,6 @@ class ZeroLevel:
 @dataclasses.dataclass(frozen=True)
 class Zero3(ZeroLevel):
     """Params, grads and optimizer state sharded over fsdp."""
-
-    level: int = 3
 
 
 class _Replicated(ZeroLevel):
@@ -177,6 +178,8 @@ class Zero2(_Replicated):
     """Grads reduce-scattered per layer (by `Resident`'s backward), params whole."""
 
     level: int = 2
+    doc: str = ("grads and optimizer state sharded over fsdp, params stored whole; grads "
+                "reduce-scattered per layer, updated shards all-gathered back")
 
     def model_axes(self, axes):
         return dataclasses.replace(super().model_axes(axes), weights=RESIDENT)
@@ -212,6 +215,8 @@ class Zero1(_Replicated):
     """Grads all-reduced over fsdp as over dp, then sliced to the shard for the update."""
 
     level: int = 1
+    doc: str = ("optimizer state sharded over fsdp; grads all-reduced as over dp, then "
+                "sliced to the shard; updated shards all-gathered back")
 
     def grad_specs(self, storage_specs, shard_specs):
         return storage_specs

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 
 import jax.numpy as jnp
 from jax import lax
@@ -261,4 +262,23 @@ def ring_attention(q_BLHK, k_BLGK, v_BLGK, *, axes, kernel: str = "reference",
     return o_BLGRK.reshape(B, L, H, K)
 
 
-CP_COMMS = {"allgather": allgather_attention, "ring": ring_attention}
+@dataclasses.dataclass(frozen=True)
+class CpComm:
+    """How attention reaches the keys of the other cp ranks: `attend` is
+    `allgather_attention` or `ring_attention`; doc: one line for `--help` and the docs."""
+
+    name: str
+    attend: Callable
+    doc: str
+
+    def __call__(self, q_BLHK, k_BLGK, v_BLGK, **kw):
+        return self.attend(q_BLHK, k_BLGK, v_BLGK, **kw)
+
+
+CP_COMMS: dict[str, CpComm] = {c.name: c for c in (
+    CpComm("allgather", allgather_attention,
+           doc="all-gather K and V over cp; reduce-scatter dK and dV in the backward"),
+    CpComm("ring", ring_attention,
+           doc="K and V passed around the cp ring by ppermute into an online-softmax "
+               "carry; dK and dV travel with them in the backward"),
+)}
