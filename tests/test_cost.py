@@ -12,8 +12,9 @@ import pytest
 
 from engine.config import ParallelConfig, TrainConfig, model_config
 from engine.cost import hardware
-from engine.cost.audit import audit, compiled_text
+from engine.cost.audit import audit
 from engine.cost.ledger import Row, step_ledger
+from engine.cost.memory import compile_step
 from engine.cost.price import collective_seconds, predict, predicted_mfu
 from engine.parallel.layout import Layout
 from engine.run.mfu import flops_per_token
@@ -22,6 +23,11 @@ from engine.run.mfu import flops_per_token
 CFG = dict(n_heads=8, n_kv_heads=2, head_dim=8)
 TCFG = TrainConfig(batch=8, seq=32)
 
+
+
+def compiled_text(trainer, compiler_options: dict | None = None) -> str:
+    """HLO text of `trainer.train_step` compiled for its (concrete) mesh, from shapes only."""
+    return compile_step(trainer, compiler_options).as_text()
 
 def _cfg(dtype="f32", remat="full"):
     return model_config("tiny", dtype=dtype, remat=remat, **CFG)

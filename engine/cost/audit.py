@@ -120,12 +120,3 @@ def audit(rows: list[Row], hlo_text: str, mesh_axes, platform: str) -> Audit:
                  for k in set(want) | set(got)}
     return Audit(not missing and not extra, dict(want & got), dict(missing), dict(extra),
                  all_names, dict(rules))
-
-
-def compiled_text(trainer, compiler_options: dict | None = None) -> str:
-    """HLO text of `trainer.train_step` compiled for its (concrete) mesh, from shapes only.
-    (`compiler_options={"xla_backend_optimization_level": 0}` halves compile time and
-    leaves the HLO, which XLA optimizes before the LLVM backend, as it is.)"""
-    from engine.cost.memory import compile_step
-
-    return compile_step(trainer, compiler_options).as_text()

@@ -73,8 +73,7 @@ from collections import Counter
 
 from jax.extend import core as jcore
 
-from engine.cost.fusion import nbytes
-from engine.cost.fusion import FUSIBLE, REDUCTIONS
+from engine.cost.fusion import FUSIBLE, REDUCTIONS, nbytes
 from engine.cost.scan_rows import scan_counts
 
 # ops XLA turns into bitcasts of their operand (or that only mark it): no new buffer
@@ -266,10 +265,3 @@ def peak_bytes(closed, fuse: bool = False) -> tuple[int, dict]:
         breakdown[label] += b
     assert sum(breakdown.values()) == walk.peak, (sum(breakdown.values()), walk.peak)
     return walk.peak, dict(breakdown.most_common())
-
-
-def step_peak(cfg, tcfg, layout, parallel=None, fuse: bool = False) -> tuple[int, dict]:
-    """`peak_bytes` of the traced training step (`ledger.trace_step`)."""
-    from engine.cost.ledger import trace_step
-
-    return peak_bytes(trace_step(cfg, tcfg, layout, parallel), fuse)

@@ -1,7 +1,10 @@
 """Per-device memory of one training step: an analytic prediction, and the compiler's.
 
 `predict(cfg, tcfg, layout)` adds up bytes per device from the `Trainer`'s own specs and
-the model's shapes (nothing is traced or compiled):
+the model's shapes (nothing is traced or compiled). It hands a pipelined step to
+`pipelined` and an accumulated one to `accumulated`, each priced from `one_program`, which
+adds the named parts of engine/cost/memory_items.py (attention, MLP, stream, weight grads,
+residuals by remat policy, loss):
 
     arguments   params as stored (`Trainer.specs`: whole over fsdp under ZeRO-1/2, fsdp
                 shards under ZeRO-3), the optimizer state (AdamW mu and nu, f32, as
@@ -47,7 +50,6 @@ off and how close the sum lands against `measure`: docs/memory_model.md.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import math
 
 import jax
@@ -55,25 +57,24 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from engine.config import TrainConfig
-from engine.cost.scan_rows import cpu_upcasts_bf16_stacks
+from engine.cost.memory_items import (
+    F32,
+    Unsupported,  # noqa: F401  (the error callers of `predict` catch)
+    attention_items,
+    dims,
+    kernel_priced,
+    last_layer_items,
+    loss_items,
+    mlp_items,
+    saved_by_remat,
+    shard_shape,
+    stream_items,
+    weight_grad_items,
+)
 from engine.parallel.layout import Layout
-from layers.attention import cp_kernel, resolve_attention
 from layers.config import ModelConfig
-from layers.kernels.chunked import chunked_attention
 
 MiB = 2 ** 20
-F32 = 4
-# from this many rows B·L_x on, XLA:CPU materializes each norm's rsqrt broadcast over D
-# in the layer backward (seen at 4096 rows, not at 1024 or fewer): one f32 [B, L_x, D]
-# buffer per norm live at the peak (the compiled step's live-range report, small single
-# and tp2: bitcast_broadcast_fusion and .1, each a fusion of one norm's rsqrt)
-NORM_BROADCAST_ROWS = 4096
-
-
-class Unsupported(ValueError):
-    """A configuration the memory model does not cover (the message says which part)."""
-
-
 @dataclasses.dataclass(frozen=True)
 class MemoryPrediction:
     """Bytes per device. grads: all grads as their specs; grads_live: those live at the
@@ -109,26 +110,9 @@ class MemoryPrediction:
         return self.params + self.grads + self.opt_state
 
 
-def _shard_shape(shape: tuple, spec: P, sizes: dict) -> tuple:
-    """One device's shard of a global `shape` stored as `spec` on a mesh of `sizes`."""
-    out = list(shape)
-    for dim, entry in enumerate(spec):
-        for axis in (entry,) if isinstance(entry, str) else (entry or ()):
-            out[dim] //= sizes.get(axis, 1)
-    return tuple(out)
-
-
 def _shard_bytes(sds, spec: P, sizes: dict) -> int:
     """Bytes of one device's shard of `sds` stored as `spec` on a mesh of `sizes`."""
-    return math.prod(_shard_shape(sds.shape, spec, sizes)) * jnp.dtype(sds.dtype).itemsize
-
-
-def _flat(shapes, specs):
-    """(name "a/b", shape, spec) for every param of two trees nested alike."""
-    flat_specs = dict(jax.tree_util.tree_leaves_with_path(
-        specs, is_leaf=lambda x: isinstance(x, P)))
-    for path, sds in jax.tree_util.tree_leaves_with_path(shapes):
-        yield "/".join(k.key for k in path), sds, flat_specs[path]
+    return math.prod(shard_shape(sds.shape, spec, sizes)) * jnp.dtype(sds.dtype).itemsize
 
 
 def _tree_bytes(shapes, specs, sizes: dict, keep=lambda path: True) -> int:
@@ -140,11 +124,30 @@ def _tree_bytes(shapes, specs, sizes: dict, keep=lambda path: True) -> int:
     return int(total)
 
 
-def _accumulated(cfg, tcfg, layout, platform, par) -> MemoryPrediction:
+def predict(cfg: ModelConfig, tcfg: TrainConfig, layout: Layout, platform: str = "cpu",
+            trainer=None, parallel=None) -> MemoryPrediction:
+    """The step's predicted per-device peak (docs/memory_model.md). `platform`: "cpu" (XLA:CPU,
+    what the item list was read from: compute-dtype operands of mixed dots are upcast to
+    f32), anything else keeps them in the compute dtype and runs a flash kernel:
+    "accelerator" a GPU's (FlashAttention), "tpu" Pallas's. `trainer`: a `Trainer` for (cfg,
+    tcfg, layout) to take the specs from; by default one on the layout's abstract mesh.
+    A pipelined step (`pipelined`) and an accumulated one (`accumulated`) are priced as
+    one stage's or one microbatch's step (`one_program`) plus what their scan carries."""
+    from engine.config import ParallelConfig
+
+    par = trainer.parallel if trainer is not None else parallel or ParallelConfig()
+    if layout.degree("pp") > 1:
+        return pipelined(cfg, tcfg, layout, platform, par)
+    if par.microbatches > 1:
+        return accumulated(cfg, tcfg, layout, platform, par)
+    return one_program(cfg, tcfg, layout, platform, par, trainer)
+
+
+def accumulated(cfg, tcfg, layout, platform, par) -> MemoryPrediction:
     """Gradient accumulation without pp (`Trainer._accumulate`): the peak falls in one
     microbatch's step (the global batch / M, as a step of its own) plus the scan
     carry's grads accumulator (f32 as differentiated), held twice as the pipeline's
-    carry is (engine/cost/pipeline.py); the tokens argument is the whole batch."""
+    carry is (`pipelined`); the tokens argument is the whole batch."""
     m = par.microbatches
     one = predict(cfg, dataclasses.replace(tcfg, batch=tcfg.batch // m), layout, platform,
                   parallel=dataclasses.replace(par, microbatches=1))
@@ -156,41 +159,67 @@ def _accumulated(cfg, tcfg, layout, platform, par) -> MemoryPrediction:
                                phase=f"{one.phase} (one microbatch of {m})")
 
 
-def predict(cfg: ModelConfig, tcfg: TrainConfig, layout: Layout, platform: str = "cpu",
-            trainer=None, parallel=None) -> MemoryPrediction:
-    """The step's predicted per-device peak (docs/memory_model.md). `platform`: "cpu" (XLA:CPU,
-    what the item list was read from: compute-dtype operands of mixed dots are upcast to
-    f32), anything else keeps them in the compute dtype and runs a flash kernel:
-    "accelerator" a GPU's (FlashAttention), "tpu" Pallas's. `trainer`: a `Trainer` for (cfg,
-    tcfg, layout) to take the specs from; by default one on the layout's abstract mesh."""
-    from engine.config import ParallelConfig
-    from engine.parallel.params import PARAMS_ROLE, activation_spec, param_shapes, param_specs
+def stage_problem(cfg, tcfg, layout, parallel):
+    """(the model one device holds, as a step without pp: N/pp layers, the global batch
+    / M, the layout without its pp axis; and the parallel config with one microbatch
+    and no pipeline)."""
+    pp = layout.degree("pp")
+    return (dataclasses.replace(cfg, n_layers=cfg.n_layers // pp),
+            dataclasses.replace(tcfg, batch=tcfg.batch // parallel.microbatches),
+            Layout(tuple(a for a in layout.axes if a[0] != "pp")),
+            dataclasses.replace(parallel, microbatches=1, pp_schedule="1f1b", pp_virtual=1))
 
-    par = trainer.parallel if trainer is not None else parallel or ParallelConfig()
-    if layout.degree("pp") > 1:  # one stage's backward unit and the pipeline's buffers
-        from engine.cost.pipeline import predict_memory
 
-        return predict_memory(cfg, tcfg, layout, platform, par)
-    if par.microbatches > 1:
-        return _accumulated(cfg, tcfg, layout, platform, par)
-    cp = layout.degree("cp")
-    kernel = cp_kernel(cfg.attention) if cp > 1 else resolve_attention(cfg.attention, tcfg.seq)
-    if cp > 1 and par.cp_comm == "ring":
-        kernel = "ring"  # the ring's own blocks (layers/kernels/context.py)
-    if platform != "cpu" and kernel in ("blocked", "pallas"):
-        kernel = "flash"  # the target's flash kernel (engine/cost/price.py)
-    if cp > 1 and kernel == "chunked":
-        raise Unsupported("no memory model for the 'chunked' kernel under cp (only "
-                          "'reference' and the ring were checked against the compiler)")
-    if kernel not in ("reference", "chunked", "flash", "ring"):
-        raise Unsupported(f"no memory model for the {kernel!r} attention kernel (only "
-                          f"'reference' and 'chunked' were checked against the compiler; "
-                          f"engine.cost.liveness walks any traced step)")
-    if cfg.remat not in ("full", "dots", "none"):
-        raise Unsupported(f"no memory model for remat={cfg.remat!r}")
-    if cfg.moe:
-        raise Unsupported("no memory model for a mixture of experts (its dispatch buffers "
-                          "were not read off the compiler); engine.cost.liveness walks it")
+def pipelined(cfg, tcfg, layout, platform: str = "cpu", parallel=None) -> MemoryPrediction:
+    """The pipelined step's per-device peak: the peak falls in a backward unit, the vjp of
+    one stage on one microbatch, whose items are `one_program`'s for the stage as a step
+    of its own (`stage_problem`: N/pp layers, one microbatch, its params, optimizer state
+    and grads as a stage stores them), plus what the pipeline's scan carries:
+
+        stash          2 x stash_slots x B_m·L_x·D·a   the stage inputs awaiting their
+                       backward (M slots under GPipe, pp under 1F1B), held twice: the
+                       switch's branches take the carry and return it (read off
+                       XLA:CPU: gpipe - 1f1b = 2 (M - pp) slots exactly, tiny at pp2 and
+                       pp4, M = 8 and 16)
+        shift buffers  2 x (x_slots + ct_slots) x B_m·L_x·D·a   arrived activations and
+                       cotangents, held the same way
+        grads          the scan carry's grads accumulator, f32 as differentiated (one
+                       more copy of the stage's grads beside the unit's)
+
+    B_m = this device's rows of one microbatch; a = bytes of the activation dtype."""
+    from engine.parallel import pipeline
+    from engine.parallel.params import activation_spec
+
+    the_plan = pipeline.step_plan(layout, parallel)
+    scfg, stcfg, slayout, spar = stage_problem(cfg, tcfg, layout, parallel)
+    stage = predict(scfg, stcfg, slayout, platform, parallel=spar)
+    B, Lx, D = shard_shape((stcfg.batch, tcfg.seq, cfg.d_model),
+                            activation_spec("residual", slayout, spar.tp_comm),
+                            dict(slayout.mesh_axes()))
+    x_micro = B * Lx * D * jnp.dtype(cfg.act_dtype).itemsize  # the activation dtype
+    V = parallel.pp_virtual
+    if V > 1:  # a unit runs one chunk: N/(pp·V) layers' residuals (every item is per layer)
+        stage = dataclasses.replace(stage, residuals=stage.residuals // V, items={
+            k: v // V if k.startswith("residual") else v for k, v in stage.items.items()})
+    items = {f"pipeline: stash, {the_plan.stash_slots} microbatches' stage inputs, held "
+             f"twice": 2 * the_plan.stash_slots * x_micro,
+             f"pipeline: shift buffers, {the_plan.x_slots} + {the_plan.ct_slots} "
+             f"microbatches, held twice": 2 * (the_plan.x_slots + the_plan.ct_slots) * x_micro,
+             "pipeline: grads accumulated over the microbatches (f32)": stage.grads}
+    extra = sum(items.values())
+    return dataclasses.replace(stage, residuals=stage.residuals + extra,
+                               items={**items, **stage.items},
+                               phase=f"{stage.phase} (one microbatch on one stage)")
+
+
+def one_program(cfg: ModelConfig, tcfg: TrainConfig, layout: Layout, platform: str, par,
+                trainer=None) -> MemoryPrediction:
+    """The peak of a step without pp or accumulation: the arguments and grads from the
+    `Trainer`'s specs, the named parts above for one layer, and the phase where they
+    add up to the most."""
+    from engine.parallel.params import activation_spec, param_shapes
+
+    kernel = kernel_priced(cfg, tcfg, layout, platform, par)
     if trainer is None:
         from engine.run.step import Trainer
 
@@ -205,220 +234,42 @@ def predict(cfg: ModelConfig, tcfg: TrainConfig, layout: Layout, platform: str =
                                    keep=lambda path: not path.startswith("['blocks']"))
     grad_embed = _tree_bytes(shapes, t.grad_specs, sizes,
                              keep=lambda path: path.startswith("['embed']"))
-    # this device's tokens [B, L+1] int32 and residual stream [B, L_x, D] (f32), as the
-    # activation table shards them
+    # this device's tokens [B, L+1] int32, as the activation table shards them
     tokens = _shard_bytes(jax.ShapeDtypeStruct((tcfg.batch, tcfg.seq + 1), jnp.int32),
                           activation_spec("tokens", layout), sizes)
-    B, Lx, _ = _shard_shape((tcfg.batch, tcfg.seq, cfg.d_model),
-                            activation_spec("residual", layout, par.tp_comm), sizes)
+    d = dims(cfg, tcfg, layout, platform, par, kernel, shapes)
 
-    # L: this rank's tokens (whole over tp; seq / cp under cp); S: the keys one attention
-    # call sees (the whole sequence under cp's allgather; one rank's block in the ring)
-    L, D, K, N = tcfg.seq // cp, cfg.d_model, cfg.head_dim, cfg.n_layers
-    S = tcfg.seq if kernel == "reference" else L
-    # one layer's weights as gathered on a tp rank: the param table's shards with fsdp
-    # whole; H_tp, F_tp, V_tp and the kv heads a rank stores read off them
-    gathered = {name: _shard_shape(sds.shape, spec, {**sizes, PARAMS_ROLE: 1})
-                for name, sds, spec in _flat(shapes, param_specs(cfg, layout))}
-    Htp, Ftp, Vtp = (gathered["blocks/wq"][2], gathered["blocks/wg"][2],
-                     gathered["embed"][0])
-    G_stored = gathered["blocks/wk"][2]       # G / tp, or G (replicated) when tp > G
-    # the attention slices a replicated kv (tp > G) to the one head its rank uses
-    Gtp = G_stored if G_stored < cfg.n_kv_heads or layout.degree("tp") == 1 else 1
-    W = sum(math.prod(shape[1:]) for name, shape in gathered.items()
-            if name.startswith("blocks/w"))
-    W_rank = W - 2 * D * (G_stored - Gtp) * K  # kv sliced to this rank
-    c = jnp.dtype(cfg.compute_dtype).itemsize
-    u = F32 if platform == "cpu" else c  # a compute-dtype operand of a mixed dot
-
-    # a: bytes of the activation dtype (matmul results, the residual stream, the norms'
-    # outputs; f32 by default); cast: the norm outputs' and h's casts to the compute
-    # dtype are copies only where the two dtypes differ
-    # (on `cpu` 4 whatever the dtype: XLA:CPU's buffers for bf16 activations measured no
-    # smaller under remat full and dots, small fsdp8 / fsdp4xtp2, L = 256: docs/memory_model.md)
-    a = F32 if platform == "cpu" else jnp.dtype(cfg.act_dtype).itemsize
-    cast = int(cfg.activations != cfg.dtype)
-    x_stream, x_full = B * Lx * D * a, B * L * D * a  # [B, L_x, D], [B, L, D]
-    mlp = B * L * Ftp * a                              # [B, L, F_tp]
-    q_c = B * L * Htp * K * c                               # [B, L, H_tp, K] compute dtype
-    # the score tiles the kernel forms: [L, L] (reference) or, per 64-query chunk of T
-    # queries, [T, S] against its causal key prefix S (chunked)
-    if kernel == "flash":
-        chunks = []
-    elif kernel == "ring":  # the diagonal block: the ring's largest tile
-        chunks = [(L, L)]
-    elif cp > 1:  # cp's allgather: the first chunk against the first half of the keys,
-        chunks = [(L // 2, S // 2), (L // 2, S)]  # the second against all of them
-    elif kernel == "chunked":
-        T = min(inspect.signature(chunked_attention).parameters["blocks"].default.block_q, L)
-        chunks = [(min(s + T, L) - s, min(s + T, L)) for s in range(0, L, T)]
-    else:
-        chunks = [(L, L)]
-    tiles = sum(tq * s for tq, s in chunks)                 # sum of T·S
-    largest = max((tq * s for tq, s in chunks), default=0)  # one call's T·S
-    keys = sum(s for _, s in chunks)                        # sum of S
-    scores = B * Htp * tiles * F32                          # f32 scores of all tiles
-
-    # the layer's recompute and backward (remat `full`), live where the MLP's backward
-    # starts (docs/memory_model.md)
-    if kernel == "flash":
-        # the kernel accumulates in f32 on chip and writes dq, dk, dv in the compute
-        # dtype (jax's Pallas TPU flash / splash kernels: f32 VMEM scratch, outputs in
-        # q's and k's dtypes); FlashAttention-2/3 on a GPU accumulates dq in an f32 HBM
-        # buffer (`dq_accum`, flash_attn's mha_bwd) before converting it
-        attn = {"attention lse, f32 (forward residual)": B * Htp * L * F32,
-                "attention o (forward residual)": q_c,
-                "attention dq, dk, dv (compute dtype)": B * L * (Htp + 2 * Gtp) * K * c,
-                **({} if platform == "tpu" else
-                   {"attention dq accumulator, f32 (FlashAttention's dq_accum)":
-                        B * L * Htp * K * F32})}
-    elif kernel == "ring":
-        attn = {"attention p, dp, ds of the diagonal block, f32": 3 * scores,
-                "attention dq, dk, dv (f32), dk, dv arriving": B * L * (Htp + 4 * Gtp) * K * F32,
-                "attention k, v arriving (compute dtype)": 2 * B * L * Gtp * K * c,
-                "attention causal mask [L, L]": tiles}
-    elif kernel == "reference":
-        attn = {"attention exp(s - max), f32 (recomputed)": scores,
-                "attention p (compute dtype) upcast for dv's dot": scores // F32 * u,
-                "attention q, k, v upcast for the backward's dots":
-                    B * (L * Htp + 2 * S * Gtp) * K * u,
-                "attention causal mask [L, S]": tiles}
-        if cp > 1:
-            attn["attention k, v gathered over cp (compute dtype)"] = 2 * B * S * Gtp * K * c
-            attn["attention dk, dv over the whole sequence, f32 (before the reduce-scatter)"] = (
-                2 * B * S * Gtp * K * F32)
-    else:
-        attn = {"attention E = exp(s - max) per chunk, compute dtype (forward residual)":
-                    scores // F32 * c,
-                "attention 1/rowsum per chunk, f32 (forward residual)": B * Htp * L * F32,
-                "attention q relaid out heads-major, sliced per chunk (for dk)": q_c,
-                "attention k, v relaid out heads-major, sliced to each chunk's key prefix":
-                    2 * B * Gtp * K * keys * c,
-                "attention o heads-major (f32 for delta when chunks > 1)":
-                    q_c // c * (F32 if len(chunks) > 1 else c),
-                "attention masks per chunk [T, S]": tiles}
-    attn["attention o relaid out (for wo's grad)"] = q_c
-    # elementwise intermediates XLA:CPU keeps as buffers (silu's sigmoid(g), each norm's
-    # rsqrt broadcast over D); an accelerator's XLA fuses them into their consumers
-    cpu = platform == "cpu"
-    if platform == "tpu":  # read off XLA:TPU's buffer assignment (bench/tpu_compile.py)
-        mlp_items = {"mlp: three [B, L, F_tp] buffers in the compute dtype (XLA:TPU's, "
-                     "at the MLP backward)": 3 * mlp // a * c}
-    else:
-        mlp_items = {"mlp g, u, sigmoid(g) (recomputed)" if cpu else "mlp g, u (recomputed)":
-                         (3 if cpu else 2) * mlp,
-                     "mlp dg, du, h for wd's grad (compute dtype)":
-                         3 * mlp // a * c}
-    stream = {"stream x, x + attn, 2 norm outputs, dy": 5 * x_stream,
-              "stream dy (compute dtype, whole L), 2 norm outputs relaid out":
-                  3 * x_full // a * c,
-              "rope cos, sin [L, K/2]": L * K * F32}
-    if cpu and B * Lx >= NORM_BROADCAST_ROWS:
-        stream["stream rsqrt(mean(x^2)) broadcast over D, one per norm (f32)"] = (
-            2 * x_stream // a * F32)
-    weights = {"layer weights but wd (compute dtype)": (W_rank - D * Ftp) * c}
-    embed = {"embed grad, whole over fsdp (replaces its shard)": Vtp * D * F32 - grad_embed}
-    # the end of the layer's backward (zero 3 over fsdp): its weight grads whole until
-    # their reduce-scatter (the gather's transpose), beside its gathered weights and the
-    # stream. XLA:CPU combines the layer's reduce-scatters into one there, run in f32 for
-    # bf16: all of them, in the compute dtype and an f32 concatenated copy (read off its
-    # buffer assignment). An accelerator's XLA issues each as its grad is ready (async
-    # collectives, combined only up to a byte threshold): at least the largest, one
-    # [D, F_tp] in the compute dtype, and its f32 cast under grad_reduce f32 (not
-    # checked there). On the CPU grad_reduce f32 moves no peak (measured on small,
-    # fsdp8 and fsdp4xtp2, zero 2 and 3: the same peaks to 0.1 MiB).
-    if cpu and c < F32:
-        grads_whole = {"layer weight grads, whole before their combined reduce-scatter "
-                       "(compute dtype and f32)": W_rank * (c + F32)}
-    elif cpu:
-        grads_whole = {"layer weight grads, whole before their combined reduce-scatter":
-                           W_rank * c}
-    else:
-        grads_whole = {"mlp weight grad [D, F_tp], whole before its reduce-scatter":
-                           D * Ftp * c}
-        if par.grad_reduce == "f32" and c < F32:
-            grads_whole["its f32 cast, what the reduce-scatter reads (grad_reduce f32)"] = \
-                D * Ftp * F32
-    layer_weights = {"layer weights (compute dtype)": W_rank * c}
-    trans_full = {**attn, **mlp_items, **stream, **weights, **embed}
-    # prefetch: the backward is a scan of its own that gathers the weights again, one
-    # layer ahead, and holds two layers' gathered weights (layers.block.
-    # prefetched_full_remat under `full`, prefetched_saving under `dots` / `none`, which
-    # save what the policy keeps but the weights). With one layer under `dots` / `none`
-    # the scan is differentiated as written: it runs layers 1..N-1 and saves each one's
-    # gathered weights (its carry); the last layer follows it, not rematted.
-    saves_weights = par.prefetch and cfg.remat != "full" and N < 2
-    n = N - 1 if saves_weights else N
-    prefetched = ({f"prefetched weights saved by the scan ({n} layers, f32 on cpu)":
-                       n * W * u} if saves_weights else {})
-    if cfg.remat == "full":
-        res = {f"scan carry x ({n} layers)": n * x_stream}
-        trans = trans_full
-    elif cfg.remat == "dots":
-        # x, and the attention's output saved after its tp collective: [B, L_x, D] each
-        per = 2 * x_stream + B * L * (Htp + 2 * Gtp) * K * a + 2 * mlp
-        res = {f"carry x, q, k, v, attention output, g, u ({n} layers)": n * per,
-               **prefetched}
-        trans = {**{k: v for k, v in trans_full.items() if not k.startswith("mlp g")},
-                 **({"mlp sigmoid(g) (recomputed)": mlp} if cpu else {})}
-    else:  # none: the saved dot operands, stacked: us, u unless the host's XLA:CPU
-        # slices a bf16 stack as it is (jax 0.12; asked only here, where stacks are priced)
-        us = c if cpu and not cpu_upcasts_bf16_stacks() else u
-        saved = (B * Htp * L * F32 if kernel in ("flash", "ring")
-                 else scores // F32 * us + B * Htp * L * F32 if kernel == "chunked"
-                 else scores + scores // F32 * us)
-        per = {"p (f32 and compute dtype; chunked: E and 1/rowsum; f32 on cpu)": saved,
-               "mlp g, u, h and h cast (f32 on cpu)": 3 * mlp + cast * mlp // a * us,
-               "stream x into each norm": 2 * x_stream,
-               "norm outputs (cast for q, k, v, gate, up; f32 on cpu)":
-                   (5 * x_full // a * us) if cast else 2 * x_full,
-               "q, o, k, v (compute dtype; f32 on cpu)": (2 * Htp + 2 * Gtp) * B * L * K * us,
-               **({} if par.prefetch else {"gathered weights (compute dtype; f32 on cpu)": W * us})}
-        res = {f"{k} ({n} layers)": n * v for k, v in per.items()}
-        trans = {**{k: v for k, v in trans_full.items() if not k.startswith("mlp g")},
-                 "copies of this layer's saved p and 4 stream tensors":
-                     scores + 4 * x_stream}
+    attn, stream = attention_items(d), stream_items(d)
+    weights = {"layer weights but wd (compute dtype)": (d.W_rank - d.D * d.Ftp) * d.c}
+    embed = {"embed grad, whole over fsdp (replaces its shard)":
+                 d.Vtp * d.D * F32 - grad_embed}
+    trans_full = {**attn, **mlp_items(d), **stream, **weights, **embed}
+    saves_weights = par.prefetch and cfg.remat != "full" and d.N < 2
+    res, trans = saved_by_remat(d, cfg, par, trans_full, saves_weights)
+    layer_weights = {"layer weights (compute dtype)": d.W_rank * d.c}
     gathers = par.zero == 3 and layout.degree("fsdp") > 1  # ZeRO-3 gathers weights
     if platform == "tpu" and gathers:
         # XLA:TPU casts every layer's stored weight shards to the compute dtype once,
         # before the layer loop, and keeps the copy through both loops (read off its
         # buffer assignment: bench/tpu_compile.py)
         res["every layer's weight shards cast to the compute dtype, hoisted"] = (
-            N * W // layout.degree("fsdp") * c)
+            d.N * d.W // layout.degree("fsdp") * d.c)
     if par.prefetch and not saves_weights:  # this layer's whole weights and the next's
         carried = {"this layer's and the next layer's weights, carried (compute dtype)":
-                       2 * W * c}
+                       2 * d.W * d.c}
         trans = {**{k: v for k, v in trans.items() if not k.startswith("layer weights")},
                  **carried}
         layer_weights = carried
-    grads_end = {**stream, **embed, **layer_weights, **grads_whole} if gathers else {}
-    dlogits = ({"dlogits (XLA:TPU's one f32 [B, L, V_tp])": B * L * Vtp * F32}
-               if platform == "tpu" else {"dlogits and a relayout": 2 * B * L * Vtp * F32})
-    loss = {**dlogits,
-            "unembed gathered and its f32 grad": D * Vtp * (c + F32),
-            "embed grad, whole over fsdp": Vtp * D * F32}
+    grads_end = ({**stream, **embed, **layer_weights, **weight_grad_items(d, par)}
+                 if gathers else {})
     if saves_weights:
-        # the loss's backward with the last (not rematted) layer's forward saved
-        # (docs/memory_model.md); the scanned layers' stacked grads are already allocated
-        last = {"last layer: its input x (the scan's output)": x_stream,
-                "last layer: its gathered weights (compute dtype)": W_rank * c,
-                **{f"last layer: {k}": v for k, v in attn.items()},
-                "last layer: rope cos, sin [L, K/2]": L * K * F32,
-                "last layer: mlp g, u" + (", sigmoid(g), silu(g)" if cpu else ""):
-                    (4 if cpu else 2) * mlp,
-                "last layer: mlp h cast (for wd's grad)": mlp // a * c,
-                "last layer: stream 2 norm outputs, x + attn, x + attn + mlp, final "
-                "norm output": 5 * x_stream,
-                "last layer: stream 2 norm outputs cast, relaid out": 2 * x_full // a * c,
-                "loss: dh = dlogits unembed^T and its all-reduce over tp":
-                    x_full + x_stream,
-                "loss: unembed grad, f32": D * Vtp * F32,
-                "embed grad, whole over fsdp (replaces its shard)":
-                    Vtp * D * F32 - grad_embed}
-        grads_loss = grads_not_blocks + (grads - grads_not_blocks) * n // N
+        # the scanned layers' stacked grads are already allocated
+        n = d.N - 1
+        last = last_layer_items(d, attn, grad_embed)
+        grads_loss = grads_not_blocks + (grads - grads_not_blocks) * n // d.N
         phase_loss = "last layer"
     else:
-        last, grads_loss, phase_loss = loss, grads_not_blocks, "loss"
+        last, grads_loss, phase_loss = loss_items(d), grads_not_blocks, "loss"
 
     residuals = sum(res.values())
     layer_peak = grads + residuals + sum(trans.values())
@@ -432,7 +283,7 @@ def predict(cfg: ModelConfig, tcfg: TrainConfig, layout: Layout, platform: str =
         attn_bwd = {**{k: v for k, v in trans.items() if not k.startswith("mlp ")},
                     "attention dp, ds of the largest tile (f32)" if kernel == "reference"
                     else "attention s of the diagonal block (f32)":
-                        (2 if kernel == "reference" else 1) * B * Htp * largest * F32}
+                        (2 if kernel == "reference" else 1) * d.B * d.Htp * d.largest * F32}
         if grads + residuals + sum(attn_bwd.values()) > grads + residuals + sum(
                 transient.values()) and live == grads:
             phase, transient = "attention backward", attn_bwd

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax.numpy as jnp
 import numpy as np
 
 from engine.cost.ledger import Row
@@ -156,57 +155,3 @@ def predict_step(rows: list[Row], hw, layout, parallel, mapped_bytes: float = 0.
 
 
 # -- memory --------------------------------------------------------------------------------
-def stage_problem(cfg, tcfg, layout, parallel):
-    """(the model one device holds, as a step without pp: N/pp layers, the global batch
-    / M, the layout without its pp axis; and the parallel config with one microbatch
-    and no pipeline)."""
-    from engine.parallel.layout import Layout
-
-    pp = layout.degree("pp")
-    return (dataclasses.replace(cfg, n_layers=cfg.n_layers // pp),
-            dataclasses.replace(tcfg, batch=tcfg.batch // parallel.microbatches),
-            Layout(tuple(a for a in layout.axes if a[0] != "pp")),
-            dataclasses.replace(parallel, microbatches=1, pp_schedule="1f1b", pp_virtual=1))
-
-
-def predict_memory(cfg, tcfg, layout, platform: str = "cpu", parallel=None):
-    """The pipelined step's per-device peak (`memory.MemoryPrediction`): the peak falls
-    in a backward unit, the vjp of one stage on one microbatch, whose items are the
-    hand model's (engine/cost/memory.py) for the stage as a step of its own
-    (`stage_problem`: N/pp layers, one microbatch, its params, optimizer state and
-    grads as a stage stores them), plus what the pipeline's scan carries:
-
-        stash          2 x stash_slots x B_m·L_x·D·a   the stage inputs awaiting their
-                       backward (M slots under GPipe, pp under 1F1B), held twice: the
-                       switch's branches take the carry and return it (read off
-                       XLA:CPU: gpipe - 1f1b = 2 (M - pp) slots exactly, tiny at pp2 and
-                       pp4, M = 8 and 16)
-        shift buffers  2 x (x_slots + ct_slots) x B_m·L_x·D·a   arrived activations and
-                       cotangents, held the same way
-        grads          the scan carry's grads accumulator, f32 as differentiated (one
-                       more copy of the stage's grads beside the unit's)
-
-    B_m = this device's rows of one microbatch; a = bytes of the activation dtype."""
-    from engine.cost import memory
-    from engine.parallel.params import activation_spec
-
-    the_plan = pipeline.step_plan(layout, parallel)
-    scfg, stcfg, slayout, spar = stage_problem(cfg, tcfg, layout, parallel)
-    stage = memory.predict(scfg, stcfg, slayout, platform, parallel=spar)
-    B, Lx, D = memory._shard_shape((stcfg.batch, tcfg.seq, cfg.d_model),
-                                   activation_spec("residual", slayout, spar.tp_comm),
-                                   dict(slayout.mesh_axes()))
-    x_micro = B * Lx * D * jnp.dtype(cfg.act_dtype).itemsize  # the activation dtype
-    V = parallel.pp_virtual
-    if V > 1:  # a unit runs one chunk: N/(pp·V) layers' residuals (every item is per layer)
-        stage = dataclasses.replace(stage, residuals=stage.residuals // V, items={
-            k: v // V if k.startswith("residual") else v for k, v in stage.items.items()})
-    items = {f"pipeline: stash, {the_plan.stash_slots} microbatches' stage inputs, held "
-             f"twice": 2 * the_plan.stash_slots * x_micro,
-             f"pipeline: shift buffers, {the_plan.x_slots} + {the_plan.ct_slots} "
-             f"microbatches, held twice": 2 * (the_plan.x_slots + the_plan.ct_slots) * x_micro,
-             "pipeline: grads accumulated over the microbatches (f32)": stage.grads}
-    extra = sum(items.values())
-    return dataclasses.replace(stage, residuals=stage.residuals + extra,
-                               items={**items, **stage.items},
-                               phase=f"{stage.phase} (one microbatch on one stage)")
