@@ -169,8 +169,9 @@ def dot_seconds(rows, mesh: Mesh, canonical: bool = True, passes: int = 1) -> di
     copies XLA adds to lay out an operand in another order are in its time). The step
     makes those copies once per operand and layout, shared by the dots that read it, as
     ops of their own: the ledger has them as rows (`Row.relayout`, priced at
-    `relayout_bandwidth`): on medium tp8 the canonical timings sum to what a profiler
-    trace puts on the step's dot ops, the timings as written to dots plus copies.
+    `relayout_bandwidth`); timed canonical, medium tp8's dots sum to about what a
+    profiler trace puts on the step's dot ops, timed as written to well over it
+    (bench/results/2026-11-28-dot-layout-xeon2c.md).
     A dot of mixed operand dtypes (an f32 cotangent times a bf16 weight) is timed
     with both in the wider dtype: XLA converts the narrow one first, and that convert is
     priced as a row of its own.
