@@ -23,11 +23,9 @@ Dispatch, with fixed-size buffers (`lax.ragged_all_to_all` is unimplemented on X
    router probs and summed over each token's K choices. Dropped assignments add nothing,
    so a token whose every choice was dropped leaves the block as it came (residual).
 
-Padded einsums against `jax.lax.ragged_dot` (rows sorted by expert, one grouped
-matmul per weight) on this CPU, the experts' three matmuls forward + backward for
-T=4096, K=2, E=8, D=256, F=512 in bf16 (`nice python bench/moe.py --matmuls`, median of
-5, 2 shared cores under load): padded 3.2 s, ragged_dot 4.0 s (forward alone 1.18 vs
-1.40 s). So the experts are padded einsums; the price is E/K times the routed FLOPs
+The experts are padded einsums: on the CPU they ran faster than `jax.lax.ragged_dot`
+(rows sorted by expert, one grouped matmul per weight; `python bench/moe.py --matmuls`,
+bench/results/2026-11-23-moe-matmuls-cpu.md). The price is E/K times the routed FLOPs
 when dropless (every expert's buffer holds its worst case).
 
 tp (allreduce tp_comm only, engine/parallel/validate.py) splits every expert's hidden dim: the

@@ -302,38 +302,18 @@ PROFILES["h100-gt"] = dataclasses.replace(
     PROFILES["h100"], name="H100 96GB HBM2e (Grand Teton)", hbm=2.4e12, hbm_capacity=96e9,
     peak_flops={k: (_SXM[k] + _NVL[k]) / 2 for k in _SXM}, mfu_peak=dict(_SXM))
 
-# `python bench/calibrate.py` on this machine (2 Zen-5 cores, 8 forced devices, load
-# average ~5 from concurrent jobs) on 2026-11-22; used only when no calibration file
-# exists. collective_fit: kind -> (latency per ring hop s, bandwidth B/s). peak_flops is
-# the median rate of the `small` model's matmul shapes (what pricing uses), timed then
-# as the step writes them, their operands' relayout copies inside (now priced apart at
-# `relayout_bw`, so these rates understate the dots alone); mfu_peak is
-# engine/run/mfu.py's 2048^3 matmul (f32 accumulation, best of 5) on one device, measured
-# on 2026-11-23 at load average ~1.4 with
-# `python -c "from engine.run.mfu import measured_matmul_peak as m; import jax.numpy as j;
-# print(m(j.float32, reps=5), m(j.bfloat16, reps=5))"`: 9.71e10 and 5.39e10.
-# all-to-all: `microbench.collective_times` + `fit` over 8 devices at 64 KiB..4 MiB on
-# 2026-11-23 at load average ~8 (other jobs running); all-gather in the same run fitted
-# (1.1e-4, 5.1e8), about 1/4 of its figure above, so this one is as pessimistic.
-# hbm: that calibration's one device on 64 MiB arrays (out of cache), not today's sum
-# over 8 devices in cache, and no hbm_cold: all traffic at an out-of-cache rate.
-# beside_cost: `microbench.beside_cost` (median of 21 rounds) three times on 2026-11-27 at
-# load average ~1.2, `python -c "from engine.cli.args import force_host_devices as f; f(8);
-# import jax, numpy as np; from engine.cost.microbench import beside_cost as b;
-# m = jax.sharding.Mesh(np.array(jax.devices()), ('d',)); print([b(m) for _ in range(3)])"`:
-# 1.18, 0.84, 0.88 (the middle one here).
-# fault_cost: `microbench.fault_cost` on 145 MiB (single `small`'s temporaries), 9 pairs,
-# three times on 2026-11-27 at load average ~0.4, `python -c "from engine.cost.microbench
-# import fault_cost as f; print(f(145 << 20, reps=9))"`: 6.66e-10, 5.27e-10, 6.59e-10 s a
-# byte (the middle one here: 2.7 µs a 4 KiB page, 100 ms for the 145 MiB).
-# relayout_bw: `python bench/calibrate.py` on 2026-11-27 on a 2-core Intel Xeon (AMX-bf16)
-# at load average ~2.9: a bf16 [4096, 512] transpose copy on each of 8 devices at once,
-# summed over them, 6.07e9 B/s (the same run's canonical dots of `small`: 1.28e11 f32,
-# 2.96e11 bf16 FLOP/s).
-# vector_flops and transcendental_flops: bench/calibrate.py's one-device rates, median of
-# 5 each, on 2026-11-25 at load average ~1.6: `python -c "from bench.calibrate import
-# vector_flops as v, transcendental_flops as t; print(v(), t())"` (32 multiply-adds an
-# element, 3.62e10; one exp an element, 2.17e9 a second).
+# The cpu profile used only when no calibration file exists. Each figure, its command
+# and its host are in bench/results/:
+# peak_flops (the median rate of `small`'s matmul shapes as the step writes them, their
+# operands' relayout copies inside), hbm (one device, out of cache; no hbm_cold) and
+# collective_fit (kind -> (latency per ring hop s, bandwidth B/s)) but all-to-all:
+#   `python bench/calibrate.py`, 2026-11-22-calibrate-zen5c2.md
+# mfu_peak (engine/run/mfu.py's 2048^3 matmul) and all-to-all (`microbench.collective_times`
+#   + `fit`; as pessimistic as that run's all-gather): 2026-11-23-calibrate-cpu.md
+# vector_flops, transcendental_flops: bench/calibrate.py's one-device rates,
+#   2026-11-25-calibrate-cpu.md
+# beside_cost (`microbench.beside_cost`), fault_cost (`microbench.fault_cost`), relayout_bw
+#   (`python bench/calibrate.py`): the middle of three runs each, 2026-11-27-microbench-xeon2c.md
 CPU_DEFAULTS = {
     "peak_flops": {"float32": 6.5e10, "bfloat16": 4.5e10},
     "mfu_peak": {"float32": 9.71e10, "bfloat16": 5.39e10},

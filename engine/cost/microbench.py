@@ -169,9 +169,9 @@ def dot_seconds(rows, mesh: Mesh, canonical: bool = True, passes: int = 1) -> di
     copies XLA adds to lay out an operand in another order are in its time). The step
     makes those copies once per operand and layout, shared by the dots that read it, as
     ops of their own: the ledger has them as rows (`Row.relayout`, priced at
-    `relayout_bandwidth`). On medium tp8 two timings in one process summed the step's
-    dots to 4.57 and 3.68 s as written, 2.68 and 2.98 s canonical; a profiler trace of
-    the step put its dot ops at 2.78 s and its operand copies at 0.43 s.
+    `relayout_bandwidth`); timed canonical, medium tp8's dots sum to about what a
+    profiler trace puts on the step's dot ops, timed as written to well over it
+    (bench/results/2026-11-28-dot-layout-xeon2c.md).
     A dot of mixed operand dtypes (an f32 cotangent times a bf16 weight) is timed
     with both in the wider dtype: XLA converts the narrow one first, and that convert is
     priced as a row of its own.
@@ -398,9 +398,7 @@ def in_chain_seconds(mesh: Mesh, axes, elems: int, dtype, reps: int,
     elems). A step's all-reduce sits where this one does (a tp block's output, the
     loss's sums); on forced host devices it costs more there than alone, the devices
     arriving at it at different times from compute on shared cores:
-    `python bench/collective_context.py --rows 1024 4096 --width 1024 --chain 20 --rounds
-    5` (8 devices: 4 MiB a device 4.45 ms alone, 12.19 ms a link in the chain; 16 MiB
-    24.76 against 87.63 ms)."""
+    `python bench/collective_context.py` (bench/results/2026-11-28-collective-context-xeon2c.md)."""
     width = min(CHAIN_WIDTH, elems)
     g = mesh.shape["d"]
     spec = P(axes)

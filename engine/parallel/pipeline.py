@@ -38,10 +38,8 @@ every stage and selected.
 The embedding runs on the first stage only and the head and loss on the last only
 (`lax.cond` on the stage index; the other stages' grads of those params stay zero and
 the all-reduce over pp after the scan sums the one nonzero copy). Computing them on
-every stage and discarding the unused results (`jnp.where`) was slower on this CPU:
-`loss_and_grads` of the small preset with V=8192, pp4xfsdp2, batch 16, seq 128, M=4, 1f1b
-took 9.0 s (median of 6) with the branches against 15.5 s computing on all stages
-(2 cores shared with other jobs, so only the ratio means much).
+every stage and discarding the unused results (`jnp.where`) was slower on the CPU
+(bench/results/2026-11-23-pipeline-branches-cpu.md).
 """
 from __future__ import annotations
 

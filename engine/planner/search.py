@@ -312,23 +312,17 @@ def timed_prices(priced: list, tcfg: TrainConfig, hw, n: int, devices,
     return out, hw
 
 
-# The cpu profile prices every matmul at one rate: the rate of one model's dots
-# (bench/calibrate.py: `small` on fsdp8). XLA:CPU runs other shapes at other rates:
-# 0.75e10-9.3e10 FLOP/s per device over the dots of `medium` on fsdp8 against 3.5e10
-# over `small`'s (8 devices at once on the 2-core host, 2026-11-27): timed, two
-# `medium` candidates predicted 9.7% apart came out 1.8% apart, the one rate's relative
-# error between them 8%. So on the host the planner prices again, with their matmuls
-# timed, every candidate predicted within this fraction of the first (`refine`): a search
-# margin, about twice that error, not a price.
+# The cpu profile prices every matmul at one rate (`small`'s dots on fsdp8), and XLA:CPU
+# runs other shapes at other rates: on the host the planner prices again, with their
+# matmuls timed, every candidate predicted within this fraction of the first (`refine`),
+# a search margin of about twice the one rate's error between candidates, not a price
+# (measured: bench/results/2026-11-27-dot-rates-xeon2c.md).
 REFINE_WITHIN = 0.15
 
-# Passes over the refined candidates' matmuls, each dot's fastest kept (`dot_seconds`).
-# `python bench/dot_passes.py --model medium --calibration cal.json` (one and three
-# passes alternating, six timings each, load average 1.6-4.5 from other jobs,
-# 2026-11-27): timed in one pass, the dots put fsdp4xtp2's predicted step (zero 3,
-# tp_comm sequence, remat full) at 0.892-1.148 of fsdp8's (standard deviation 0.085);
-# in three, at 0.965-1.010 (0.017). One pass took 6.6-12.8 s, three 8.3-9.8 s: building
-# every dot's programs comes first and once.
+# Passes over the refined candidates' matmuls, each dot's fastest kept (`dot_seconds`):
+# three hold two candidates' predicted ratio steady where one pass lets a slow spell of
+# the host move it (`python bench/dot_passes.py --model medium`;
+# bench/results/2026-11-27-dot-rates-xeon2c.md).
 DOT_PASSES = 3
 
 

@@ -3,34 +3,19 @@
 XLA:CPU takes every buffer of a step (activations, scores, grads: tens of MB per layer)
 from malloc and frees it when the step ends. glibc hands blocks above its mmap
 threshold back to the kernel on free (munmap, or trimming the top of a heap), so the
-next step page-faults and zero-fills the same memory again. On the 2-core machine this
-project is built on, that was 70-90 ms of kernel time per `small` fsdp8 step (getrusage
-sys time, ~10% of the step's CPU time); with the settings below it is 10-25 ms and the
-step ~10% faster (`python bench/step.py --layout fsdp8 --model small`, 9,301 and 9,140
-tok/s before, 10,256 and 10,419 after: README, "Performance"). Freed memory stays in the process for the next step, as an
-accelerator runtime's preallocated pool does.
+next step page-faults and zero-fills the same memory again. The settings below keep
+freed memory in the process for the next step, as an accelerator runtime's preallocated
+pool does, and no block is mmapped on its own (`M_MMAP_MAX` 0: glibc's largest mmap
+threshold, 32 MiB, is below many layouts' temporaries per device), which cut the kernel
+time of a step and sped it up (bench/results/2026-11-27-malloc-cpu.md).
 
-glibc's largest mmap threshold is 32 MiB, and a step's temporaries on one device
-(`compiled.memory_analysis().temp_size_in_bytes`) are larger on many layouts: 39 MiB on
-fsdp8 `small` with remat dots, 57 MiB on tp8 `small`, 56-404 MiB on `medium`. Above
-the threshold glibc maps a block anew each time, so those steps faulted their
-temporaries in whole every step (getrusage, `small`: 73,000 minor faults a step on the
-first, 117,000 on the second, about 0.2 s of kernel time each; single `small`, 145 MiB
-of temporaries, 37,000: the same 4 KiB pages). No mmap at all (`M_MMAP_MAX` 0) serves
-such blocks from a heap too, where they stay: the first two then fault a few thousand
-times a step at most. A block larger than a thread's heap (64 MiB: glibc's
-`HEAP_MAX_SIZE`) is still mapped when a device thread asks for it, as single `small`'s
-are and most of `medium`'s. Only the main arena could hold those, and one arena for
-every thread (`M_ARENA_MAX` 1) made the 8-device steps slower on this host (its lock:
-three times the voluntary context switches).
-
-Those mapped blocks are a cost of the step on this host: every step faults the device's
-temporaries in page by page (`mapped_each_step`), each 4 KiB page a kernel page fault
-and zero fill, 2.2-2.7 µs a page on the host this project is built on
-(`microbench.fault_cost`, 5.3e-10 to 6.7e-10 s a byte over rewriting touched memory),
-so single `small` spends 80-100 ms of its ~0.5 s step there. The CPU cost model prices
-them (`price.fault_seconds`) where the compiled step's temporaries are known
-(`bench/roofline.py`).
+A block larger than a thread's heap (64 MiB: glibc's `HEAP_MAX_SIZE`) is still mapped
+when a device thread asks for it, as single `small`'s temporaries are and most of
+`medium`'s. Only the main arena could hold those, and one arena for every thread
+(`M_ARENA_MAX` 1) made the 8-device steps slower (its lock). So every step faults such a
+device's temporaries in page by page (`mapped_each_step`), a kernel page fault and zero
+fill per 4 KiB page; the CPU cost model prices them (`price.fault_seconds`) where the
+compiled step's temporaries are known (`bench/roofline.py`).
 """
 from __future__ import annotations
 

@@ -25,7 +25,7 @@ KERNELS = {"reference": reference_attention, "chunked": chunked_attention,
 # Sequences at least this long use the blocked flash path under `attention="auto"`: from
 # there on dense O(L^2) scores dominate memory (bench/attention.py). Shorter ones use
 # `chunked`: dense scores, causal tiles skipped, flash backward (the fastest kernel on
-# CPU at L = 256: README, "Performance").
+# CPU at L = 256: bench/results/2026-11-22-attention-zen5c2.md).
 AUTO_BLOCKED_FROM = 1024
 
 
