@@ -96,3 +96,14 @@ def test_readme_commands_run(tmp_path):
         r = subprocess.run([sys.executable, *argv[1:]], cwd=tmp_path, env=env,
                            capture_output=True, text=True, timeout=1800)
         assert r.returncode == 0, f"{shlex.join(argv)}\n{r.stderr[-2000:]}"
+
+
+def test_the_switch_table_in_the_docs_is_the_one_the_code_describes():
+    """docs/parallelism.md's switch table is `engine.cli.args.switch_table()`, the same
+    descriptions `--help` prints (regenerate it with
+    `python -c "from engine.cli.args import switch_table; print(switch_table())"`)."""
+    from engine.cli.args import switch_table
+
+    text = (ROOT / "docs" / "parallelism.md").read_text()
+    block = re.search(r"<!-- switches:begin -->\n(.*?)\n<!-- switches:end -->", text, re.S)
+    assert block and block.group(1) == switch_table()
