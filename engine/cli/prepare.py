@@ -22,8 +22,8 @@ def build_parser():
                         "directory's tokenizer_config.json, else a special token such as "
                         "<|endoftext|> or </s>)")
     p.add_argument("--input", nargs="+", action="extend", required=True, metavar="FILE",
-                   help="files or globs (quoted; ** recursive): .txt (one document a file) "
-                        "or .jsonl (one document a line)")
+                   help="files or globs (quoted; ** recursive): .jsonl (one document a line) "
+                        "or plain text (.txt, .py, ...: one document a file)")
     p.add_argument("--out", required=True, help="the token file to write, PATH.bin")
     p.add_argument("--text-field", default="text", help="the JSONL field holding the text")
     p.add_argument("--errors", default="strict", choices=ERRORS,

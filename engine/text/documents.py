@@ -1,5 +1,6 @@
-"""Documents from raw files, checked: a `.txt` file is one document, a `.jsonl` file one
-document per non-blank line (its `text_field` string). Text must be UTF-8: with
+"""Documents from raw files, checked: a `.jsonl` file holds one document per non-blank
+line (its `text_field` string); any other file (`.txt`, `.py`, `.md`, ...) is one
+document of plain text. Text must be UTF-8: with
 errors="strict" an invalid byte is refused naming the file, line and byte offset; with
 errors="replace" it becomes U+FFFD. Parquet is not read: it needs pyarrow, a large
 dependency this engine does not otherwise have (convert to JSONL first)."""
@@ -9,7 +10,8 @@ import glob
 import json
 import os
 
-EXTENSIONS = (".txt", ".jsonl")
+PARQUET = ("{}: parquet needs pyarrow, which is not a dependency of this engine: convert "
+           "it to JSONL")
 ERRORS = ("strict", "replace")
 
 
@@ -31,14 +33,12 @@ def _decode(raw: bytes, path: str, line: int, base: int, errors: str) -> str:
 def documents(path: str, text_field: str = "text", errors: str = "strict"):
     """Yield the documents of one .txt or .jsonl file as str; raises DocumentError."""
     ext = os.path.splitext(path)[1]
-    if ext == ".txt":
+    if ext == ".parquet":
+        raise DocumentError(PARQUET.format(path))
+    if ext != ".jsonl":
         with open(path, "rb") as f:
             yield _decode(f.read(), path, 1, 0, errors)
         return
-    if ext != ".jsonl":
-        raise DocumentError(f"{path}: want a .txt or .jsonl file" + (
-            " (parquet needs pyarrow, not a dependency here: convert it to JSONL)"
-            if ext == ".parquet" else ""))
     offset = 0
     with open(path, "rb") as f:
         for n, raw in enumerate(f, 1):
@@ -69,11 +69,8 @@ def expand_inputs(patterns) -> list[str]:
         found = sorted(p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p))
         if not found:
             raise DocumentError(f"--input {pattern!r} matches no file")
-        bad = [p for p in found if os.path.splitext(p)[1] not in EXTENSIONS]
-        if bad:
-            raise DocumentError(f"--input {pattern!r}: {bad[0]} is not a .txt or .jsonl file"
-                                + (" (parquet needs pyarrow, not a dependency here: convert "
-                                   "it to JSONL)" if bad[0].endswith(".parquet") else ""))
+        if bad := [p for p in found if p.endswith(".parquet")]:
+            raise DocumentError(PARQUET.format(bad[0]))
         files += [p for p in found if p not in seen]
         seen.update(found)
     return files
