@@ -223,8 +223,13 @@ def _peak(cfg, args, devices) -> tuple[float, str]:
     return distributed.peak_flops(cfg.compute_dtype, devices)
 
 
-def _abspath(path: str | None) -> str | None:
-    return None if path is None or path == "bytes" else os.path.abspath(path)
+def _tokenizer_meta(data) -> dict:
+    """{tokenizer, tokenizer_hash} of the data, for a checkpoint (generation checks it)."""
+    if data.tokenizer is None:
+        return {}
+    name, digest = data.tokenizer
+    return dict(tokenizer=name if digest == "bytes" else os.path.abspath(name),
+                tokenizer_hash=digest)
 
 
 def _train(cfg, tcfg, parallel, layout, args, data) -> int:
@@ -250,7 +255,7 @@ def _train(cfg, tcfg, parallel, layout, args, data) -> int:
         meta = dict(rng=dict(seed=tcfg.seed), model=dataclasses.asdict(cfg),
                     train=dataclasses.asdict(tcfg), parallel=dataclasses.asdict(parallel),
                     layout=str(layout), data=dict(source=args.data, dtype=args.data_dtype,
-                                                  tokenizer=_abspath(args.tokenizer)))
+                                                  **_tokenizer_meta(data)))
         hooks.append(Checkpoints(args.checkpoint_dir, args.checkpoint_every, args.keep,
                                  tcfg.steps, meta, say))
     if args.profile_steps:

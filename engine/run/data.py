@@ -78,6 +78,7 @@ class Synthetic:
     vocab: int
     name: str = "synthetic"
     eos_id = None
+    tokenizer = None  # (name, hash) of the tokenizer that made the tokens
     bytes_per_token = None  # not text
 
     def describe(self) -> str:
@@ -104,6 +105,7 @@ class Corpus:
     files: int = 1
     eos_id: int | None = None  # the token ending each document, if the data has one
     bytes_per_token: float | None = 1.0  # UTF-8 bytes of text per token
+    tokenizer: tuple[str, str] | None = (BYTES, BYTES)  # (name, hash); None: unknown
 
     def describe(self) -> str:
         files = f"{self.files} files, " if self.files > 1 else ""
@@ -154,7 +156,8 @@ def load_data(spec: str, vocab: int, bin_dtype: str = "uint16", tokenizer=None,
             tokens_T, extra = _bin_tokens(spec, bin_dtype, tokenizer, vocab)
         elif tokenizer is not None and tokenizer.hash != BYTES:
             tokens_T, nbytes = encode_documents(tokenizer, _documents(spec, text_field, errors))
-            extra = dict(eos_id=tokenizer.eos_id, bytes_per_token=nbytes / max(len(tokens_T), 1))
+            extra = dict(eos_id=tokenizer.eos_id, bytes_per_token=nbytes / max(len(tokens_T), 1),
+                         tokenizer=(tokenizer.name, tokenizer.hash))
         elif ext == ".txt":
             tokens_T = _txt_bytes(spec, errors)
         else:
@@ -227,12 +230,14 @@ def _bin_tokens(path: str, bin_dtype: str, tokenizer=None, vocab: int | None = N
         raise DataError(f"data file {path} has {size} bytes, not a whole number of "
                         f"{bin_dtype} tokens (see --data-dtype)")
     if meta is None:
-        return np.memmap(path, np.dtype(bin_dtype), mode="r"), dict(bytes_per_token=None)
+        return np.memmap(path, np.dtype(bin_dtype), mode="r"), dict(bytes_per_token=None,
+                                                                     tokenizer=None)
     if size != meta["tokens"] * itemsize:
         raise DataError(f"data file {path} has {size} bytes but its sidecar says "
                         f"{meta['tokens']} {bin_dtype} tokens")
     return np.memmap(path, np.dtype(bin_dtype), mode="r"), dict(
-        eos_id=meta["eos_id"], bytes_per_token=meta["bytes"] / max(meta["tokens"], 1))
+        eos_id=meta["eos_id"], bytes_per_token=meta["bytes"] / max(meta["tokens"], 1),
+        tokenizer=(meta.get("tokenizer", "?"), meta["tokenizer_hash"]))
 
 
 def stdlib_files() -> tuple[str, list[str]]:
