@@ -16,6 +16,7 @@ import argparse
 import codecs
 import dataclasses
 import math
+import os
 import sys
 import time
 
@@ -68,13 +69,14 @@ class Request:
     """Everything the command line asks for, checked; no jax needed to build it."""
 
     texts: tuple[str, ...]
-    prompts: tuple[tuple[int, ...], ...]  # token ids
     max_new: int
-    cache_len: int
-    stop: "Stop"
     layout: Layout
-    tok: object  # engine.text.tokenizer's ByteTokenizer | HFTokenizer
     args: argparse.Namespace
+    # set by `bind` once the tokenizer is known (--tokenizer, else the checkpoint's)
+    tok: object = None  # engine.text.tokenizer's ByteTokenizer | HFTokenizer
+    prompts: tuple[tuple[int, ...], ...] = ()  # token ids
+    stop: "Stop" = None
+    cache_len: int = 0
 
     @property
     def unit(self) -> str:
@@ -128,14 +130,23 @@ def parse(argv) -> Request:
         problems.append(f"cache_len={args.cache_len} must be >= 1")
     if problems:
         raise UsageError("; ".join(problems))
+    request = Request(tuple(read_prompts(args)), args.max_new_tokens,
+                      Layout.parse(args.layout), args)
+    return request if args.tokenizer is None else bind(request, open_tokenizer(args.tokenizer))
+
+
+def open_tokenizer(spec: str):
     try:
-        tok = load_tokenizer(args.tokenizer)
+        return load_tokenizer(spec)
     except TokenizerError as e:
         raise UsageError(str(e)) from None
+
+
+def bind(request: Request, tok) -> Request:
+    """`request` with its prompts tokenized by `tok`, its stop and its cache length."""
+    args = request.args
     stop = Stop(tok, *parse_stop(args.stop, tok))
-    layout = Layout.parse(args.layout)
-    texts = read_prompts(args)
-    prompts = [tuple(tok.encode(t)) for t in texts]
+    prompts = [tuple(tok.encode(t)) for t in request.texts]
     unit = "bytes" if tok.hash == BYTES else "tokens"
     longest = max(len(p) for p in prompts)
     cache_len = args.cache_len or longest + args.max_new_tokens
@@ -144,8 +155,8 @@ def parse(argv) -> Request:
         raise UsageError(f"prompt {which} is {longest} {unit}; with max_new_tokens="
                          f"{args.max_new_tokens} it needs {longest + args.max_new_tokens} "
                          f"cache slots, more than cache_len={cache_len}")
-    return Request(tuple(texts), tuple(prompts), args.max_new_tokens, cache_len, stop, layout,
-                   tok, args)
+    return dataclasses.replace(request, tok=tok, prompts=tuple(prompts), stop=stop,
+                               cache_len=cache_len)
 
 
 def parse_stop(value: str | None, tok) -> tuple[str, bool]:
@@ -183,7 +194,9 @@ class Stop:
         if reason == "stop" and self.eos and tokens[-1] == self.tok.eos_id:
             tokens = tokens[:-1]
         text = self.tok.decode(tokens)
-        return text[:text.index(self.text)] if reason == "stop" and self.text in text else text
+        if reason == "stop" and self.text and self.text in text:
+            return text[:text.index(self.text)]
+        return text
 
 
 @dataclasses.dataclass(frozen=True)
@@ -266,7 +279,7 @@ class Stream:
         at_eos = reason == "stop" and self.stop.eos and token == self.stop.tok.eos_id
         if not at_eos:
             self.pending += self.decoder.step(token)
-        if reason == "stop" and self.stop.text in self.pending and self.stop.text:
+        if reason == "stop" and self.stop.text and self.stop.text in self.pending:
             self.pending = self.pending[:self.pending.index(self.stop.text)]
         keep = 0 if reason else min(len(self.pending), max(len(self.stop.text) - 1, 0))
         ready, self.pending = (self.pending[:len(self.pending) - keep],
@@ -291,7 +304,8 @@ def rate(tokens: int, seconds: float) -> str:
 
 
 def load_model(request: Request):
-    """(checkpoint, ModelConfig) of the newest checkpoint; raises UsageError."""
+    """(checkpoint, ModelConfig, the request bound to its tokenizer) of the newest
+    checkpoint; raises UsageError."""
     from engine.run import checkpoint
 
     directory = request.args.checkpoint_dir
@@ -303,16 +317,21 @@ def load_model(request: Request):
     cfg = ModelConfig(**saved)
     if request.args.dtype:
         cfg = dataclasses.replace(cfg, dtype=request.args.dtype)
+    trained = ckpt.meta.get("data", {}).get("tokenizer_hash")
+    name = ckpt.meta.get("data", {}).get("tokenizer") or BYTES
+    if request.tok is None:  # the checkpoint's tokenizer
+        if trained not in (None, BYTES) and not os.path.exists(name):
+            raise UsageError(f"checkpoint {ckpt.path} was trained with tokenizer {name}, "
+                             f"which is gone: pass --tokenizer")
+        request = bind(request, open_tokenizer(BYTES if trained is None else name))
     tok = request.tok
     if cfg.vocab < tok.vocab_size:
         raise UsageError(f"checkpoint {ckpt.path} has vocab={cfg.vocab}; {describe(tok)} "
                          f"needs vocab >= {tok.vocab_size}")
-    trained = ckpt.meta.get("data", {}).get("tokenizer_hash")
     if trained is not None and trained != tok.hash:
-        name = ckpt.meta["data"].get("tokenizer") or BYTES
         raise UsageError(f"checkpoint {ckpt.path} was trained with tokenizer {name}, not "
                          f"{tok.name}: pass --tokenizer {name}")
-    return ckpt, cfg
+    return ckpt, cfg, request
 
 
 def load_params(ckpt, cfg: ModelConfig, layout: Layout, mesh, batch: int):
@@ -331,7 +350,7 @@ def run(request: Request) -> int:
     from engine.run.checkpoint import CheckpointError
 
     try:
-        ckpt, cfg = load_model(request)
+        ckpt, cfg, request = load_model(request)
         layout = request.layout
         rows = math.prod(layout.degree(r) for r in roles.roles_sharding("batch"))
         batch = -(-len(request.prompts) // rows) * rows
