@@ -103,7 +103,7 @@ def prepare(tokenizer: str | None, files: list[str], out: str, text_field: str =
         with open(tmp, "wb") as f:
             chunks = _chunks(files, text_field, errors, bar)
             if processes > 1:
-                ctx = multiprocessing.get_context("fork")
+                ctx = multiprocessing.get_context("spawn")  # safe beside threads (jax, rayon)
                 pool = ctx.Pool(processes, _init_worker, (tokenizer, eos))
                 results = pool.imap(_encode_chunk, chunks)
             else:

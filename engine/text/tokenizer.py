@@ -6,9 +6,10 @@ decoder, `vocab_size`, `eos_id` (None when the tokenizer has no end-of-document 
 and `hash`, which names the tokenizer in a data file's sidecar: "bytes", or the sha256
 of the tokenizer.json file.
 
-The EOS of a Hugging Face tokenizer: the `eos_token` of a `tokenizer_config.json` next to
-the tokenizer.json (an HF model directory holds one), else the first added special token
-named like an end of text (`EOS_NAMES`), else an `eos` given by the caller.
+The EOS of a Hugging Face tokenizer: an `eos` given by the caller, else the `eos_token` of
+the `tokenizer_config.json` beside a file named tokenizer.json (an HF model directory
+holds both), else the first added special token
+named like an end of text (`EOS_NAMES`), else none.
 """
 from __future__ import annotations
 
@@ -84,7 +85,9 @@ class HFTokenizer:
         self.eos_id = self._eos(eos)
 
     def _eos(self, eos: str | None) -> int | None:
-        name = eos or _config_eos(os.path.dirname(self.path))
+        name = eos
+        if name is None and os.path.basename(self.path) == "tokenizer.json":
+            name = _config_eos(os.path.dirname(self.path))
         if name is None:
             specials = {t.content for t in self.tok.get_added_tokens_decoder().values()
                         if t.special}
