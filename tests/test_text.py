@@ -259,3 +259,106 @@ def test_eval_only_on_a_checkpoint_equals_the_training_evaluation(corpus, tmp_pa
     assert alone["step"] == 2
     for k in ("val_loss", "val_ppl", "val_bpb"):
         assert alone[k] == pytest.approx(trained[k], rel=1e-6), k  # the same batches, params
+
+
+# -- generation ------------------------------------------------------------------------
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    import jax.numpy as jnp
+
+    from engine.run.decode import Sampling, sample
+
+    logits_BV = jnp.log(jnp.array([[0.05, 0.5, 0.15, 0.3]] * 512))
+    rows_B = jnp.arange(512)
+    seen = lambda **k: set(np.asarray(sample(logits_BV, 0, 1, rows_B, Sampling(1.0, **k))).tolist())  # noqa: E731
+    assert seen(top_p=0.7) == {1, 3}  # 0.5 + 0.3 reach 0.7
+    assert seen(top_p=0.85) == {1, 3, 2}
+    assert seen(top_p=0.5) == {1}  # the first token alone reaches p
+    assert seen() == {0, 1, 2, 3}
+    assert seen(top_k=3, top_p=0.7) == {1, 3}
+
+
+def test_stop_and_stream_with_a_tokenizer(tmp_path):
+    from engine.cli.generate import Stop, Stream, UsageError, parse_stop
+
+    tok = T.load_tokenizer(bpe(tmp_path / "t.json"))
+    ids = tok.encode("héllo wörld, the quick") + [tok.eos_id] + tok.encode(" more")
+    for stop, want in [(Stop(tok, eos=True), "héllo wörld, the quick"),
+                       (Stop(tok, "ld, t"), "héllo wör")]:
+        written, out = [], []
+        stream = Stream(stop, written.append)
+        for i in ids:
+            out.append(i)
+            reason = "stop" if stop(out) else ""
+            stream(0, i, reason)
+            if reason:
+                break
+        assert "".join(written) == want == stop.shown(out, "stop")
+    assert parse_stop("EOS", tok) == ("", True) and parse_stop(r"a\nb", tok) == ("a\nb", False)
+    with pytest.raises(UsageError, match="has no EOS token"):
+        parse_stop("EOS", T.ByteTokenizer())
+
+
+@pytest.fixture
+def text_checkpoint(tmp_path):
+    """A tiny model's checkpoint (vocab 320, built on the host) trained, its meta says,
+    with a BPE tokenizer; (directory, tokenizer path)."""
+    import dataclasses
+
+    import jax
+    from test_checkpoint import host_state, meta, trainer
+
+    from engine.config import model_config
+    from engine.parallel.params import param_shapes
+    from engine.run import checkpoint
+
+    cfg = model_config("tiny", vocab=320)
+    state = host_state(trainer("single", cfg), 0)
+    paths, treedef = jax.tree_util.tree_flatten_with_path(param_shapes(cfg))
+    params = treedef.unflatten([state.params[jax.tree_util.keystr(p)] for p, _ in paths])
+    tok_path = bpe(tmp_path / "tok.json")
+    m = meta(cfg)
+    m["data"].update(tokenizer=tok_path, tokenizer_hash=T.load_tokenizer(tok_path).hash)
+    (tmp_path / "ck").mkdir()
+    checkpoint.save(str(tmp_path / "ck"), 1, params, state.opt_state, m, 1)
+    assert dataclasses.asdict(cfg)["vocab"] == 320
+    return str(tmp_path / "ck"), tok_path
+
+
+def test_generate_refuses_a_tokenizer_the_checkpoint_was_not_trained_with(text_checkpoint,
+                                                                         tmp_path, capsys):
+    from engine.cli.generate import main
+
+    ck, tok_path = text_checkpoint
+    for extra, phrase in [(["--tokenizer", bpe(tmp_path / "x.json", words=["other words"])],
+                           f"was trained with tokenizer {tok_path}, not"),
+                          (["--tokenizer", "bytes"], f"pass --tokenizer {tok_path}")]:
+        assert main(["--checkpoint-dir", ck, "--prompt", "hello", *extra]) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and err.count("\n") == 1 and phrase in err, err
+
+
+@pytest.mark.slow
+def test_generate_streams_tokenizer_text_and_stops_at_eos(text_checkpoint, capsys, monkeypatch):
+    """Greedy decoding from random weights, EOS forced as the 4th new token: the
+    streamed text is the decoded continuation without the EOS."""
+    import jax.numpy as jnp
+
+    from engine.cli.generate import main
+    from engine.run import decode
+
+    ck, tok_path = text_checkpoint
+    tok = T.load_tokenizer(tok_path)
+    real = decode.sample
+
+    def eos_at_3(logits_BV, seed, t, rows_B, sampling):
+        return jnp.where(t == 3, tok.eos_id, real(logits_BV, seed, t, rows_B, sampling))
+
+    monkeypatch.setattr(decode, "sample", eos_at_3)
+    code = main(["--checkpoint-dir", ck, "--prompt", "hello world", "--temperature", "0",
+                 "--stop", "EOS", "--max-new-tokens", "10"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert f"=== 1: {len(tok.encode('hello world'))} prompt tokens ===" in out
+    assert "=== 1: 4 new (stop) ===" in out
+    body = out.split("prompt tokens ===\n")[1].split("\n=== 1:")[0]
+    assert body.startswith("hello world") and "<|endoftext|>" not in body
