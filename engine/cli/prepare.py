@@ -7,12 +7,16 @@ import os
 import sys
 import time
 
-from engine.cli.args import DefaultsFormatter, OneLineParser, UsageError
 from engine.text.documents import ERRORS, DocumentError, expand_inputs
 from engine.text.tokenizer import TokenizerError, describe, load_tokenizer
 
+# engine.cli.args (and so jax) is imported inside the functions: the pool's workers start
+# by importing this module (the spawn start method), and must start fast
+
 
 def build_parser():
+    from engine.cli.args import DefaultsFormatter, OneLineParser
+
     p = OneLineParser(prog="python -m engine.prepare", description=__doc__.split("\n\n")[0],
                       formatter_class=DefaultsFormatter)
     p.add_argument("--tokenizer", default="bytes",
@@ -36,6 +40,7 @@ def build_parser():
 
 
 def main(argv=None) -> int:
+    from engine.cli.args import UsageError
     from engine.text.prepare import prepare, sidecar_path
 
     try:

@@ -12,6 +12,7 @@ The sidecar: {"format", "tokenizer", "tokenizer_hash", "vocab_size", "eos_id", "
 """
 from __future__ import annotations
 
+import itertools
 import json
 import multiprocessing
 import os
@@ -102,7 +103,9 @@ def prepare(tokenizer: str | None, files: list[str], out: str, text_field: str =
     try:
         with open(tmp, "wb") as f:
             chunks = _chunks(files, text_field, errors, bar)
-            if processes > 1:
+            first = list(itertools.islice(chunks, 2))  # one chunk: no pool to start
+            chunks = itertools.chain(first, chunks)
+            if processes > 1 and len(first) > 1:
                 ctx = multiprocessing.get_context("spawn")  # safe beside threads (jax, rayon)
                 pool = ctx.Pool(processes, _init_worker, (tokenizer, eos))
                 results = pool.imap(_encode_chunk, chunks)
