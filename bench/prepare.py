@@ -76,7 +76,8 @@ def main() -> None:
         tok_path = args.tokenizer
         if tok_path is None:
             tok_path = os.path.join(tmp, "tokenizer.json")
-            print(f"trained a {args.vocab}-token BPE in {train_bpe(paths, args.vocab, tok_path):.1f} s")
+            seconds = train_bpe(paths, args.vocab, tok_path)
+            print(f"trained a {args.vocab}-token BPE in {seconds:.1f} s")
         tok = load_tokenizer(tok_path)
         texts = [Path(x).read_bytes().decode("utf-8", "replace") for x in paths]
         out = os.path.join(tmp, "stdlib.bin")

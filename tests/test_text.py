@@ -49,7 +49,8 @@ def test_tokenizer_file_and_directory_give_the_same_tokenizer_and_its_eos(tmp_pa
     tok = T.load_tokenizer(path)
     assert tok.eos_id == ref.token_to_id("<|endoftext|>") == 1
     assert tok.vocab_size == ref.get_vocab_size() and tok.hash.startswith("sha256:")
-    assert tok.encode(DOCS[2]) == ref.encode(DOCS[2]).ids and tok.decode(tok.encode(DOCS[2])) == DOCS[2]
+    assert tok.encode(DOCS[2]) == ref.encode(DOCS[2]).ids
+    assert tok.decode(tok.encode(DOCS[2])) == DOCS[2]
     same = T.load_tokenizer(str(tmp_path))  # an HF model directory
     assert (same.hash, same.eos_id) == (tok.hash, tok.eos_id)
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<pad>"}))
@@ -83,14 +84,15 @@ def test_prepare_writes_each_document_then_eos_and_the_sidecar(corpus, tmp_path)
     assert meta["documents"] == 4 and meta["tokens"] == len(want)
     assert meta["bytes"] == sum(len(d.encode()) for d in DOCS)
     assert (meta["vocab_size"], meta["eos_id"], meta["dtype"]) == (tok.vocab_size, 1, "uint16")
-    assert meta["tokenizer_hash"] == tok.hash and meta["sources"] == [os.path.abspath(f) for f in files]
+    assert meta["tokenizer_hash"] == tok.hash
+    assert meta["sources"] == [os.path.abspath(f) for f in files]
     P.prepare(tok_path, files, str(tmp_path / "two.bin"), processes=2)
     assert (tmp_path / "two.bin").read_bytes() == (tmp_path / "d.bin").read_bytes()
     assert P.token_dtype(65536) == "uint16" and P.token_dtype(65537) == "uint32"
 
 
 def test_prepare_cli_globs_and_prints_what_it_wrote(corpus, tmp_path, capsys):
-    tok_path, files = corpus
+    tok_path, _ = corpus
     out = str(tmp_path / "g.bin")
     code = prepare_cli.main(["--tokenizer", tok_path, "--input", str(tmp_path / "*.txt"),
                              str(tmp_path / "*.jsonl"), "--out", out, "--no-progress"])
@@ -141,7 +143,7 @@ def test_prepare_bad_input_is_one_line_exit_2(case, corpus, tmp_path, capsys):
     argv = ["--tokenizer", tok_path, "--input", str(tmp_path / pattern), "--out",
             str(tmp_path / "x.bin"), *extra]
     code = prepare_cli.main(argv)
-    out, err = capsys.readouterr()
+    _, err = capsys.readouterr()
     assert code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
     assert phrase in err and "Traceback" not in err
     assert not (tmp_path / "x.bin").exists()
@@ -164,7 +166,8 @@ def test_a_prepared_bin_brings_its_dtype_eos_and_bytes_per_token(corpus, tmp_pat
     meta = P.prepare(tok_path, files, out)
     tok = T.load_tokenizer(tok_path)
     data = D.load_data(out, vocab=512, bin_dtype="uint32", tokenizer=tok)  # sidecar: uint16
-    assert np.concatenate([data.train_T, data.val_T]).tolist() == np.fromfile(out, np.uint16).tolist()
+    got = np.concatenate([data.train_T, data.val_T])
+    assert got.tolist() == np.fromfile(out, np.uint16).tolist()
     assert data.eos_id == 1 and data.bytes_per_token == meta["bytes"] / meta["tokens"]
     assert data.tokenizer == (tok_path, tok.hash)
     # the same documents from the raw files, tokenized when loaded
@@ -223,8 +226,8 @@ def test_evaluation_reports_perplexity_and_bits_per_byte():
     from engine.run.loop import Evaluate, Log, eval_summary, evaluate
 
     losses = {0: jnp.float32(2.0), 1: jnp.float32(3.0)}
-    loss = lambda params, batch: losses[batch]  # noqa: E731 - a batch is its index here
-    batch = lambda i, split: i if split == "val" else None  # noqa: E731
+    loss = lambda params, batch: losses[batch]  # a batch is its index here
+    batch = lambda i, split: i if split == "val" else None
     got = evaluate(loss, None, batch, 2, bytes_per_token=4.0)
     assert got == dict(val_loss=2.5, val_ppl=math.exp(2.5), val_bpb=2.5 / math.log(2) / 4.0)
     assert "val_bpb" not in evaluate(loss, None, batch, 1, None)  # synthetic: no text
@@ -242,7 +245,7 @@ def test_evaluation_reports_perplexity_and_bits_per_byte():
 
 @pytest.mark.slow
 def test_eval_only_on_a_checkpoint_equals_the_training_evaluation(corpus, tmp_path, capsys):
-    tok_path, files = corpus
+    tok_path, _ = corpus
     out, many = str(tmp_path / "d.bin"), tmp_path / "many.jsonl"
     many.write_text("".join(json.dumps({"text": f"{DOCS[i % 4]} {i}"}) + "\n" for i in range(100)))
     P.prepare(tok_path, [str(many)], out)
@@ -253,7 +256,8 @@ def test_eval_only_on_a_checkpoint_equals_the_training_evaluation(corpus, tmp_pa
                            "--metrics-file", str(metrics), "--tokenizer", tok_path]) == 0
     trained = json.loads(metrics.read_text().splitlines()[-1])
     capsys.readouterr()
-    assert train_cli.main([*common, "--eval-only", "--metrics-file", str(tmp_path / "e.jsonl")]) == 0
+    assert train_cli.main([*common, "--eval-only", "--metrics-file",
+                           str(tmp_path / "e.jsonl")]) == 0
     assert "val loss" in capsys.readouterr().out
     alone = json.loads((tmp_path / "e.jsonl").read_text())
     assert alone["step"] == 2
@@ -269,7 +273,10 @@ def test_top_p_keeps_the_smallest_set_reaching_p():
 
     logits_BV = jnp.log(jnp.array([[0.05, 0.5, 0.15, 0.3]] * 512))
     rows_B = jnp.arange(512)
-    seen = lambda **k: set(np.asarray(sample(logits_BV, 0, 1, rows_B, Sampling(1.0, **k))).tolist())  # noqa: E731
+
+    def seen(**k):
+        return set(np.asarray(sample(logits_BV, 0, 1, rows_B, Sampling(1.0, **k))).tolist())
+
     assert seen(top_p=0.7) == {1, 3}  # 0.5 + 0.3 reach 0.7
     assert seen(top_p=0.85) == {1, 3, 2}
     assert seen(top_p=0.5) == {1}  # the first token alone reaches p

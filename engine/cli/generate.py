@@ -29,8 +29,8 @@ from engine.cli.args import (
 )
 from engine.config import ConfigError
 from engine.parallel.layout import Layout
-from layers import roles
 from engine.text.tokenizer import BYTES, TokenizerError, describe, load_tokenizer
+from layers import roles
 from layers.config import DTYPES, ModelConfig
 
 EOS = "EOS"  # --stop EOS: stop at the tokenizer's end-of-document token
@@ -75,7 +75,7 @@ class Request:
     # set by `bind` once the tokenizer is known (--tokenizer, else the checkpoint's)
     tok: object = None  # engine.text.tokenizer's ByteTokenizer | HFTokenizer
     prompts: tuple[tuple[int, ...], ...] = ()  # token ids
-    stop: "Stop" = None
+    stop: Stop = None
     cache_len: int = 0
 
     @property
