@@ -344,7 +344,6 @@ def test_generate_refuses_a_tokenizer_the_checkpoint_was_not_trained_with(text_c
         assert out == "" and err.count("\n") == 1 and phrase in err, err
 
 
-@pytest.mark.slow
 def test_generate_streams_tokenizer_text_and_stops_at_eos(text_checkpoint, capsys, monkeypatch):
     """Greedy decoding from random weights, EOS forced as the 4th new token: the
     streamed text is the decoded continuation without the EOS."""
