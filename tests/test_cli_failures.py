@@ -257,10 +257,11 @@ def test_decoder_refuses_a_cache_that_cannot_fit(monkeypatch):
 
 # -- generation: streaming and Ctrl-C ------------------------------------------------------
 def test_stream_holds_back_a_possible_stop_and_split_utf8():
-    from engine.cli.generate import Stream
+    from engine.cli.generate import Stop, Stream
+    from engine.text.tokenizer import ByteTokenizer
 
     written = []
-    stream = Stream(b"\n\n", written.append)
+    stream = Stream(Stop(ByteTokenizer(), "\n\n"), written.append)
     text = "héllo\n\n".encode()
     reasons = [""] * (len(text) - 1) + ["stop"]
     for token, reason in zip(text, reasons):
@@ -269,7 +270,7 @@ def test_stream_holds_back_a_possible_stop_and_split_utf8():
     assert "\ufffd" not in "".join(written)  # é's two bytes were never split
     assert written[0] == "h" and len(written) >= 4  # written as decoded, not at the end
     interrupted = []
-    stream = Stream(b"xyz", interrupted.append)
+    stream = Stream(Stop(ByteTokenizer(), "xyz"), interrupted.append)
     for token in b"abcxy":
         stream(0, token, "")
     assert "".join(interrupted) == "abc"  # "xy" may begin the stop

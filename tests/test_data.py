@@ -88,8 +88,8 @@ def test_python_stdlib_is_sorted_byte_tokens_with_held_out_files():
                                          ("dp2xfsdp2xtp2", P(("dp", "fsdp"), None)),
                                          ("tp8", P(None, None))])
 def test_device_batch_is_sharded_and_built_from_local_rows(layout, spec, tmp_path):
-    (tmp_path / "a.txt").write_bytes(bytes(range(256)) * 4)
-    src = D.load_data(str(tmp_path / "a.txt"), vocab=256)
+    np.tile(np.arange(256, dtype=np.uint16), 4).tofile(tmp_path / "a.bin")
+    src = D.load_data(str(tmp_path / "a.bin"), vocab=256)
     sharding = NamedSharding(Layout.parse(layout).mesh(), spec)
     assert list(D.local_rows(sharding, (B, L + 1))) == list(range(B))  # one process: all
     x = D.device_batch(src, sharding, 0, 3, B, L)
@@ -116,8 +116,8 @@ BAD = [
      "its validation split has 20 tokens, --eval-every needs seq+1=33"),
     (lambda d: write(d, "t.csv", "a,b"), [], "want synthetic, python-stdlib, or a .txt"),
     (lambda d: write(d, "j.jsonl", '{"text": "ok"}\n{"body": "no text"}\n'), [],
-     'line 2: want a JSON object with a "text" string'),
-    (lambda d: write(d, "n.jsonl", '{"text": 5}\n'), [], 'line 1: "text" is int'),
+     "{} line 2: no 'text' field"),
+    (lambda d: write(d, "n.jsonl", '{"text": 5}\n'), [], "line 1: 'text' is int"),
     (lambda d: write(d, "o.bin", b"\x01\x00\x02"), [], "has 3 bytes, not a whole number of uint16"),
     (lambda d: write(d, "big.bin", np.array([1, 300] * 100, np.uint16).tobytes()), [],
      "holds token 300 but the model's vocab is 256 (need --vocab >= 301)"),

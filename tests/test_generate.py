@@ -199,7 +199,7 @@ def bad_cases(trained, small_vocab, tmp_path):
         "non-byte prompt": (["--checkpoint-dir", trained, "--prompt", b"\xff"],
                             "--prompt number 1 is not valid UTF-8 text"),
         "vocab < 256": (["--checkpoint-dir", small_vocab, "--prompt", "a"],
-                        "has vocab=128; byte-level prompts need vocab >= 256"),
+                        "has vocab=128; tokenizer bytes (256 tokens, no EOS) needs vocab >= 256"),
         "layout": (["--checkpoint-dir", trained, "--prompt", "a", "--layout", "tp16"],
                    "heads=8 not divisible by tp=16"),
         "numbers": (["--checkpoint-dir", trained, "--prompt", "a", "--max-new-tokens", "0",

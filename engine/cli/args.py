@@ -26,6 +26,7 @@ from engine.parallel.pipeline import SCHEDULES
 from engine.parallel.zero import ZERO, ZERO_LEVELS
 from engine.run import distributed
 from engine.run.data import BIN_DTYPES
+from engine.text.documents import ERRORS
 from layers import roles
 from layers.block import REMAT
 from layers.config import DTYPES
@@ -176,11 +177,23 @@ def build_parser(prog: str = "python -m engine.train", description: str | None =
                    help="synthetic, python-stdlib, or a PATH.txt / PATH.jsonl (bytes as "
                         "tokens) / PATH.bin (flat token array, nanoGPT's format)")
     g.add_argument("--data-dtype", default="uint16", choices=BIN_DTYPES,
-                   help="token dtype of a .bin file")
+                   help="token dtype of a .bin file without a sidecar")
+    g.add_argument("--tokenizer", default=None,
+                   help="a Hugging Face tokenizer.json or a directory holding one: .txt and "
+                        ".jsonl data are tokenized with it; a .bin's sidecar must name it "
+                        "(default: bytes, or the .bin's sidecar)")
+    g.add_argument("--text-field", default="text", help="the text field of .jsonl data")
+    g.add_argument("--errors", default="strict", choices=ERRORS,
+                   help="invalid UTF-8 in .txt / .jsonl data: strict refuses it (naming "
+                        "file, line and byte), replace turns it into U+FFFD")
     g.add_argument("--eval-every", type=int, default=None,
-                   help="validation loss every N steps and at the end (off when unset)")
+                   help="validation loss, perplexity and bits per byte every N steps and "
+                        "at the end (off when unset)")
     g.add_argument("--eval-batches", type=int, default=4,
                    help="validation batches averaged per evaluation")
+    g.add_argument("--eval-only", action="store_true",
+                   help="evaluate the newest checkpoint of --checkpoint-dir and exit "
+                        "(no training)")
     c = group("checkpoints", "checkpoints (see engine/run/checkpoint.py)")
     c.add_argument("--checkpoint-dir", default=None, help="where checkpoints are written")
     c.add_argument("--checkpoint-every", type=int, default=50,
@@ -264,6 +277,8 @@ def flag_problems(args, cfg, tcfg) -> list[str]:
         problems.append(f"peak_flops={args.peak_flops} must be > 0")
     if args.resume and not args.checkpoint_dir:
         problems.append("--resume needs --checkpoint-dir")
+    if args.eval_only and not args.checkpoint_dir:
+        problems.append("--eval-only needs --checkpoint-dir")
     problems += profile.flag_problems(args.profile_steps, args.profile_dir, tcfg.steps)
     return problems
 

@@ -26,6 +26,7 @@ from engine.config import ConfigError, ParallelConfig
 from engine.cost import profile
 from engine.run import distributed
 from engine.run.data import DataError, data_problems, load_data
+from engine.text.tokenizer import TokenizerError, load_tokenizer
 
 
 def moe_summary(cfg) -> str:
@@ -36,10 +37,27 @@ def moe_summary(cfg) -> str:
     return f" E={cfg.experts} top-{cfg.top_k} S={cfg.shared_experts} {drops}"
 
 
+def load_checked_tokenizer(cfg, args):
+    """--tokenizer loaded (None when not given), its vocab checked against the model's."""
+    if args.tokenizer is None:
+        return None
+    try:
+        tok = load_tokenizer(args.tokenizer)
+    except TokenizerError as e:
+        raise UsageError(str(e)) from None
+    if tok.vocab_size > cfg.vocab:
+        raise UsageError(f"--tokenizer {args.tokenizer} has {tok.vocab_size:,} tokens but the "
+                         f"model's vocab is {cfg.vocab:,} (need --vocab >= {tok.vocab_size})")
+    return tok
+
+
 def load_checked_data(cfg, tcfg, args):
-    """--data loaded and checked against the model and sequence length (no jax needed)."""
-    data = load_data(args.data, cfg.vocab, args.data_dtype)
-    problems = data_problems(data, tcfg.seq, cfg.vocab, need_val=args.eval_every is not None,
+    """--data loaded and checked against the model, the tokenizer and the sequence length
+    (no jax needed)."""
+    tok = load_checked_tokenizer(cfg, args)
+    data = load_data(args.data, cfg.vocab, args.data_dtype, tok, args.text_field, args.errors)
+    need_val = args.eval_every is not None or args.eval_only
+    problems = data_problems(data, tcfg.seq, cfg.vocab, need_val=need_val,
                              vocab_limit=LIMITS["vocab"])
     if problems:
         raise DataError("; ".join(problems))
@@ -47,13 +65,16 @@ def load_checked_data(cfg, tcfg, args):
 
 
 def run(cfg, tcfg, parallel, layout, args) -> int:
-    """Train; returns the exit code. Data and checkpoints are checked before compiling."""
+    """Train (or, with --eval-only, evaluate); returns the exit code. Data and
+    checkpoints are checked before compiling."""
     from engine.run.checkpoint import CheckpointError
 
     data = load_checked_data(cfg, tcfg, args)
     distributed.initialize(args)
     keep_freed_memory()  # after initialize: it asks jax for the backend
     try:
+        if args.eval_only:
+            return _eval_only(cfg, tcfg, layout, args, data)
         return _train(cfg, tcfg, parallel, layout, args, data)
     except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -161,11 +182,54 @@ def setup(cfg, tcfg, parallel, layout, args, data, say):
     return Session(trainer, step_fn, params, opt_state, batch, start, tcfg.steps, peak)
 
 
+def _eval_only(cfg, tcfg, layout, args, data) -> int:
+    """Evaluate the newest checkpoint of --checkpoint-dir: --eval-batches validation
+    batches of --batch x --seq; one line (and one metrics record)."""
+    import json
+
+    from jax.sharding import NamedSharding
+
+    from engine.run import checkpoint
+    from engine.run.data import device_batch
+    from engine.run.loop import eval_summary, evaluate
+    from engine.run.step import Trainer
+
+    ckpt = checkpoint.latest(args.checkpoint_dir, parts=("params",))
+    if ckpt is None:
+        raise UsageError(f"no checkpoint in {args.checkpoint_dir} to evaluate")
+    is_main = distributed.is_main()
+    mesh = layout.mesh()
+    trainer = Trainer(cfg, tcfg, layout, mesh)
+    params = checkpoint.restore_params(ckpt, trainer)
+    sharding = NamedSharding(mesh, trainer.batch_spec)
+    batch = lambda index, split: device_batch(data, sharding, tcfg.seed, index, tcfg.batch,
+                                              tcfg.seq, split)
+    record = dict(step=ckpt.step, **evaluate(trainer.loss, params, batch, args.eval_batches,
+                                             data.bytes_per_token))
+    if is_main:
+        print(f"checkpoint {ckpt.path} (step {ckpt.step}); data {data.describe()}; "
+              f"{args.eval_batches} batches of {tcfg.batch}x{tcfg.seq} tokens", flush=True)
+        print(f"eval {ckpt.step:>5} | {eval_summary(record)}", flush=True)
+        if args.metrics_file:
+            with open(args.metrics_file, "a") as f:
+                f.write(json.dumps(record) + "\n")
+    return 0
+
+
 def _peak(cfg, args, devices) -> tuple[float, str]:
     """The MFU denominator and where it came from."""
     if args.peak_flops:
         return args.peak_flops, "--peak-flops"
     return distributed.peak_flops(cfg.compute_dtype, devices)
+
+
+def _tokenizer_meta(data) -> dict:
+    """{tokenizer, tokenizer_hash} of the data, for a checkpoint (generation checks it)."""
+    if data.tokenizer is None:
+        return {}
+    name, digest = data.tokenizer
+    return dict(tokenizer=name if digest == "bytes" else os.path.abspath(name),
+                tokenizer_hash=digest)
 
 
 def _train(cfg, tcfg, parallel, layout, args, data) -> int:
@@ -182,14 +246,16 @@ def _train(cfg, tcfg, parallel, layout, args, data) -> int:
     rates = Rates(cfg, tcfg, session.peak)
     hooks = [rates]
     if args.eval_every:
-        hooks.append(Evaluate(args.eval_every, args.eval_batches, tcfg.steps))
+        hooks.append(Evaluate(args.eval_every, args.eval_batches, tcfg.steps,
+                              data.bytes_per_token))
     if args.metrics_file and is_main:
         hooks.append(MetricsFile(args.metrics_file, append=args.resume))
     hooks.append(Log(args.log_every, tcfg.steps, rates, say))
     if args.checkpoint_dir:
         meta = dict(rng=dict(seed=tcfg.seed), model=dataclasses.asdict(cfg),
                     train=dataclasses.asdict(tcfg), parallel=dataclasses.asdict(parallel),
-                    layout=str(layout), data=dict(source=args.data, dtype=args.data_dtype))
+                    layout=str(layout), data=dict(source=args.data, dtype=args.data_dtype,
+                                                  **_tokenizer_meta(data)))
         hooks.append(Checkpoints(args.checkpoint_dir, args.checkpoint_every, args.keep,
                                  tcfg.steps, meta, say))
     if args.profile_steps:

@@ -4,10 +4,13 @@ needs no iterator state, and each process builds only the rows of its own batch 
 Sources (`--data`):
 
     synthetic       arithmetic progressions mod vocab (`synthetic_tokens`); the default
-    PATH.txt        the file's bytes, one token each (memory-mapped)
+    PATH.txt        the file's bytes, one token each (memory-mapped); one document
     PATH.jsonl      the UTF-8 bytes of each line's "text" field, each followed by b"\\n"
+                    (the field is --text-field)
     PATH.bin        a flat array of uint16 (or, with --data-dtype, uint32) tokens,
-                    memory-mapped: the format nanoGPT's prepare.py writes
+                    memory-mapped: the format nanoGPT's prepare.py writes. With a
+                    sidecar PATH.bin.json (python -m engine.prepare writes one) its dtype,
+                    tokenizer, vocab size and EOS id come from the sidecar
     python-stdlib   the running Python's standard library sources (*.py under
                     sysconfig's stdlib path, sorted by path, site-packages excluded), bytes
 
@@ -16,6 +19,12 @@ whose relative path has crc32 % 10 == 0 (about 10% of the files, the same on eve
 machine with the same Python); synthetic draws validation batches from random streams
 the training steps never use. A training batch draws its offsets from
 `np.random.default_rng([seed, step])`, a validation batch from `[seed, i, 1]`.
+
+With a tokenizer (`--tokenizer`, engine/text/tokenizer.py) a .txt or .jsonl file is
+tokenized when loaded, the tokenizer's EOS after each document, as engine.prepare would.
+Text must be UTF-8: invalid bytes are refused (file, line, byte offset) unless
+errors="replace". A Corpus carries `eos_id` (the EOS token of its documents, or None) and
+`bytes_per_token` (UTF-8 bytes of text per token, for bits per byte).
 
 Loading and checking import no jax, so the CLI reports bad data before jax starts.
 """
@@ -28,6 +37,10 @@ import sysconfig
 import zlib
 
 import numpy as np
+
+from engine.text.documents import DocumentError, documents
+from engine.text.prepare import encode_documents, sidecar_path
+from engine.text.tokenizer import BYTES
 
 BIN_DTYPES = ("uint16", "uint32")
 VAL_FRACTION = 10  # files hold out their last 1/10 of tokens
@@ -64,6 +77,9 @@ class Synthetic:
 
     vocab: int
     name: str = "synthetic"
+    eos_id = None
+    tokenizer = None  # (name, hash) of the tokenizer that made the tokens
+    bytes_per_token = None  # not text
 
     def describe(self) -> str:
         return "synthetic (arithmetic progressions)"
@@ -87,6 +103,9 @@ class Corpus:
     train_T: np.ndarray
     val_T: np.ndarray
     files: int = 1
+    eos_id: int | None = None  # the token ending each document, if the data has one
+    bytes_per_token: float | None = 1.0  # UTF-8 bytes of text per token
+    tokenizer: tuple[str, str] | None = (BYTES, BYTES)  # (name, hash); None: unknown
 
     def describe(self) -> str:
         files = f"{self.files} files, " if self.files > 1 else ""
@@ -109,12 +128,17 @@ class Corpus:
         return np.stack([tokens_T[s:s + seq + 1] for s in start_B[rows_R]]).astype(np.int32)
 
 
-def load_data(spec: str, vocab: int, bin_dtype: str = "uint16"):
+def load_data(spec: str, vocab: int, bin_dtype: str = "uint16", tokenizer=None,
+              text_field: str = "text", errors: str = "strict"):
     """`--data` value -> Synthetic | Corpus; raises DataError for a missing, empty or
-    malformed source."""
+    malformed source, or a .bin whose sidecar disagrees with `tokenizer` or `vocab`.
+    `tokenizer`: None (bytes, or whatever a .bin's sidecar says) or a loaded tokenizer."""
     if spec == "synthetic":
         return Synthetic(vocab)
     if spec == "python-stdlib":
+        if tokenizer is not None and tokenizer.hash != BYTES:
+            raise DataError("--data python-stdlib is bytes: for another tokenizer, prepare "
+                            "its files with python -m engine.prepare")
         return _python_stdlib()
     ext = os.path.splitext(spec)[1]
     if ext not in (".txt", ".jsonl", ".bin"):
@@ -126,45 +150,94 @@ def load_data(spec: str, vocab: int, bin_dtype: str = "uint16"):
         raise DataError(f"data file {spec} not found")
     if os.path.getsize(spec) == 0:
         raise DataError(f"data file {spec} is empty")
+    extra = {}
     try:
-        if ext == ".txt":
-            tokens_T = np.memmap(spec, np.uint8, mode="r")
-        elif ext == ".jsonl":
-            tokens_T = _jsonl_bytes(spec)
+        if ext == ".bin":
+            tokens_T, extra = _bin_tokens(spec, bin_dtype, tokenizer, vocab)
+        elif tokenizer is not None and tokenizer.hash != BYTES:
+            tokens_T, nbytes = encode_documents(tokenizer, _documents(spec, text_field, errors))
+            extra = dict(eos_id=tokenizer.eos_id, bytes_per_token=nbytes / max(len(tokens_T), 1),
+                         tokenizer=(tokenizer.name, tokenizer.hash))
+        elif ext == ".txt":
+            tokens_T = _txt_bytes(spec, errors)
         else:
-            tokens_T = _bin_tokens(spec, bin_dtype)
+            tokens_T = _jsonl_bytes(spec, text_field, errors)
     except OSError as e:
         raise DataError(f"cannot read data file {spec}: {e.strerror or e}") from None
     n_val = len(tokens_T) // VAL_FRACTION
-    return Corpus(spec, tokens_T[:len(tokens_T) - n_val], tokens_T[len(tokens_T) - n_val:])
+    return Corpus(spec, tokens_T[:len(tokens_T) - n_val], tokens_T[len(tokens_T) - n_val:],
+                  **extra)
 
 
-def _jsonl_bytes(path: str) -> np.ndarray:
-    docs = []
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                text = json.loads(line)["text"]
-            except (ValueError, KeyError, TypeError):
-                raise DataError(f"{path} line {n}: want a JSON object with a \"text\" "
-                                f"string") from None
-            if not isinstance(text, str):
-                raise DataError(f"{path} line {n}: \"text\" is {type(text).__name__}, not a string")
-            docs.append(text.encode("utf-8") + b"\n")
+def _documents(path: str, text_field: str, errors: str) -> list[str]:
+    try:
+        docs = list(documents(path, text_field, errors))
+    except DocumentError as e:
+        raise DataError(str(e)) from None
     if not docs:
         raise DataError(f"data file {path} holds no documents")
+    return docs
+
+
+def _txt_bytes(path: str, errors: str) -> np.ndarray:
+    """The file's bytes, memory-mapped when they are UTF-8 (else replaced, or refused)."""
+    tokens_T = np.memmap(path, np.uint8, mode="r")
+    try:
+        tokens_T.tobytes().decode("utf-8")
+        return tokens_T
+    except UnicodeDecodeError:
+        text, = _documents(path, "", errors)
+        return np.frombuffer(text.encode("utf-8"), np.uint8)
+
+
+def _jsonl_bytes(path: str, text_field: str = "text", errors: str = "strict") -> np.ndarray:
+    docs = [text.encode("utf-8") + b"\n" for text in _documents(path, text_field, errors)]
     return np.frombuffer(b"".join(docs), np.uint8)
 
 
-def _bin_tokens(path: str, bin_dtype: str) -> np.ndarray:
+def read_sidecar(path: str) -> dict | None:
+    """The sidecar of token file `path` (engine/text/prepare.py), or None without one."""
+    side = sidecar_path(path)
+    if not os.path.exists(side):
+        return None
+    try:
+        with open(side, encoding="utf-8") as f:
+            meta = json.load(f)
+        need = ("tokenizer_hash", "vocab_size", "eos_id", "dtype", "tokens", "bytes")
+        if not isinstance(meta, dict) or any(k not in meta for k in need):
+            raise ValueError
+    except (OSError, ValueError):
+        raise DataError(f"{side} is not a token file's sidecar (python -m engine.prepare "
+                        f"writes them)") from None
+    return meta
+
+
+def _bin_tokens(path: str, bin_dtype: str, tokenizer=None, vocab: int | None = None):
+    """(the memory-mapped tokens, Corpus fields from the sidecar)."""
+    meta = read_sidecar(path)
+    if meta is not None:
+        bin_dtype = meta["dtype"]
+        if tokenizer is not None and tokenizer.hash != meta["tokenizer_hash"]:
+            raise DataError(f"{path} was made by tokenizer {meta.get('tokenizer')} "
+                            f"({meta['tokenizer_hash'][:19]}), not --tokenizer {tokenizer.name} "
+                            f"({tokenizer.hash[:19]})")
+        if vocab is not None and vocab < meta["vocab_size"]:
+            raise DataError(f"{path}'s tokenizer has {meta['vocab_size']:,} tokens but the "
+                            f"model's vocab is {vocab:,} (need --vocab >= {meta['vocab_size']})")
     itemsize = np.dtype(bin_dtype).itemsize
     size = os.path.getsize(path)
     if size % itemsize:
         raise DataError(f"data file {path} has {size} bytes, not a whole number of "
                         f"{bin_dtype} tokens (see --data-dtype)")
-    return np.memmap(path, np.dtype(bin_dtype), mode="r")
+    if meta is None:
+        return np.memmap(path, np.dtype(bin_dtype), mode="r"), dict(bytes_per_token=None,
+                                                                     tokenizer=None)
+    if size != meta["tokens"] * itemsize:
+        raise DataError(f"data file {path} has {size} bytes but its sidecar says "
+                        f"{meta['tokens']} {bin_dtype} tokens")
+    return np.memmap(path, np.dtype(bin_dtype), mode="r"), dict(
+        eos_id=meta["eos_id"], bytes_per_token=meta["bytes"] / max(meta["tokens"], 1),
+        tokenizer=(meta.get("tokenizer", "?"), meta["tokenizer_hash"]))
 
 
 def stdlib_files() -> tuple[str, list[str]]:

@@ -36,10 +36,13 @@ from layers.config import ModelConfig
 
 @dataclasses.dataclass(frozen=True)
 class Sampling:
-    """temperature 0 is greedy (argmax); top_k None samples from the whole vocab."""
+    """temperature 0 is greedy (argmax); top_k None samples from the whole vocab; top_p
+    (nucleus) keeps the likeliest tokens whose probabilities reach p (after top_k), None
+    keeps them all."""
 
     temperature: float = 0.0
     top_k: int | None = None
+    top_p: float | None = None
 
 
 def sample(logits_BV: jax.Array, seed, t, rows_B: jax.Array, sampling: Sampling) -> jax.Array:
@@ -50,6 +53,12 @@ def sample(logits_BV: jax.Array, seed, t, rows_B: jax.Array, sampling: Sampling)
     if sampling.top_k is not None and sampling.top_k < logits_BV.shape[-1]:
         kth_B1 = lax.top_k(logits_BV, sampling.top_k)[0][:, -1:]
         logits_BV = jnp.where(logits_BV < kth_B1, -jnp.inf, logits_BV)
+    if sampling.top_p is not None and sampling.top_p < 1:
+        sorted_BV = -jnp.sort(-logits_BV, axis=-1)  # descending
+        p_BV = jax.nn.softmax(sorted_BV, axis=-1)
+        keep_BV = jnp.cumsum(p_BV, axis=-1) - p_BV < sampling.top_p  # mass before < p
+        least_B1 = jnp.min(jnp.where(keep_BV, sorted_BV, jnp.inf), axis=-1, keepdims=True)
+        logits_BV = jnp.where(logits_BV < least_B1, -jnp.inf, logits_BV)
     key = jax.random.fold_in(jax.random.key(seed), t)
     keys_B = jax.vmap(lambda r: jax.random.fold_in(key, r))(rows_B)
     return jax.vmap(jax.random.categorical)(keys_B, logits_BV).astype(jnp.int32)

@@ -84,22 +84,41 @@ class Rates:
                       step_time_s=dt, mfu=self.flops / dt / self.peak)
 
 
-class Evaluate:
-    """Every `every` steps and at the last: the validation loss over `batches` batches."""
+def evaluate(loss, params, batch, batches: int, bytes_per_token: float | None) -> dict:
+    """{val_loss, val_ppl, and with text val_bpb}: the mean cross-entropy (nats per token)
+    of `loss(params, tokens)` over validation batches `batch(i, "val")` i < `batches`, its
+    perplexity exp(loss), and bits per byte loss / ln 2 / bytes_per_token (the data's UTF-8
+    bytes per token, from a token file's sidecar: a corpus-wide ratio)."""
+    import numpy as np
 
-    def __init__(self, every: int, batches: int, steps: int):
+    losses = [distributed.host_value(loss(params, batch(i, "val"))) for i in range(batches)]
+    val = float(np.mean(np.asarray(losses, np.float64)))
+    out = dict(val_loss=val, val_ppl=math.exp(min(val, 700.0)))
+    if bytes_per_token:
+        out["val_bpb"] = val / math.log(2) / bytes_per_token
+    return out
+
+
+def eval_summary(record) -> str:
+    """`val loss 2.3456 | ppl 10.44 | 1.234 bits/byte` for a record with an evaluation."""
+    bpb = f" | {record['val_bpb']:.3f} bits/byte" if "val_bpb" in record else ""
+    return f"val loss {record['val_loss']:.4f} | ppl {record['val_ppl']:.2f}{bpb}"
+
+
+class Evaluate:
+    """Every `every` steps and at the last: `evaluate` over `batches` batches."""
+
+    def __init__(self, every: int, batches: int, steps: int,
+                 bytes_per_token: float | None = None):
         self.every, self.batches, self.steps = every, batches, steps
+        self.bytes_per_token = bytes_per_token
 
     def __call__(self, record, session):
-        import numpy as np
-
         done = record["step"]
         if done % self.every and done != self.steps:
             return
-        losses = [distributed.host_value(session.trainer.loss(session.params,
-                                                              session.batch(i, "val")))
-                  for i in range(self.batches)]
-        record["val_loss"] = float(np.mean(np.asarray(losses, np.float32)))
+        record.update(evaluate(session.trainer.loss, session.params, session.batch,
+                               self.batches, self.bytes_per_token))
 
 
 class MetricsFile:
@@ -136,7 +155,7 @@ class Log:
                      + router_summary(record))
             self.window_t, self.window_n = 0.0, 0
         if "val_loss" in record:
-            self.say(f"eval {done:>5}/{self.steps} | val loss {record['val_loss']:.4f}")
+            self.say(f"eval {done:>5}/{self.steps} | {eval_summary(record)}")
 
 
 def router_summary(record) -> str:
