@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engine.cli.args import (  # noqa: E402
     build_parser as train_parser,  # noqa: E402
     force_host_devices,
+    host_memory_or_exit,
     keep_freed_memory,
     parse_or_exit,
 )
@@ -67,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "accelerator fusion model, engine/cost/fusion.py)")
     g.add_argument("--plot", default=None, help="roofline PNG (needs matplotlib)")
     p = train_parser(prog="python bench/roofline.py", description=__doc__.split("\n\n")[0],
-                     parents=[own], groups=("model", "parallel", "training"))
+                     parents=[own], groups=("model", "parallel", "batch", "training"))
     p.set_defaults(steps=5)  # steps timed for the measured column
     return p
 
@@ -167,6 +168,7 @@ def main(argv=None) -> int:
         return 2
     if not mine.predict_only:
         force_host_devices(layout.size)
+        host_memory_or_exit(cfg)  # before anything is built: the step is run here
         keep_freed_memory()
     from engine.cost import report
     from engine.cost.ledger import step_ledger

@@ -59,7 +59,7 @@ def build_parser():
 
     p = train_parser(prog="python -m engine.plan",
                      description=search.__doc__.split("\n\n")[0],
-                     parents=[own], groups=("model", "training"))
+                     parents=[own], groups=("model", "batch"))
     # --remat pins remat; without it the plan chooses it
     p.set_defaults(remat=None)
     return p
