@@ -29,6 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.cli.args import (  # noqa: E402
     build_parser as train_parser,  # noqa: E402
+    UsageError,
+    check_apart,
     force_host_devices,
     host_memory_or_exit,
     keep_freed_memory,
@@ -140,6 +142,11 @@ def flag_problem(mine) -> str | None:
         return "--top-ops lists measured ops; --predict-only measures nothing"
     if problem := output_problem("--json", mine.json) or output_problem("--plot", mine.plot):
         return problem
+    try:
+        check_apart({"--calibration": mine.calibration}, {"--json": mine.json,
+                                                          "--plot": mine.plot})
+    except UsageError as e:
+        return str(e)
     if mine.plot and importlib.util.find_spec("matplotlib") is None:
         return "--plot needs matplotlib (pip install matplotlib)"
     return None
