@@ -64,16 +64,17 @@ class DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def build_parser(prog: str = "python -m engine.train", description: str | None = None,
-                 parents=(), groups=GROUPS) -> argparse.ArgumentParser:
+                 parents=(), groups=GROUPS, layout: bool = True) -> argparse.ArgumentParser:
     """The training flags; tools that take the same model flags pass their own prog,
-    description, parent parsers (for their extra flags) and the flag `groups` they use
-    (--layout is always there). A group left out is not accepted on the command line;
-    its flags' defaults are still set, so `parse` sees every attribute."""
+    description, parent parsers (for their extra flags), the flag `groups` they use and
+    whether they take --layout (the planner chooses it). A group left out is not accepted
+    on the command line; its flags' defaults are still set, so `parse` sees every
+    attribute."""
     p = OneLineParser(prog=prog, description=description or __doc__.split("\n\n")[0],
                 parents=list(parents), formatter_class=DefaultsFormatter)
     unused = argparse.ArgumentParser(add_help=False)  # holds the groups left out
     group = lambda name, title: (p if name in groups else unused).add_argument_group(title)
-    p.add_argument("--layout", default="single",
+    (p if layout else unused).add_argument("--layout", default="single",
                    help="mesh axes outermost first with sizes: single, dp8, fsdp8, tp8, "
                         "fsdp4xtp2, dp2xfsdp2xtp2, ... (axes: "
                         + "; ".join(f"{r.name}: {r.doc}" for r in roles.ROLES.values())
@@ -146,7 +147,7 @@ def build_parser(prog: str = "python -m engine.train", description: str | None =
     t.add_argument("--warmup", type=int, default=d.warmup, help="linear warmup steps")
     t.add_argument("--lr-schedule-steps", dest="schedule_steps", type=int, default=None,
                    metavar="N", help="the step the cosine decay ends at (default: --steps; "
-                                     "on --resume, the checkpoint's)")
+                                     "resuming, the checkpoint's)")
     t.add_argument("--seed", type=int, default=d.seed,
                    help="init and batch order are functions of the seed")
     o = group("output", "output")

@@ -59,7 +59,8 @@ def build_parser():
 
     p = train_parser(prog="python -m engine.plan",
                      description=search.__doc__.split("\n\n")[0],
-                     parents=[own], groups=("model", "batch"))
+                     parents=[own], groups=("model", "batch"),
+                     layout=False)
     # --remat pins remat; without it the plan chooses it
     p.set_defaults(remat=None)
     return p
