@@ -28,8 +28,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.cli.args import (  # noqa: E402
-    build_parser as train_parser,  # noqa: E402
     UsageError,
+    build_parser as train_parser,  # noqa: E402
     check_apart,
     force_host_devices,
     host_memory_or_exit,

@@ -305,3 +305,15 @@ def test_the_header_names_the_pipeline_schedule_and_microbatches():
     assert schedule_summary(ParallelConfig(microbatches=4), Layout.parse("fsdp8")) == \
         ", 4 microbatches accumulated"
     assert schedule_summary(ParallelConfig(), Layout.parse("fsdp8")) == ""
+
+
+def test_calibrate_prints_a_summary_not_the_profile():
+    """bench/calibrate.py prints one line per headline figure; the measured points of
+    every collective stay in the file it writes."""
+    from bench import calibrate
+
+    profile = {"peak_flops": {"float32": 3.2e11, "bfloat16": 9.1e11}, "fault_cost": 5.3e-10,
+               "collective_points": {"all_gather": [[1024, 1e-5]] * 50}, "load_avg": [1, 2, 3]}
+    lines = calibrate.summary(profile)
+    assert lines == ["peak_flops            float32 3.2e+11, bfloat16 9.1e+11 FLOP/s",
+                     "fault_cost            5.3e-10 s/B"]

@@ -11,6 +11,7 @@ import os
 import sys
 
 from collectives.ring import COMMS
+from engine.cli.given import given_flags
 from engine.config import (
     GRAD_REDUCES,
     PRESETS,
@@ -19,7 +20,6 @@ from engine.config import (
     TrainConfig,
     model_config,
 )
-from engine.cli.given import given_flags
 from engine.cost import profile
 from engine.parallel import validate
 from engine.parallel.layout import Layout

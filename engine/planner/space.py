@@ -234,9 +234,10 @@ def candidates(cfg: ModelConfig, tcfg: TrainConfig, n: int, pinned: dict | None 
     """(runnable candidates, [(refused candidate, reason)]) of n devices over the roles
     `names` (sizes up to `limits`, as `layouts`); ParallelConfig fields that are not
     switches from `base`. A setting pinned (or in `base`) away from its default leaves
-    out the layouts where it would take no effect (`honours`). The switches and `engine.parallel.validate` read the axis sizes, not
-    their order, so both run once per factorisation and hold for all its orders (a
-    refusal names each order's own layout)."""
+    out the layouts where it would take no effect (`honours`). The switches and
+    `engine.parallel.validate` read the axis sizes, not their order, so both run once
+    per factorisation and hold for all its orders (a refusal names each order's own
+    layout)."""
     ok, refused = [], []
     for f in _within(n, names, limits):
         every = orders(f)
