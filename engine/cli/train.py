@@ -209,13 +209,15 @@ def _train(cfg, tcfg, parallel, layout, args, data) -> int:
 def _lock_directory(directory, is_main, held, say) -> None:
     """Process 0 holds `directory`'s lock (engine/run/lock.py) until `held` closes; every
     process learns whether it got it, so all stop together when it did not."""
+    from engine.run.checkpoint import CheckpointError, check_writable
     from engine.run.lock import DirectoryLock, LockError
 
     problem = None
     if is_main:
         try:
+            check_writable(directory)  # a file, not a directory; read-only; disk full
             lock = held.enter_context(DirectoryLock(directory))
-        except LockError as e:
+        except (LockError, CheckpointError) as e:
             problem = str(e)
         except OSError as e:
             problem = f"cannot write checkpoints to {directory}: {e.strerror or e}"
@@ -282,13 +284,13 @@ def main(argv=None) -> int:
     try:
         cfg, tcfg, parallel, layout, args = parse(sys.argv[1:] if argv is None else argv,
                                                   auto=True)
+        check_apart(*run_paths(args))  # before anything is planned, read or written
         if layout is None:
             from engine.planner import search as plan
 
             force_host_devices(plan.AUTO_HOST_DEVICES)
             pinned, base = auto_pins(cfg, parallel, args.given)
             cfg, parallel, layout = plan.auto(cfg, tcfg, base=base, pinned=pinned)
-        check_apart(*run_paths(args))
         force_host_devices(layout.size // distributed.process_count(args))
         return run(cfg, tcfg, parallel, layout, args)
     except (UsageError, ConfigError, DataError) as e:
