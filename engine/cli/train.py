@@ -93,6 +93,8 @@ def _settings_changed(ckpt, tcfg, args) -> list[str]:
     """Training settings that differ from the checkpoint's (allowed; they change the run)."""
     saved = dict(ckpt.meta.get("train", {}), data=ckpt.meta.get("data", {}).get("source"))
     now = dict(dataclasses.asdict(tcfg), data=args.data)
+    if now["schedule_steps"] is None:  # the checkpoint's horizon: `_schedule_horizon` says so
+        del now["schedule_steps"]
     return [f"{k}={now[k]} (checkpoint: {saved.get(k)})" for k in now if now[k] != saved.get(k)]
 
 
