@@ -232,7 +232,7 @@ def test_layout_auto_searches_only_where_the_given_switches_take_effect():
     cfg, tcfg, parallel, layout, args = parse(["--layout", "auto", "--model", "tiny",
                                                "--zero", "1", "--batch", "8", "--seq", "32"],
                                               auto=True)
-    assert layout is None
+    assert layout is None and args.given == {"layout", "model", "zero", "batch", "seq"}
     pinned, base = auto_pins(cfg, parallel, args.given)
     assert pinned == {"zero": 1}
     ok, _ = candidates(cfg, tcfg, 8, pinned, base=base)
@@ -305,6 +305,16 @@ def test_the_header_names_the_pipeline_schedule_and_microbatches():
     assert schedule_summary(ParallelConfig(microbatches=4), Layout.parse("fsdp8")) == \
         ", 4 microbatches accumulated"
     assert schedule_summary(ParallelConfig(), Layout.parse("fsdp8")) == ""
+
+
+def test_given_flags_leave_out_what_a_tool_does_not_take():
+    """engine.plan leaves out the parallel flags: their defaults are set, not given."""
+    from engine.cli import plan
+    from engine.cli.given import given_flags
+
+    parser = plan.build_parser()
+    assert parser.get_default("zero") == 3  # set for `parse`, not a flag of the planner
+    assert given_flags(parser, ["--devices", "2", "--model", "tiny"]) == {"devices", "model"}
 
 
 def test_calibrate_prints_a_summary_not_the_profile():

@@ -11,7 +11,9 @@ def given_flags(parser: argparse.ArgumentParser, argv) -> set[str]:
     fills in a default only where the namespace has no value yet, so a namespace of
     markers keeps a marker exactly where no flag was given."""
     marker = object()
-    names = {a.dest for a in parser._actions if a.dest != argparse.SUPPRESS}
+    # the flags' dests, and the attributes set_defaults gives (flag groups a tool leaves out)
+    names = {a.dest for a in parser._actions if a.dest != argparse.SUPPRESS} | set(
+        parser._defaults)
     ns = parser.parse_args(argv, argparse.Namespace(**dict.fromkeys(names, marker)))
     return {name for name, value in vars(ns).items() if value is not marker}
 
