@@ -113,6 +113,27 @@ def transcendental_flops(n: int = 1 << 18, k: int = 16) -> float:
     return k * n / timed(passes, jnp.ones(n, jnp.float32), reps=7)
 
 
+# the figures the summary prints, with their unit
+SHOWN = {"peak_flops": "FLOP/s", "mfu_peak": "FLOP/s", "hbm": "B/s", "hbm_cold": "B/s",
+         "relayout_bw": "B/s", "vector_flops": "FLOP/s", "transcendental_flops": "exp/s",
+         "collective_fit": "", "beside_cost": "of a collective's time",
+         "fault_cost": "s/B"}
+
+
+def _figure(x) -> str:
+    if isinstance(x, dict):
+        return ", ".join(f"{k} {_figure(v)}" for k, v in x.items())
+    if isinstance(x, (list, tuple)):
+        return " ".join(_figure(v) for v in x)
+    return f"{x:.3g}" if isinstance(x, float) else str(x)
+
+
+def summary(profile: dict) -> list[str]:
+    """One line per headline figure of the profile (`SHOWN`): the file holds the rest."""
+    return [f"{name:<21} {_figure(profile[name])} {unit}".rstrip()
+            for name, unit in SHOWN.items() if name in profile]
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=str(CALIBRATION_PATH))
@@ -145,11 +166,9 @@ def main(argv=None) -> int:
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(profile, indent=1))
-    shown = ("peak_flops", "mfu_peak", "hbm", "hbm_cold", "hbm_cold_scan", "vector_flops",
-             "transcendental_flops", "collective_fit", "beside_cost", "fault_cost",
-             "relayout_bw", "load_avg")
-    print(json.dumps({k: profile[k] for k in shown}, indent=1))
-    print(f"wrote {args.out}")
+    for line in summary(profile):
+        print(line)
+    print(f"wrote {args.out} (every figure, with the collectives' measured points)")
     return 0
 
 

@@ -53,7 +53,7 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     own = own_parser()
     parser = train_parser(prog="python bench/dot_passes.py", description=__doc__.split("\n\n")[0],
-                          parents=[own], groups=("model", "training"))
+                          parents=[own], groups=("model", "batch", "training"))
     mine, base = own.parse_known_args(argv)  # base: the flags every candidate shares
     parse_or_exit(argv, parser)  # --help and bad model flags: one line, exit 2
     try:

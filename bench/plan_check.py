@@ -84,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "refine), and the random ones measured too; 0 = one matmul rate")
     g.add_argument("--json", default=None, help="write figures as JSON")
     p = train_parser(prog="python bench/plan_check.py", description=__doc__.split("\n\n")[0],
-                     parents=[own], groups=("model", "training"))
+                     parents=[own], groups=("model", "batch", "training"))
     p.set_defaults(remat=None)  # remat: the plan's unless --remat pins it
     return p
 

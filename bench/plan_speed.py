@@ -38,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--workers", type=int, default=os.cpu_count() or 1,
                    help="cores the estimate of the whole plan divides by")
     p = train_parser(prog="python bench/plan_speed.py", description=__doc__.split("\n\n")[0],
-                     parents=[own], groups=("model", "training"))
+                     parents=[own], groups=("model", "batch", "training"))
     p.set_defaults(remat=None)
     return p
 

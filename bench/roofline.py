@@ -28,8 +28,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.cli.args import (  # noqa: E402
+    UsageError,
     build_parser as train_parser,  # noqa: E402
+    check_apart,
     force_host_devices,
+    host_memory_or_exit,
     keep_freed_memory,
     parse_or_exit,
 )
@@ -67,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "accelerator fusion model, engine/cost/fusion.py)")
     g.add_argument("--plot", default=None, help="roofline PNG (needs matplotlib)")
     p = train_parser(prog="python bench/roofline.py", description=__doc__.split("\n\n")[0],
-                     parents=[own], groups=("model", "parallel", "training"))
+                     parents=[own], groups=("model", "parallel", "batch", "training"))
     p.set_defaults(steps=5)  # steps timed for the measured column
     return p
 
@@ -139,6 +142,11 @@ def flag_problem(mine) -> str | None:
         return "--top-ops lists measured ops; --predict-only measures nothing"
     if problem := output_problem("--json", mine.json) or output_problem("--plot", mine.plot):
         return problem
+    try:
+        check_apart({"--calibration": mine.calibration}, {"--json": mine.json,
+                                                          "--plot": mine.plot})
+    except UsageError as e:
+        return str(e)
     if mine.plot and importlib.util.find_spec("matplotlib") is None:
         return "--plot needs matplotlib (pip install matplotlib)"
     return None
@@ -167,6 +175,7 @@ def main(argv=None) -> int:
         return 2
     if not mine.predict_only:
         force_host_devices(layout.size)
+        host_memory_or_exit(cfg)  # before anything is built: the step is run here
         keep_freed_memory()
     from engine.cost import report
     from engine.cost.ledger import step_ledger

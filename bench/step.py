@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engine.cli.args import (  # noqa: E402
     build_parser as train_parser,  # noqa: E402
     force_host_devices,
+    host_memory_or_exit,
     keep_freed_memory,
     parse_or_exit,
 )
@@ -68,6 +69,7 @@ def compile_seconds(cfg, tcfg, parallel, layout) -> float:
 def main(argv=None) -> int:
     cfg, tcfg, parallel, layout, mine = parse_or_exit(argv, build_parser())
     force_host_devices(layout.size)
+    host_memory_or_exit(cfg)  # before anything is built
     keep_freed_memory()
     import dataclasses
 

@@ -43,6 +43,7 @@ from engine.cli.args import (  # noqa: E402
     UsageError,
     build_parser as train_parser,  # noqa: E402
     force_host_devices,
+    host_memory_or_exit,
     keep_freed_memory,
     parse_or_exit,  # noqa: E402
 )
@@ -176,6 +177,7 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     force_host_devices(layout.size)
+    host_memory_or_exit(cfg)  # before anything is built
     keep_freed_memory()
     import statistics
 

@@ -65,9 +65,11 @@ def split_half_noise(times: list[list[float]]) -> float:
 def compiled_step(trainer):
     """(compiled train step, params, opt_state, tokens, compile seconds): the trainer's
     params from its seed and synthetic batch 0, placed on its mesh."""
+    from engine.cli.args import host_memory_or_exit
     from engine.run.data import synthetic_tokens
 
     cfg, tcfg = trainer.cfg, trainer.tcfg
+    host_memory_or_exit(cfg)  # the bench scripts' last stop before params are built
     params, opt_state = trainer.init(tcfg.seed)
     tokens = trainer.put_batch(synthetic_tokens(tcfg.seed, 0, tcfg.batch, tcfg.seq, cfg.vocab))
     t0 = time.perf_counter()

@@ -240,7 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "steps without loops: --layers 1 --attention reference")
     g.add_argument("--json", default=None, help="write the rows as JSON")
     p = train_parser(prog="python bench/tpu_compile.py", description=__doc__.split("\n\n")[0],
-                     parents=[own], groups=("model", "parallel", "training"))
+                     parents=[own], groups=("model", "parallel", "batch", "training"))
     p.set_defaults(activations="bf16")
     return p
 

@@ -43,6 +43,13 @@ class TrainConfig:
     b2: float = 0.95
     clip_norm: float = 1.0
     seed: int = 0
+    # the step the lr schedule's cosine decay ends at; None: `steps` (engine/run/optim.py)
+    schedule_steps: int | None = None
+
+    @property
+    def horizon(self) -> int:
+        """The step the learning-rate schedule decays to its floor at."""
+        return self.schedule_steps or self.steps
 
 
 # the dtypes fsdp may reduce-scatter weight grads in (ParallelConfig.grad_reduce)

@@ -221,3 +221,15 @@ def test_bad_input_is_one_line_exit_2(case, trained, small_vocab_checkpoint, tmp
     assert phrase in stderr
     assert stderr.count("\n") == 1 and "Traceback" not in stderr
     assert r.stdout == b""
+
+
+def test_cli_takes_a_checkpoint_file(trained, capsys):
+    """--checkpoint-dir naming a checkpoint file generates from that checkpoint, as the
+    directory holding it does (test_cli_greedy_with_stop)."""
+    from engine.cli.generate import main
+
+    ((_, path),) = checkpoint.list_checkpoints(trained[1])
+    assert main(["--checkpoint-dir", path, "--prompt", "ACEGIKMO", "--temperature", "0",
+                 "--max-new-tokens", "8"]) == 0
+    out = capsys.readouterr().out
+    assert f"checkpoint {path} (step 300" in out and "ACEGIKMOQSUWY[]_" in out

@@ -409,3 +409,24 @@ def test_a_step_that_maps_its_temporaries_pays_their_page_faults_on_the_cpu():
                       names=("fsdp",)).ranked
     assert fsdp8 and all(p.mapped_bytes == 0 for p in fsdp8)  # 18 MiB a device
     assert fit.mapped_bytes(mem, hardware.get("h100")) == 0
+
+
+def test_ledger_cache_hits_across_run_length_flags(tmp_path, monkeypatch):
+    """`--steps`, the learning rate, its warmup and horizon and the seed change constants
+    in the step, not its operations: a run of another length finds the ledger the
+    planner traced (and a fresh trace of it gives the same rows); another batch misses."""
+    import dataclasses
+
+    from engine.cost import cache
+
+    monkeypatch.setenv("SHARDWISE_LEDGER_CACHE", str(tmp_path))
+    cfg, par, lay = model_config("tiny"), validate.ParallelConfig(), Layout.parse("fsdp2")
+    planned = TrainConfig(batch=4, seq=32, steps=50)
+    run = dataclasses.replace(planned, steps=20, lr=1e-3, warmup=3, seed=7, schedule_steps=80)
+    rows, hit = cache.step_ledger(cfg, planned, lay, par)
+    assert not hit
+    again, hit = cache.step_ledger(cfg, run, lay, par)
+    assert hit and again == rows
+    assert step_ledger(cfg, run, lay, par) == rows
+    _, hit = cache.step_ledger(cfg, dataclasses.replace(run, batch=8), lay, par)
+    assert not hit

@@ -141,3 +141,17 @@ def test_layout_auto_with_several_processes_is_one_line():
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and run.stderr.count("\n") == 1, run.stderr
     assert "--layout auto plans for the devices of one process" in run.stderr
+
+
+def test_help_shows_only_what_the_planner_reads(capsys, refused):
+    """The planner reads the model, the batch and sequence and its own flags: not
+    --layout (it chooses one) nor the run's length, learning rate or seed, which are
+    refused rather than ignored."""
+    with pytest.raises(SystemExit):
+        plan_cli.main(["--help"])
+    out = capsys.readouterr().out
+    for flag in ("--devices", "--model", "--remat", "--batch", "--seq", "--hardware"):
+        assert flag in out, flag
+    for flag in ("--layout", "--steps", "--lr", "--warmup", "--seed", "--metrics-file"):
+        assert flag not in out, flag
+    refused([*SMALL_PLAN, "--steps", "20"], "unrecognized arguments: --steps 20")

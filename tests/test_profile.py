@@ -4,6 +4,7 @@ import functools
 import glob
 import gzip
 import json
+import os
 
 import pytest
 
@@ -43,7 +44,9 @@ def test_profile_writes_trace_and_prints_table(capsys, tmp_path):
     events = json.loads(gzip.decompress(open(perfetto[0], "rb").read()))
     assert any("train_step" in json.dumps(e.get("args", {}))
                for e in events.get("traceEvents", []))
-    assert "profile of steps 2-3" in out
+    # the trace's own directory and file, which the profiler names by the time
+    assert f"profile of steps 2-3 in {os.path.dirname(xplanes[0])}:" in out
+    assert perfetto[0] in out
     assert "HLO op" in out and "computes" in out
     rows = {line.split()[0]: line.split() for line in out.splitlines() if line.strip()}
     for scope in ("attention", "mlp"):

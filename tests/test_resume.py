@@ -13,7 +13,7 @@ import time
 import pytest
 from subprocess_env import cli_env
 
-from engine.run import checkpoint
+from engine.run import checkpoint, lock
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ARGS = ["--model", "tiny", "--layout", "fsdp4xtp2", "--batch", "8", "--seq", "32",
@@ -49,7 +49,7 @@ def test_sigkill_inside_a_checkpoint_write_then_resume(tmp_path):
                             env=environment(**{checkpoint.KILL_HOOK: "4"}))
     assert killed.returncode == -signal.SIGKILL, killed.stderr
     ck = tmp_path / "ck"
-    names = sorted(os.listdir(ck))
+    names = sorted(set(os.listdir(ck)) - {lock.NAME})  # the killed run's lock file stays
     assert names[0] == ".step_00000004.ckpt.tmp-" + names[0].rsplit("-", 1)[1]
     assert names[1:] == ["step_00000002.ckpt"]  # the interrupted write left no step 4
     assert [r["step"] for r in metrics(tmp_path)] == [1, 2, 3, 4]
@@ -62,7 +62,8 @@ def test_sigkill_inside_a_checkpoint_write_then_resume(tmp_path):
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 3, 4, 5, 6]
     assert_overlap_identical(rows)
     assert "val_loss" in rows[2] and "val_loss" in rows[-1]
-    assert sorted(os.listdir(ck)) == [f"step_0000000{s}.ckpt" for s in (2, 4, 6)]
+    assert sorted(set(os.listdir(ck)) - {lock.NAME}) == [f"step_0000000{s}.ckpt"
+                                                         for s in (2, 4, 6)]
     assert checkpoint.latest(str(ck)).step == 6
 
 

@@ -11,6 +11,7 @@ import os
 import sys
 
 from collectives.ring import COMMS, TP_COMMS
+from engine.cli.given import given_flags
 from engine.config import (
     GRAD_REDUCES,
     PRESETS,
@@ -24,6 +25,7 @@ from engine.parallel import validate
 from engine.parallel.layout import Layout
 from engine.parallel.pipeline import SCHEDULES
 from engine.parallel.zero import ZERO, ZERO_LEVELS
+from engine.planner.space import ineffective
 from engine.run import distributed
 from engine.run.data import BIN_DTYPES
 from engine.text.documents import ERRORS
@@ -69,7 +71,8 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 
-GROUPS = ("model", "parallel", "training", "output", "data", "checkpoints", "processes")
+GROUPS = ("model", "parallel", "batch", "training", "output", "data", "checkpoints",
+          "processes")
 
 
 
@@ -87,16 +90,17 @@ class DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def build_parser(prog: str = "python -m engine.train", description: str | None = None,
-                 parents=(), groups=GROUPS) -> argparse.ArgumentParser:
+                 parents=(), groups=GROUPS, layout: bool = True) -> argparse.ArgumentParser:
     """The training flags; tools that take the same model flags pass their own prog,
-    description, parent parsers (for their extra flags) and the flag `groups` they use
-    (--layout is always there). A group left out is not accepted on the command line;
-    its flags' defaults are still set, so `parse` sees every attribute."""
+    description, parent parsers (for their extra flags), the flag `groups` they use and
+    whether they take --layout (the planner chooses it). A group left out is not accepted
+    on the command line; its flags' defaults are still set, so `parse` sees every
+    attribute."""
     p = OneLineParser(prog=prog, description=description or TRAIN_DESCRIPTION,
                 parents=list(parents), formatter_class=DefaultsFormatter)
     unused = argparse.ArgumentParser(add_help=False)  # holds the groups left out
     group = lambda name, title: (p if name in groups else unused).add_argument_group(title)
-    p.add_argument("--layout", default="single",
+    (p if layout else unused).add_argument("--layout", default="single",
                    help="mesh axes outermost first with sizes: single, dp8, fsdp8, tp8, "
                         "fsdp4xtp2, dp2xfsdp2xtp2, ... (axes: "
                         + "; ".join(f"{r.name}: {r.doc}" for r in roles.ROLES.values())
@@ -152,18 +156,26 @@ def build_parser(prog: str = "python -m engine.train", description: str | None =
                         "device s runs chunks s, s+pp, ...); layers divisible by pp x V")
     x.add_argument("--prefetch", action="store_true",
                    help="zero 3: gather layer i+1's weights before layer i's compute")
-    t = group("training", "training")
+    b = group("batch", "batch")
     d = TrainConfig()
-    t.add_argument("--seq", type=int, default=d.seq, help="tokens per sequence")
-    t.add_argument("--batch", type=int, default=d.batch, help="global sequences per step")
+    b.add_argument("--seq", type=int, default=d.seq, help="tokens per sequence")
+    b.add_argument("--batch", type=int, default=d.batch, help="global sequences per step")
+    t = group("training", "training")
     t.add_argument("--steps", type=int, default=d.steps, help="optimizer steps in the run")
     t.add_argument("--lr", type=float, default=d.lr, help="peak learning rate")
     t.add_argument("--warmup", type=int, default=d.warmup, help="linear warmup steps")
+    t.add_argument("--lr-schedule-steps", dest="schedule_steps", type=int, default=None,
+                   metavar="N", help="the step the cosine decay ends at (default: --steps; "
+                                     "resuming, the checkpoint's)")
     t.add_argument("--seed", type=int, default=d.seed,
                    help="init and batch order are functions of the seed")
     o = group("output", "output")
     o.add_argument("--log-every", type=int, default=10, help="progress line every N steps")
-    o.add_argument("--metrics-file", default=None, help="JSONL, one object per step")
+    o.add_argument("--metrics-file", default=None,
+                   help="JSONL, one object per step; an existing file is appended to on "
+                        "--resume and refused otherwise")
+    o.add_argument("--overwrite-metrics", action="store_true",
+                   help="replace an existing --metrics-file")
     o.add_argument("--peak-flops", type=float, default=None,
                    help="MFU denominator in FLOP/s (default: spec sheet, or a matmul "
                         "measured at start-up on CPU)")
@@ -218,14 +230,16 @@ def parse(argv, parser: argparse.ArgumentParser | None = None, auto: bool = Fals
     """argv -> (ModelConfig, TrainConfig, ParallelConfig, Layout, args); raises
     UsageError / ConfigError (`engine.parallel.validate`'s problems, one line). With `auto`,
     `--layout auto` returns Layout None: the planner chooses it (`engine.plan.auto`)."""
-    args = (parser or build_parser()).parse_args(argv)
+    parser = parser or build_parser()
+    args = parser.parse_args(argv)
+    args.given = given_flags(parser, argv)  # a flag that cannot take effect is refused
     cfg = model_config(args.model, **{k: getattr(args, k) for k in (
         "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "mlp_dim", "vocab",
         "experts", "top_k", "shared_experts", "capacity_factor")},
         dtype=args.dtype, activations=args.activations, remat=args.remat,
         attention=args.attention)
     tcfg = TrainConfig(batch=args.batch, seq=args.seq, steps=args.steps, lr=args.lr,
-                       warmup=args.warmup, seed=args.seed)
+                       warmup=args.warmup, seed=args.seed, schedule_steps=args.schedule_steps)
     parallel = ParallelConfig(zero=args.zero, prefetch=args.prefetch, tp_comm=args.tp_comm,
                               cp_comm=args.cp_comm, microbatches=args.microbatches,
                               pp_schedule=args.pp_schedule, pp_virtual=args.pp_virtual,
@@ -239,7 +253,9 @@ def parse(argv, parser: argparse.ArgumentParser | None = None, auto: bool = Fals
                              "name a layout to train with several processes")
         return cfg, tcfg, parallel, None, args
     layout = Layout.parse(args.layout)
-    if problems := distributed.flag_problems(args, layout.size):
+    problems = distributed.flag_problems(args, layout.size) + ineffective(
+        cfg, parallel, layout, args.given)
+    if problems:
         raise UsageError("; ".join(problems))
     validate.check(cfg, tcfg, parallel, layout)
     return cfg, tcfg, parallel, layout, args
@@ -268,7 +284,8 @@ def flag_problems(args, cfg, tcfg) -> list[str]:
     values = {**dataclasses.asdict(cfg), **dataclasses.asdict(tcfg)}
     problems = [f"{name}={values[name]} is absurd (limit {limit:,})"
                 for name, limit in LIMITS.items() if values[name] > limit]
-    for name in ("log_every", "checkpoint_every", "keep", "eval_batches", "eval_every"):
+    for name in ("log_every", "checkpoint_every", "keep", "eval_batches", "eval_every",
+                 "schedule_steps"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             problems.append(f"{name}={getattr(args, name)} must be >= 1")
     if not 0 <= args.seed < 2**32:
@@ -281,6 +298,28 @@ def flag_problems(args, cfg, tcfg) -> list[str]:
         problems.append("--eval-only needs --checkpoint-dir")
     problems += profile.flag_problems(args.profile_steps, args.profile_dir, tcfg.steps)
     return problems
+
+
+
+def check_host_memory(cfg) -> None:
+    """Raise UsageError (one line) when training `cfg` cannot fit this host's available
+    memory (`engine.run.host.memory_problem`) and jax computes on the host's CPU. For
+    every tool that materialises a model: call it before building anything."""
+    import jax
+
+    from engine.run.host import memory_problem
+
+    if jax.default_backend() == "cpu" and (problem := memory_problem(cfg)):
+        raise UsageError(problem)
+
+
+def host_memory_or_exit(cfg) -> None:
+    """`check_host_memory` for the bench scripts: one line on stderr and exit 2."""
+    try:
+        check_host_memory(cfg)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 
@@ -315,3 +354,34 @@ def check_output_file(path: str, flag: str) -> None:
         raise UsageError(f"{flag} {path}: cannot write it ({e.strerror or e})") from None
     if not existed:
         os.remove(path)
+
+
+
+def check_apart(inputs: dict, outputs: dict) -> None:
+    """Raise UsageError (one line) when an output of the run ({flag: path}: a file or a
+    directory it writes) is one of its inputs ({flag: path}), or a directory holding one,
+    or another output; None paths are left out. Run before anything is opened for
+    writing: a metrics file named like the data file would truncate the data."""
+    real = lambda paths: {f: (p, os.path.realpath(p)) for f, p in paths.items() if p}
+    ins, outs = real(inputs), real(outputs)
+
+    def same(a: str, b: str) -> bool:
+        if a == b:
+            return True
+        try:
+            return os.path.samefile(a, b)  # hard links, bind mounts
+        except OSError:
+            return False
+
+    named = list(outs.items())
+    for i, (oflag, (opath, o)) in enumerate(named):
+        for iflag, (ipath, x) in ins.items():
+            if same(o, x):
+                raise UsageError(f"{oflag} {opath} is {iflag} {ipath}: writing it would "
+                                 f"destroy the input; choose another {oflag}")
+            if x.startswith(o.rstrip(os.sep) + os.sep):
+                raise UsageError(f"{oflag} {opath} holds {iflag} {ipath}: choose an "
+                                 f"{oflag} apart from the run's inputs")
+        for oflag2, (opath2, o2) in named[i + 1:]:
+            if same(o, o2):
+                raise UsageError(f"{oflag} and {oflag2} are both {opath}: choose two paths")

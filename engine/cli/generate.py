@@ -39,7 +39,9 @@ EOS = "EOS"  # --stop EOS: stop at the tokenizer's end-of-document token
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="python -m engine.generate", description=__doc__.split("\n\n")[0],
                       formatter_class=DefaultsFormatter)
-    p.add_argument("--checkpoint-dir", required=True, help="the newest checkpoint here is used")
+    p.add_argument("--checkpoint-dir", required=True,
+                   help="the newest checkpoint here is used; or a checkpoint file "
+                        "(ck/step_00000100.ckpt)")
     p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
     p.add_argument("--prompts-file", default=None, help="UTF-8 text, one prompt per line")
     p.add_argument("--max-new-tokens", type=int, default=200,
@@ -309,7 +311,9 @@ def load_model(request: Request):
     from engine.run import checkpoint
 
     directory = request.args.checkpoint_dir
-    ckpt = checkpoint.latest(directory, parts=("params",))  # the optimizer state is not used
+    # the optimizer state is not used
+    ckpt = (checkpoint.read(directory, parts=("params",)) if os.path.isfile(directory)
+            else checkpoint.latest(directory, parts=("params",)))
     if ckpt is None:
         raise UsageError(f"no checkpoint in {directory}")
     fields = {f.name for f in dataclasses.fields(ModelConfig)}

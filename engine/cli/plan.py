@@ -59,7 +59,8 @@ def build_parser():
 
     p = train_parser(prog="python -m engine.plan",
                      description=search.__doc__.split("\n\n")[0],
-                     parents=[own], groups=("model", "training"))
+                     parents=[own], groups=("model", "batch"),
+                     layout=False)
     # --remat pins remat; without it the plan chooses it
     p.set_defaults(remat=None)
     return p
@@ -118,13 +119,14 @@ def host_devices(mine, say) -> list | None:
 
 
 def main(argv=None) -> int:
-    from engine.cli.args import UsageError, check_output_file, parse_or_exit
+    from engine.cli.args import UsageError, check_apart, check_output_file, parse_or_exit
 
     cfg, tcfg, _, _, mine = parse_or_exit(argv, build_parser())
     names, limits, space_problems = search_space(mine)
     try:
         if problems := flag_problems(mine) + space_problems:
             raise UsageError("; ".join(problems))
+        check_apart({"--calibration": mine.calibration}, {"--json": mine.json})
         if mine.json:
             check_output_file(mine.json, "--json")
         from engine.cost.hardware import ProfileError

@@ -9,6 +9,7 @@ writes the metrics file.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import sys
@@ -17,12 +18,15 @@ import time
 from engine.cli.args import (
     LIMITS,
     UsageError,
+    check_apart,
+    check_host_memory,
     check_output_file,
     force_host_devices,
     keep_freed_memory,
     parse,
 )
-from engine.config import ConfigError, ParallelConfig
+from engine.cli.given import auto_pins
+from engine.config import ConfigError
 from engine.cost import profile
 from engine.run import distributed
 from engine.run.data import DataError, data_problems, load_data
@@ -110,19 +114,35 @@ def _settings_changed(ckpt, tcfg, args) -> list[str]:
     """Training settings that differ from the checkpoint's (allowed; they change the run)."""
     saved = dict(ckpt.meta.get("train", {}), data=ckpt.meta.get("data", {}).get("source"))
     now = dict(dataclasses.asdict(tcfg), data=args.data)
+    if now["schedule_steps"] is None:  # the checkpoint's horizon: `_schedule_horizon` says so
+        del now["schedule_steps"]
     return [f"{k}={now[k]} (checkpoint: {saved.get(k)})" for k in now if now[k] != saved.get(k)]
 
 
-def _check_memory(cfg, devices) -> None:
-    """Refuse a model whose params, grads and Adam moments (4 f32 copies) exceed host RAM."""
-    from engine.parallel.params import param_count
+def schedule_summary(parallel, layout) -> str:
+    """`, pp schedule 1f1b over 8 microbatches` (or `, 4 microbatches accumulated` without
+    pp), else empty."""
+    m = parallel.microbatches
+    if layout.degree("pp") > 1:
+        chunks = (f" ({parallel.pp_virtual} chunks per device)"
+                  if parallel.pp_schedule == "interleaved" else "")
+        return f", pp schedule {parallel.pp_schedule}{chunks} over {m} microbatches"
+    return f", {m} microbatches accumulated" if m > 1 else ""
 
-    need = 16 * param_count(cfg)
-    have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    if devices[0].platform == "cpu" and need > have:
-        raise UsageError(f"model needs {need / 2**30:.1f} GiB for params, grads and Adam state "
-                         f"(16 bytes x {param_count(cfg):,} params); this host has "
-                         f"{have / 2**30:.1f} GiB")
+
+def _schedule_horizon(ckpt, tcfg, say):
+    """`tcfg` with the learning-rate schedule's horizon of the checkpoint's run when
+    resuming without --lr-schedule-steps: more --steps continue the run at the
+    schedule's floor instead of bending the schedule back up."""
+    if ckpt is None or tcfg.schedule_steps is not None:
+        return tcfg
+    saved = ckpt.meta.get("train", {})
+    horizon = saved.get("schedule_steps") or saved.get("steps")
+    if not horizon or horizon == tcfg.steps:
+        return tcfg
+    say(f"note: the learning-rate schedule keeps the checkpoint's horizon, step {horizon} "
+        f"(--steps {tcfg.steps}); pass --lr-schedule-steps to set another")
+    return dataclasses.replace(tcfg, schedule_steps=horizon)
 
 
 def setup(cfg, tcfg, parallel, layout, args, data, say):
@@ -138,11 +158,12 @@ def setup(cfg, tcfg, parallel, layout, args, data, say):
     from engine.run.step import Trainer
     from layers.attention import cp_kernel, resolve_attention
 
+    check_host_memory(cfg)
     ckpt = _open_checkpoints(cfg, args, say)
+    asked, tcfg = tcfg, _schedule_horizon(ckpt, tcfg, say)
     mesh = layout.mesh()
     trainer = Trainer(cfg, tcfg, layout, mesh, parallel)
     devices = list(mesh.devices.flat)
-    _check_memory(cfg, devices)
     peak, peak_src = _peak(cfg, args, devices)
     kernel = (f"{cp_kernel(cfg.attention)} attention over cp ({parallel.cp_comm})"
               if layout.degree("cp") > 1 else
@@ -152,7 +173,8 @@ def setup(cfg, tcfg, parallel, layout, args, data, say):
         f"model {args.model} ({param_count(cfg) / 1e6:.2f}M params, D={cfg.d_model} "
         f"N={cfg.n_layers} H={cfg.n_heads} G={cfg.n_kv_heads} K={cfg.head_dim} "
         f"F={cfg.mlp_dim} V={cfg.vocab}{moe_summary(cfg)}); {cfg.dtype} compute, "
-        f"{cfg.activations} activations, remat {cfg.remat}, {kernel}; "
+        f"{cfg.activations} activations, remat {cfg.remat}, {kernel}"
+        f"{schedule_summary(parallel, layout)}; "
         f"{tcfg.batch * tcfg.seq} tokens/step; peak {peak / 1e12:.2f} TFLOP/s ({peak_src})")
     say(f"data {data.describe()}")
     if kernel.startswith("pallas") and devices[0].platform == "cpu":
@@ -167,7 +189,7 @@ def setup(cfg, tcfg, parallel, layout, args, data, say):
         start = ckpt.step
         say(f"resumed from {ckpt.path} (step {start}, written under layout "
             f"{ckpt.meta.get('layout')}{_by_processes(ckpt)})")
-        if changed := _settings_changed(ckpt, tcfg, args):
+        if changed := _settings_changed(ckpt, asked, args):
             say("note: resuming with different settings: " + ", ".join(changed))
     if start >= tcfg.steps:
         say(f"the checkpoint already reached step {start} >= --steps {tcfg.steps}; "
@@ -179,7 +201,7 @@ def setup(cfg, tcfg, parallel, layout, args, data, say):
     t0 = time.perf_counter()
     step_fn = trainer.train_step.lower(params, opt_state, batch(start)).compile()
     say(f"compiled the step in {time.perf_counter() - t0:.1f} s")
-    return Session(trainer, step_fn, params, opt_state, batch, start, tcfg.steps, peak)
+    return Session(trainer, step_fn, params, opt_state, batch, start, tcfg.steps, peak, tcfg)
 
 
 def _eval_only(cfg, tcfg, layout, args, data) -> int:
@@ -233,23 +255,75 @@ def _tokenizer_meta(data) -> dict:
 
 
 def _train(cfg, tcfg, parallel, layout, args, data) -> int:
-    """setup, then the loop with the hooks the flags ask for."""
-    from engine.run.loop import Checkpoints, Evaluate, Log, MetricsFile, Rates, loop
+    """The run's locks, setup, then the loop with the hooks the flags ask for."""
+    from engine.run.loop import loop
 
-    is_main = distributed.is_main()  # process 0 prints and writes the metrics file
+    is_main = distributed.is_main()  # process 0 prints, locks and writes the metrics file
     say = (lambda *a, **k: print(*a, **k, flush=True)) if is_main else (lambda *a, **k: None)
-    if args.metrics_file and is_main:
-        check_output_file(args.metrics_file, "--metrics-file")
-    session = setup(cfg, tcfg, parallel, layout, args, data, say)
-    if session is None:
-        return 0
+    with contextlib.ExitStack() as held:
+        if args.checkpoint_dir:
+            _lock_directory(args.checkpoint_dir, is_main, held, say)
+        metrics = held.enter_context(_open_metrics(args)) if args.metrics_file and is_main \
+            else None
+        session = setup(cfg, tcfg, parallel, layout, args, data, say)
+        if session is None:
+            return 0
+        hooks = _hooks(cfg, session.tcfg, parallel, layout, args, data, session, metrics, say)
+        return loop(session, hooks, say)
+
+
+def _lock_directory(directory, is_main, held, say) -> None:
+    """Process 0 holds `directory`'s lock (engine/run/lock.py) until `held` closes; every
+    process learns whether it got it, so all stop together when it did not."""
+    from engine.run.checkpoint import CheckpointError, check_writable
+    from engine.run.lock import DirectoryLock, LockError
+
+    problem = None
+    if is_main:
+        try:
+            check_writable(directory)  # a file, not a directory; read-only; disk full
+            lock = held.enter_context(DirectoryLock(directory))
+        except (LockError, CheckpointError) as e:
+            problem = str(e)
+        except OSError as e:
+            problem = f"cannot write checkpoints to {directory}: {e.strerror or e}"
+        else:
+            if lock.previous:
+                say(f"note: took over the lock of {directory} from a run that ended without "
+                    f"releasing it ({lock.previous})")
+    if not distributed.agree(problem is None):
+        raise UsageError(problem or f"process 0 could not lock {directory}")
+
+
+def _open_metrics(args):
+    """The metrics file hook, the file locked against another run: an existing file is
+    appended to on --resume, replaced with --overwrite-metrics, refused otherwise."""
+    from engine.run.lock import LockError
+    from engine.run.loop import MetricsFile
+
+    path = args.metrics_file
+    check_output_file(path, "--metrics-file")
+    if os.path.isfile(path) and os.path.getsize(path) and not (args.resume or
+                                                                args.overwrite_metrics):
+        raise UsageError(f"--metrics-file {path} already holds metrics; pass --resume to "
+                         f"append to it or --overwrite-metrics to replace it")
+    try:
+        return MetricsFile(path, append=not args.overwrite_metrics)
+    except LockError as e:
+        raise UsageError(str(e)) from None
+
+
+def _hooks(cfg, tcfg, parallel, layout, args, data, session, metrics, say) -> list:
+    """The loop's hooks, in order, for the flags given."""
+    from engine.run.loop import Checkpoints, Evaluate, Log, Rates
+
     rates = Rates(cfg, tcfg, session.peak)
     hooks = [rates]
     if args.eval_every:
         hooks.append(Evaluate(args.eval_every, args.eval_batches, tcfg.steps,
                               data.bytes_per_token))
-    if args.metrics_file and is_main:
-        hooks.append(MetricsFile(args.metrics_file, append=args.resume))
+    if metrics is not None:
+        hooks.append(metrics)
     hooks.append(Log(args.log_every, tcfg.steps, rates, say))
     if args.checkpoint_dir:
         meta = dict(rng=dict(seed=tcfg.seed), model=dataclasses.asdict(cfg),
@@ -261,19 +335,30 @@ def _train(cfg, tcfg, parallel, layout, args, data) -> int:
     if args.profile_steps:
         hooks.append(profile.Profile(args.profile_steps, args.profile_dir, cfg, tcfg, layout,
                                      parallel, say))
-    return loop(session, hooks, say)
+    return hooks
+
+
+def run_paths(args) -> tuple[dict, dict]:
+    """({flag: path} the run reads, {flag: path} it writes) for `check_apart`."""
+    data = args.data if args.data not in ("synthetic", "python-stdlib") else None
+    inputs = {"--data": data, "--init-from-hf": getattr(args, "init_from_hf", None),
+              "--tokenizer": getattr(args, "tokenizer", None)}
+    outputs = {"--metrics-file": args.metrics_file, "--checkpoint-dir": args.checkpoint_dir,
+               "--profile-dir": args.profile_dir if args.profile_steps else None}
+    return inputs, outputs
 
 
 def main(argv=None) -> int:
     try:
         cfg, tcfg, parallel, layout, args = parse(sys.argv[1:] if argv is None else argv,
                                                   auto=True)
+        check_apart(*run_paths(args))  # before anything is planned, read or written
         if layout is None:
             from engine.planner import search as plan
 
             force_host_devices(plan.AUTO_HOST_DEVICES)
-            cfg, parallel, layout = plan.auto(
-                cfg, tcfg, base=ParallelConfig(grad_reduce=parallel.grad_reduce))
+            pinned, base = auto_pins(cfg, parallel, args.given)
+            cfg, parallel, layout = plan.auto(cfg, tcfg, base=base, pinned=pinned)
         force_host_devices(layout.size // distributed.process_count(args))
         return run(cfg, tcfg, parallel, layout, args)
     except (UsageError, ConfigError, DataError) as e:

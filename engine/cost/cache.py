@@ -1,7 +1,12 @@
 """A disk cache of step ledgers, keyed by what changes the traced program.
 
-A step's ledger (engine/cost/ledger.py) is a function of the model, the training
-config, the parallel config and the layout's axis sizes by role; the order of the axes
+A step's ledger (engine/cost/ledger.py) is a function of the model, the batch and
+sequence length (per device, given the axis sizes), the parallel config and the layout's
+axis sizes by role. Not of how long a run is or what its values are: `--steps`, the
+learning rate, its warmup and schedule, the seed change constants in the traced
+program, not its operations, so `python -m engine.train --layout auto --steps 20` finds
+the ledgers `python -m engine.plan` traced at another `--steps`. Nor of the hardware:
+the ledger is priced per profile after it is read (engine/cost/price.py). The order of the axes
 only changes the order rows name their axes in, which no price depends on
 (engine/cost/price.py reads axes as a set). The key is a hash of those, of the jax
 version and of the source of every module the traced step is built from (its import
@@ -86,13 +91,26 @@ def code_fingerprint() -> str:
     return h.hexdigest()
 
 
+# TrainConfig fields that change values in the traced step, never its operations
+RUN_FIELDS = ("steps", "lr", "warmup", "min_lr_ratio", "schedule_steps", "seed")
+
+
+def program_fields(tcfg) -> tuple:
+    """The TrainConfig fields the traced step's operations depend on, by name."""
+    import dataclasses
+
+    return tuple((f.name, getattr(tcfg, f.name)) for f in dataclasses.fields(tcfg)
+                 if f.name not in RUN_FIELDS)
+
+
 def key(cfg, tcfg, parallel, layout, pack=None) -> str:
-    """What the traced step depends on, hashed: the configs, the axis sizes by role
-    (not their order) and the weight gather's packing (`trace_step`'s `pack`)."""
+    """What the traced step depends on, hashed: the configs (of the training config, the
+    fields of `program_fields`), the axis sizes by role (not their order) and the weight
+    gather's packing (`trace_step`'s `pack`)."""
     from engine.parallel.layout import AXIS_ROLES
 
     sizes = tuple(layout.degree(r) for r in AXIS_ROLES)
-    text = repr((cfg, tcfg, parallel, sizes, pack, code_fingerprint()))
+    text = repr((cfg, program_fields(tcfg), parallel, sizes, pack, code_fingerprint()))
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 

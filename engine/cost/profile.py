@@ -16,6 +16,7 @@ most of the measured time, each with what it computes (a fusion's opcodes).
 """
 from __future__ import annotations
 
+import glob
 import os
 import statistics
 from pathlib import Path
@@ -72,11 +73,18 @@ class Profile:
         self.cfg, self.tcfg, self.layout, self.parallel, self.say = (
             cfg, tcfg, layout, parallel, say)
         self.tracing, self.times, self.session = False, [], None
+        self.before, self.trace_dir = set(), None
+
+    def _runs(self) -> set[str]:
+        """The trace directories jax's profiler has written under `directory`
+        (`plugins/profile/<timestamp>/`)."""
+        return set(glob.glob(os.path.join(self.directory, "plugins", "profile", "*", "")))
 
     def _start(self):
         import jax
 
         os.makedirs(self.directory, exist_ok=True)
+        self.before = self._runs()
         jax.profiler.start_trace(self.directory, create_perfetto_trace=True)
         self.tracing = True
 
@@ -85,6 +93,8 @@ class Profile:
 
         jax.profiler.stop_trace()
         self.tracing = False
+        new = sorted(self._runs() - self.before)  # this run's, not an earlier run's
+        self.trace_dir = os.path.normpath(new[-1]) if new else self.directory
 
     def begin(self, session):
         """Before the first step: start when step A is the first this run takes."""
@@ -106,9 +116,12 @@ class Profile:
             self._stop()
         if not self.times:
             return
+        perfetto = glob.glob(os.path.join(self.trace_dir, "perfetto_trace.json.gz")) + glob.glob(
+            os.path.join(self.trace_dir, "*.trace.json.gz"))
         self.say(f"profile of steps {self.first}-{self.first + len(self.times) - 1} in "
-                 f"{self.directory}: tensorboard --logdir {self.directory}, or open its "
-                 f"perfetto_trace.json.gz in ui.perfetto.dev")
+                 f"{self.trace_dir}: tensorboard --logdir {self.directory}, or open "
+                 f"{perfetto[0] if perfetto else 'its perfetto_trace.json.gz'} in "
+                 f"ui.perfetto.dev")
         for table in self.tables():
             self.say(table)
 
@@ -124,7 +137,7 @@ class Profile:
         from engine.run.host import mapped_each_step
 
         step_s = statistics.median(self.times)
-        events = trace.op_events(self.directory)
+        events = trace.op_events(self.trace_dir)
         text = self.session.step_fn.as_text()
         info = trace.classify(text, axes_by_groups(self.layout.mesh_axes()))
         measured = trace.attribute(events, info, step_s, len(self.times))

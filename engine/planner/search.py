@@ -356,8 +356,9 @@ def plan(cfg: ModelConfig, tcfg: TrainConfig, n: int, hw, hbm_bytes: float | Non
     t0 = time.perf_counter()
     ok, refused = candidates(cfg, tcfg, n, pinned, names, limits, base)
     capacity = fit.capacity(hw, n, hbm_bytes)
+    grow = "microbatches" not in (pinned or {})  # pinned microbatches stay as given
     ranked, over, programs, cached, workers = price(ok, tcfg, hw, n, capacity, workers,
-                                                    executor, progress, grow=True)
+                                                    executor, progress, grow=grow)
     refined = 0
     if ranked and hw.shared_host and devices is not None and len(devices) >= n and within > 0:
         if say is not None:
@@ -404,11 +405,12 @@ DEVICE_KINDS = {"h100": "h100", "a100": "a100", "v5 lite": "v5e", "v5e": "v5e", 
 
 
 def auto(cfg: ModelConfig, tcfg: TrainConfig, say=print,
-         base: ParallelConfig = ParallelConfig()):
+         base: ParallelConfig = ParallelConfig(), pinned: dict | None = None):
     """`--layout auto`: plan for every device jax finds (the cpu profile on the host,
     else the profile of the accelerator's kind) and return the first choice as (model
     config with its remat, ParallelConfig, Layout); raises ConfigError (one line) when
-    nothing fits or the accelerator has no profile. base: as `plan`'s."""
+    nothing fits or the accelerator has no profile. base, pinned: as `plan`'s (the
+    switches the user gave)."""
     import jax
 
     devices = jax.devices()
@@ -420,7 +422,7 @@ def auto(cfg: ModelConfig, tcfg: TrainConfig, say=print,
                           f"(known: cpu, {', '.join(sorted(set(DEVICE_KINDS.values())))}); "
                           f"name a layout")
     hw = hardware_profile(name, None, say)
-    result = plan(cfg, tcfg, len(devices), hw, workers=os.cpu_count() or 1,
+    result = plan(cfg, tcfg, len(devices), hw, pinned=pinned, workers=os.cpu_count() or 1,
                   progress=progress_line(say), devices=devices, say=say, base=base)
     if not result.ranked:
         raise ConfigError(no_plan_message(result, len(devices)))

@@ -65,6 +65,60 @@ SWITCHES: tuple[Switch, ...] = (
 )
 
 
+# where each switch takes effect, for a flag given where it does not (`ineffective`)
+NEEDS = {"zero": "an axis sharding the params ({params})",
+         "prefetch": "--zero 3 on an axis sharding the params ({params})",
+         "tp_comm": "an axis sharding the heads ({heads})",
+         "cp_comm": "an axis sharding the sequence ({sequence})",
+         "pp_schedule": "a pp axis", "pp_virtual": "--pp-schedule interleaved on a pp axis",
+         "microbatches": "a pp axis, or more than 1", "remat": "",
+         "grad_reduce": "--zero 2 or 3 on an axis sharding the params ({params})"}
+
+
+def grad_reduce_applies(layout: Layout, par: ParallelConfig) -> bool:
+    """Whether `grad_reduce` changes the step: fsdp's reduce-scatters of zero 2 and 3
+    (zero 1 and dp all-reduce in f32 either way)."""
+    return par.zero in (2, 3) and degree(layout, "params") > 1
+
+
+def _rules():
+    """(name, applies(layout, parallel), is a ModelConfig field) of every setting the
+    layout decides the effect of: the switches, then grad_reduce."""
+    return [*((s.name, s.applies, s.model) for s in SWITCHES),
+            ("grad_reduce", grad_reduce_applies, False)]
+
+
+def ineffective(cfg: ModelConfig, par: ParallelConfig, layout: Layout,
+                given: set[str]) -> list[str]:
+    """`--zero 1 takes no effect on tp4: it needs ...` for each setting in `given` (field
+    names) that differs from its default and does not change the program on `layout`."""
+    where = {w: "/".join(roles.roles_sharding(w)) for w in ("params", "heads", "sequence")}
+    out = []
+    for name, applies, model in _rules():
+        value = getattr(cfg if model else par, name)
+        default = getattr(ParallelConfig(), name) if not model else None
+        if name in given and not model and value != default and not applies(layout, par):
+            flag = "--" + name.replace("_", "-")
+            shown = flag if isinstance(value, bool) else f"{flag} {value}"
+            out.append(f"{shown} takes no effect on layout {layout}: it needs "
+                       + NEEDS[name].format(**where))
+    return out
+
+
+def honours(layout: Layout, par: ParallelConfig, pinned: dict, base: ParallelConfig) -> bool:
+    """Whether a candidate takes effect of every switch the user pinned away from its
+    default, and of `base`'s grad_reduce when it is not the default: a pinned setting
+    that changes nothing on a layout is not that layout's setting."""
+    for name, applies, model in _rules():
+        if model:
+            continue
+        wanted = pinned.get(name, getattr(base, name) if name == "grad_reduce" else None)
+        if wanted is not None and wanted != getattr(ParallelConfig(), name) \
+                and not applies(layout, par):
+            return False
+    return True
+
+
 # schedules whose steps have one ledger (`Candidate.program`)
 SHARED_TRACE = ("gpipe", "1f1b")
 
@@ -179,14 +233,18 @@ def candidates(cfg: ModelConfig, tcfg: TrainConfig, n: int, pinned: dict | None 
                base: ParallelConfig = ParallelConfig()):
     """(runnable candidates, [(refused candidate, reason)]) of n devices over the roles
     `names` (sizes up to `limits`, as `layouts`); ParallelConfig fields that are not
-    switches from `base`. The switches and `engine.parallel.validate` read the axis sizes, not
-    their order, so both run once per factorisation and hold for all its orders (a
-    refusal names each order's own layout)."""
+    switches from `base`. A setting pinned (or in `base`) away from its default leaves
+    out the layouts where it would take no effect (`honours`). The switches and
+    `engine.parallel.validate` read the axis sizes, not their order, so both run once
+    per factorisation and hold for all its orders (a refusal names each order's own
+    layout)."""
     ok, refused = [], []
     for f in _within(n, names, limits):
         every = orders(f)
         first = every[0]
         for par, c in switch_settings(cfg, first, pinned or {}, base):
+            if not honours(first, par, pinned or {}, base):
+                continue
             if problems := validate.problems(c, tcfg, par, first):
                 reason = "; ".join(problems)
                 refused += [(Candidate(lay, par, c),

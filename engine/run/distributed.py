@@ -83,6 +83,19 @@ def is_main() -> bool:
     return jax.process_index() == 0
 
 
+def agree(ok: bool) -> bool:
+    """Process 0's `ok` on every process (with several, a collective every process
+    calls), so a check only process 0 can make stops them all."""
+    import jax
+
+    if jax.process_count() == 1:
+        return ok
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    return bool(multihost_utils.broadcast_one_to_all(np.int32(ok)))
+
+
 def host_value(x) -> float:
     """A replicated (out_specs=P()) scalar as a Python float. Reads this process's first
     shard, so it works when the array spans devices of other processes too."""

@@ -63,3 +63,20 @@ def mapped_each_step(temp_bytes: int) -> int:
     if not keep_freed_memory():
         return 0
     return temp_bytes if temp_bytes > THREAD_HEAP_MAX else 0
+
+
+def memory_problem(cfg) -> str | None:
+    """Why training `cfg` on this host's CPU devices cannot fit its available memory, or
+    None: its params, grads and Adam moments are 4 f32 copies, 16 bytes a param, a floor
+    under the step's peak (activations come on top). Checked before anything is built,
+    by every tool that materialises a model on the host (a process past the host's
+    memory is killed by the kernel with no message, and may take other jobs with it)."""
+    from engine.parallel.params import param_count
+    from engine.parallel.validate import available_host_memory
+
+    n = param_count(cfg)
+    need, have = 16 * n, available_host_memory()
+    if need <= have:
+        return None
+    return (f"model needs {need / 2**30:.1f} GiB for params, grads and Adam state (16 bytes "
+            f"x {n:,} params); this host has {have / 2**30:.1f} GiB available")

@@ -25,6 +25,7 @@ class Session:
     start: int
     steps: int
     peak: float  # FLOP/s, the MFU denominator
+    tcfg: object = None  # the TrainConfig the step runs (its schedule's horizon resolved)
 
 
 def loop(session: Session, hooks, say) -> int:
@@ -122,10 +123,27 @@ class Evaluate:
 
 
 class MetricsFile:
-    """One JSON object per step (appended on --resume)."""
+    """One JSON object per step, appended to the file or (`append` False) replacing what
+    it held; the file is locked against another run while it is open
+    (engine/run/lock.py)."""
 
     def __init__(self, path: str, append: bool):
-        self.file = open(path, "a" if append else "w")
+        from engine.run.lock import lock_file
+
+        self.file = open(path, "a")
+        try:
+            lock_file(self.file, path)
+        except BaseException:
+            self.file.close()
+            raise
+        if not append:
+            self.file.truncate(0)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
     def __call__(self, record, session):
         self.file.write(json.dumps(record) + "\n")

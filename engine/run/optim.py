@@ -12,12 +12,13 @@ from engine.config import TrainConfig
 def schedule(tcfg: TrainConfig) -> optax.Schedule:
     """Learning rate of update `count` (step count + 1): linear warmup lr * (count + 1) /
     warmup, so step 1 already trains and step `warmup` runs at the peak `lr`; then cosine
-    decay to `lr * min_lr_ratio` at the last step. A function of the count only, which the
-    optimizer state carries, so a resumed run follows the same schedule."""
+    decay to `lr * min_lr_ratio` at step `tcfg.horizon` (`--steps`, or
+    `--lr-schedule-steps`), then flat. A function of the count only, which the optimizer
+    state carries, so a resumed run with the same horizon follows the same schedule."""
     warmup = max(tcfg.warmup, 1)
     return optax.warmup_cosine_decay_schedule(
         init_value=tcfg.lr / warmup, peak_value=tcfg.lr, warmup_steps=warmup - 1,
-        decay_steps=max(tcfg.steps - 1, warmup, 1), end_value=tcfg.lr * tcfg.min_lr_ratio)
+        decay_steps=max(tcfg.horizon - 1, warmup, 1), end_value=tcfg.lr * tcfg.min_lr_ratio)
 
 
 def make_optimizer(tcfg: TrainConfig) -> optax.GradientTransformation:
