@@ -102,3 +102,175 @@ def test_reference_segments_equal_separate_rows():
         sl = slice(start, start + n)
         close(o[:, sl], reference_attention(q[:, sl], k[:, sl], v[:, sl]), what=f"doc at {start}")
         start += n
+
+
+# -- the model: a packed row against its documents as separate rows -----------------------
+
+import dataclasses  # noqa: E402
+
+from jax.sharding import NamedSharding  # noqa: E402
+from test_tp_comm import random_params  # noqa: E402
+
+from engine.config import ParallelConfig, TrainConfig, model_config  # noqa: E402
+from engine.parallel.layout import Layout  # noqa: E402
+from engine.parallel.params import fsdp_dims  # noqa: E402
+from engine.run.step import Trainer  # noqa: E402
+from layers import documents, model, vocab  # noqa: E402
+from layers.axes import Axes  # noqa: E402
+
+EOS = 3
+CFG = model_config("tiny", n_heads=8, n_kv_heads=2, head_dim=8, dtype="f32", remat="none")
+SEQ = 16
+# two packed windows of L + 1 = 17 tokens: three documents (each ending in EOS) and one
+# more target token; the second row's last document is cut by the window's end
+DOC_LENGTHS = [[5, 7, 4], [3, 9, 5]]
+
+
+def packed_rows(seed=0):
+    """tokens [B, L+1] and, per row, the start and length of each document's inputs."""
+    rng = np.random.default_rng(seed)
+    rows, spans = [], []
+    for lengths in DOC_LENGTHS:
+        row, span = [], []
+        for n in lengths:
+            span.append((len(row), n))
+            row += list(rng.integers(EOS + 1, CFG.vocab, size=n - 1)) + [EOS]
+        rows.append((row + list(rng.integers(EOS + 1, CFG.vocab, size=SEQ + 1)))[:SEQ + 1])
+        spans.append([(s, min(n, SEQ - s)) for s, n in span if s < SEQ])
+    return np.array(rows, np.int32), spans
+
+
+def separate_rows(tokens, spans):
+    """Each document's inputs and its targets as a row of its own, padded after the
+    document: [D, L+1], and the weight of each position [D, L] (1 on the document)."""
+    rows, weights = [], []
+    for b, row_spans in enumerate(spans):
+        for s, n in row_spans:
+            rows.append(np.pad(tokens[b, s:s + n + 1], (0, SEQ + 1 - (n + 1)),
+                               constant_values=EOS + 1))
+            weights.append(np.arange(SEQ) < n)
+    return np.array(rows, np.int32), np.array(weights, np.float32)
+
+
+def token_losses(params, tokens_BL, cfg):
+    """Per-token cross-entropy [B, L] of the model on one device (no mesh axes), with the
+    documents of `cfg` masked."""
+    axes, dims = Axes(), fsdp_dims()
+    inputs_BL, targets_BL = tokens_BL[:, :-1], tokens_BL[:, 1:]
+    docs = documents.documents(inputs_BL, cfg, axes)
+    x_BLD = model.embed(params, inputs_BL, dims, cfg, axes)
+    x_BLD, _ = model.blocks(params, x_BLD, dims, cfg, axes, docs)
+    h_BLD, unembed_DV = model.head(params, x_BLD, dims, cfg, axes)
+    return vocab.cross_entropy(h_BLD, unembed_DV, targets_BL, axes, cfg.compute_dtype,
+                               axes.tp_comm)
+
+
+def weighted_loss(params, tokens_BL, weights_BL, cfg, n_tokens):
+    return jnp.sum(token_losses(params, tokens_BL, cfg) * weights_BL) / n_tokens
+
+
+@pytest.fixture(scope="module")
+def init():
+    return random_params(CFG, 0)
+
+
+@pytest.fixture(scope="module")
+def separate(init):
+    """The documents run as separate rows, no document mask: (per-token losses, loss
+    and grads of the packed batch's mean as those rows see it)."""
+    tokens, spans = packed_rows()
+    rows, weights = separate_rows(tokens, spans)
+    losses = np.asarray(token_losses(init, jnp.asarray(rows), CFG))
+    n = tokens.shape[0] * SEQ
+    loss, grads = jax.value_and_grad(weighted_loss)(init, jnp.asarray(rows),
+                                                    jnp.asarray(weights), CFG, n)
+    return losses, float(loss), jax.tree.map(np.asarray, grads)
+
+
+def masked_cfg(positions=False, attention="reference"):
+    return dataclasses.replace(CFG, document_eos=EOS, document_positions=positions,
+                               attention=attention)
+
+
+@pytest.mark.parametrize("positions", [False, True])
+def test_packed_row_equals_separate_rows_per_token(positions, init, separate):
+    """Per token, the packed windows' losses (document mask on) are the separate rows'
+    losses, and the grads of the mean are theirs; with the mask off they are not."""
+    tokens, spans = packed_rows()
+    cfg = masked_cfg(positions)
+    losses = np.asarray(token_losses(init, jnp.asarray(tokens), cfg))
+    sep_losses, sep_loss, sep_grads = separate
+    d = 0
+    for b, row_spans in enumerate(spans):
+        for s, n in row_spans:
+            close(losses[b, s:s + n], sep_losses[d, :n], what=f"row {b} document at {s}")
+            d += 1
+    loss, grads = jax.value_and_grad(weighted_loss)(
+        init, jnp.asarray(tokens), jnp.ones((len(tokens), SEQ)), cfg, len(tokens) * SEQ)
+    assert abs(float(loss) - sep_loss) <= TOL * abs(sep_loss)
+    for (path, g), w in zip(jax.tree_util.tree_flatten_with_path(grads)[0],
+                            jax.tree.leaves(sep_grads)):
+        close(g, w, what=jax.tree_util.keystr(path))
+    # dropping the mask changes every document but each row's first
+    unmasked = np.asarray(token_losses(init, jnp.asarray(tokens), CFG))
+    assert float(np.max(np.abs(unmasked - losses))) > 100 * TOL * float(np.max(np.abs(losses)))
+
+
+def test_document_ids_and_positions():
+    inputs = jnp.array([[7, EOS, 8, 9, EOS, EOS, 5]])
+    assert documents.document_ids(inputs, EOS).tolist() == [[0, 0, 1, 1, 1, 2, 3]]
+    assert documents.document_positions(inputs, EOS).tolist() == [[0, 1, 0, 1, 2, 0, 0]]
+
+
+def trainer_loss_and_grads(layout, cfg, init, tokens, parallel=ParallelConfig()):
+    lay = Layout.parse(layout)
+    tcfg = TrainConfig(batch=len(tokens), seq=SEQ, steps=1, warmup=1)
+    t = Trainer(cfg, tcfg, lay, lay.mesh(), parallel)
+    params = jax.device_put(init, jax.tree.map(lambda s: NamedSharding(t.mesh, s), t.specs))
+    batch = t.put_batch(tokens)
+    loss, grads, _ = t.loss_and_grads.lower(params, batch).compile(FAST_COMPILE)(params, batch)
+    return float(loss), jax.tree.map(np.asarray, grads)
+
+
+LAYOUT_CASES = [
+    ("single", {}, "reference"),
+    ("cp2", dict(cp_comm="allgather"), "reference"),
+    ("cp2", dict(cp_comm="ring"), "reference"),
+    ("tp2", {}, "reference"),
+    ("pp2", dict(microbatches=2), "reference"),
+]
+SLOW_CASES = [
+    ("cp4", dict(cp_comm="allgather"), "blocked"),
+    ("cp4", dict(cp_comm="allgather"), "chunked"),
+    ("cp4", dict(cp_comm="ring"), "blocked"),
+    ("cp2xtp2xpp2", dict(cp_comm="ring", tp_comm="sequence", microbatches=2), "reference"),
+    ("fsdp2xcp2", dict(cp_comm="allgather", prefetch=True), "reference"),
+    ("single", {}, "pallas"),
+    ("single", {}, "blocked"),
+]
+
+
+def check_layout(layout, parallel, attention, positions, init, separate):
+    tokens, _ = packed_rows()
+    loss, grads = trainer_loss_and_grads(layout, masked_cfg(positions, attention), init, tokens,
+                                         ParallelConfig(**parallel))
+    _, sep_loss, sep_grads = separate
+    assert abs(loss - sep_loss) <= TOL * abs(sep_loss)
+    for (path, g), w in zip(jax.tree_util.tree_flatten_with_path(grads)[0],
+                            jax.tree.leaves(sep_grads)):
+        close(g, w, what=f"{layout} {parallel} {jax.tree_util.keystr(path)}")
+
+
+@pytest.mark.parametrize("layout,parallel,attention", LAYOUT_CASES)
+def test_layouts_match_separate_rows(layout, parallel, attention, init, separate):
+    """The step's loss and grads of the packed batch with the document mask, under each
+    layout, are those of the documents run as separate rows."""
+    check_layout(layout, parallel, attention, False, init, separate)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("positions", [False, True])
+@pytest.mark.parametrize("layout,parallel,attention", SLOW_CASES + LAYOUT_CASES[1:])
+def test_layouts_and_kernels_match_separate_rows(layout, parallel, attention, positions, init,
+                                                 separate):
+    check_layout(layout, parallel, attention, positions, init, separate)
