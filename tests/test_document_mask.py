@@ -274,3 +274,67 @@ def test_layouts_match_separate_rows(layout, parallel, attention, init, separate
 def test_layouts_and_kernels_match_separate_rows(layout, parallel, attention, positions, init,
                                                  separate):
     check_layout(layout, parallel, attention, positions, init, separate)
+
+
+# -- the training CLI -------------------------------------------------------------------
+
+import json  # noqa: E402
+import types  # noqa: E402
+
+from engine.cli import train as train_cli  # noqa: E402
+from engine.cli.args import UsageError, with_documents  # noqa: E402
+from engine.run.data import Corpus  # noqa: E402
+
+CLI = ["--model", "tiny", "--layout", "single", "--steps", "2", "--batch", "2", "--seq", "16",
+       "--log-every", "1"]
+
+
+class CorpusWithEos(Corpus):
+    """A token stream whose documents end in EOS (what `load_data` returns for prepared
+    data: an `eos_id`)."""
+
+    eos_id = EOS
+
+
+def flags(mask="auto", positions=False, data="x.bin"):
+    return types.SimpleNamespace(document_mask=mask, document_positions=positions, data=data)
+
+
+@pytest.mark.parametrize("mask,eos,want", [("auto", EOS, EOS), ("auto", None, None),
+                                           ("on", EOS, EOS), ("off", EOS, None)])
+def test_document_mask_flag_resolves_against_the_data(mask, eos, want):
+    assert with_documents(CFG, flags(mask), eos).document_eos == want
+
+
+@pytest.mark.parametrize("mask,positions,eos", [("on", False, None), ("auto", True, None),
+                                                ("on", False, CFG.vocab)])
+def test_document_mask_without_an_eos_is_refused(mask, positions, eos):
+    with pytest.raises(UsageError):
+        with_documents(CFG, flags(mask, positions), eos)
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["--document-mask", "on"], ["--document-mask on", "end-of-document"]),
+    (["--document-mask", "off", "--document-positions"], ["--document-positions"]),
+])
+def test_document_flags_refused_in_one_line(argv, words, one_line_error):
+    one_line_error(train_cli.main, [*CLI, *argv], *words, table="step")
+
+
+def test_training_cli_masks_documents_of_data_with_an_eos(tmp_path, monkeypatch, capsys):
+    """`--document-mask auto` on data with an EOS id trains with the mask (said on
+    stdout); the first step's loss differs from the run with the mask off."""
+    rng = np.random.default_rng(0)
+    stream = rng.integers(EOS + 1, CFG.vocab, size=4000).astype(np.uint16)
+    stream[rng.integers(0, 4000, size=400)] = EOS  # documents of ~10 tokens
+    data = CorpusWithEos("packed", stream[:3000], stream[3000:])
+    monkeypatch.setattr(train_cli, "load_data", lambda *a, **k: data)
+    losses = {}
+    for mask in ("auto", "off"):
+        metrics = tmp_path / f"{mask}.jsonl"
+        code = train_cli.main([*CLI, "--document-mask", mask, "--metrics-file", str(metrics)])
+        out = capsys.readouterr().out
+        assert code == 0
+        assert ("end-of-document id 3" in out) == (mask == "auto"), out
+        losses[mask] = json.loads(metrics.read_text().splitlines()[0])["loss"]
+    assert losses["auto"] != losses["off"]

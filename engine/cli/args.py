@@ -44,6 +44,7 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 GROUPS = ("model", "parallel", "training", "output", "data", "checkpoints", "processes")
+DOCUMENT_MASKS = ("auto", "on", "off")
 
 
 
@@ -159,6 +160,14 @@ def build_parser(prog: str = "python -m engine.train", description: str | None =
                         "tokens) / PATH.bin (flat token array, nanoGPT's format)")
     g.add_argument("--data-dtype", default="uint16", choices=BIN_DTYPES,
                    help="token dtype of a .bin file")
+    g.add_argument("--document-mask", default="auto", choices=DOCUMENT_MASKS,
+                   help="packed documents (docs/packing.md): on = a token attends only to "
+                        "earlier tokens of its own document in the window (documents end "
+                        "at the data's end-of-document token); auto = on when the data has "
+                        "one")
+    g.add_argument("--document-positions", action="store_true",
+                   help="with the document mask: RoPE positions restart at 0 at each "
+                        "document (default: positions in the window, as torchtitan)")
     g.add_argument("--eval-every", type=int, default=None,
                    help="validation loss every N steps and at the end (off when unset)")
     g.add_argument("--eval-batches", type=int, default=4,
@@ -244,11 +253,33 @@ def flag_problems(args, cfg, tcfg) -> list[str]:
         problems.append(f"seed={args.seed} must be in [0, 2**32)")
     if args.peak_flops is not None and not args.peak_flops > 0:
         problems.append(f"peak_flops={args.peak_flops} must be > 0")
+    if args.document_positions and args.document_mask == "off":
+        problems.append("--document-positions needs the document mask (--document-mask "
+                        "auto or on)")
     if args.resume and not args.checkpoint_dir:
         problems.append("--resume needs --checkpoint-dir")
     problems += profile.flag_problems(args.profile_steps, args.profile_dir, tcfg.steps)
     return problems
 
+
+
+def with_documents(cfg, args, eos_id: int | None):
+    """cfg with the document mask `--document-mask` and `--document-positions` ask for,
+    given the data's end-of-document id (None: the data has none). Raises UsageError
+    when the mask is asked for and the data has no such token."""
+    if args.document_mask == "off" or (args.document_mask == "auto" and eos_id is None):
+        if args.document_positions:
+            raise UsageError("--document-positions needs data with an end-of-document "
+                             f"token (--data {args.data} has none)")
+        return dataclasses.replace(cfg, document_eos=None, document_positions=False)
+    if eos_id is None:
+        raise UsageError(f"--document-mask on needs data with an end-of-document token "
+                         f"(--data {args.data} has none)")
+    if not 0 <= eos_id < cfg.vocab:
+        raise UsageError(f"the data's end-of-document id {eos_id} is outside the model's "
+                         f"vocab {cfg.vocab}")
+    return dataclasses.replace(cfg, document_eos=int(eos_id),
+                               document_positions=bool(args.document_positions))
 
 
 def keep_freed_memory() -> None:
