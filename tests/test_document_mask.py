@@ -89,6 +89,30 @@ def test_kernel_with_segments_matches_reference(kernel):
     assert float(jnp.max(jnp.abs(plain - want[0]))) > 100 * TOL * float(jnp.max(jnp.abs(want[0])))
 
 
+@pytest.mark.parametrize("kernel", ["chunked", "blocked"])
+def test_kernel_with_offsets_and_segments_matches_reference(kernel):
+    """What a cp rank's all-gather path asks of its local kernel: a query chunk at a
+    traced global offset against the key prefix, with both sides' ids."""
+    B, L, H, G, K = 2, 32, 4, 2, 8
+    q, k, v, do = qkv(B, L, H, G, K, seed=2)
+    ids = ids_of(SEG_LENGTHS, L)
+    c = 8
+    q, do = q[:, 2 * c:3 * c], do[:, 2 * c:3 * c]
+    seg = SegmentIds(ids[:, 2 * c:3 * c], ids)
+    blocks = BlockSizes(block_q=4, block_k=4)
+    kernels = {"chunked": chunked_attention, "blocked": blocked_attention}
+
+    def run(attend, q, k, v, do, offset, **kw):
+        return value_and_grads(lambda q, k, v: attend(q, k, v, q_offset=offset, segment_ids=seg,
+                                                      **kw), q, k, v, do)
+
+    want = run(reference_attention, q, k, v, do, 2 * c)
+    got = jax.jit(lambda q, k, v, do, offset: run(kernels[kernel], q, k, v, do, offset,
+                                                  blocks=blocks))(q, k, v, do, jnp.int32(2 * c))
+    for name, g, w in zip(("o", "dq", "dk", "dv"), got, want):
+        close(g, w, what=f"{kernel} {name}")
+
+
 def test_reference_segments_equal_separate_rows():
     """The reference with segment ids: each document's outputs are those of the
     document attended alone (a plain causal call on its slice)."""
