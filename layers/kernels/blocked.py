@@ -27,7 +27,10 @@ grads formed for it). Without offsets every block is visible to some query.
 
 Segment ids (packed documents: q [B, L], kv [B, S]) mask each block to the query's own
 document and take the same run-time skip: a key block no query of any row can see
-(every key of it in an earlier document than every query) costs a predicate only.
+(every key of it in an earlier document than every query) costs a predicate only. Only
+keys are tiled, so over a whole window every key block is seen by the queries of its
+own document and nothing is skipped; a query slice (a cp rank's chunk) skips the blocks
+of documents that ended before it.
 """
 
 import dataclasses
