@@ -74,7 +74,7 @@ def main(argv=None):
             attend = KERNELS[name]
             extra = {} if name == "reference" else dict(blocks=blocks)
 
-            def run(q, k, v, do, seg):
+            def run(q, k, v, do, seg, attend=attend, extra=extra):
                 f = lambda q, k, v: attend(q, k, v, causal=True, segment_ids=seg, **extra)
                 o, vjp = jax.vjp(f, q, k, v)
                 return o, vjp(do)

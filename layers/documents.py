@@ -62,7 +62,7 @@ def document_ids(inputs_BL: jax.Array, eos: int) -> jax.Array:
 def document_positions(inputs_BL: jax.Array, eos: int) -> jax.Array:
     """Each token's position within its document (0 at a document's first token, which
     is the window's first token or one after an EOS): [B, L] int32."""
-    B, L = inputs_BL.shape
+    L = inputs_BL.shape[1]
     l_L = jnp.arange(L, dtype=jnp.int32)
     after_eos_BL = jnp.pad(inputs_BL[:, :-1] == eos, ((0, 0), (1, 0)))
     start_BL = lax.cummax(jnp.where(after_eos_BL, l_L, 0), axis=1)

@@ -10,13 +10,33 @@ Packed vs separate rows: the same math on the same tokens, except that without
 offset (relative positions agree; cos/sin of the larger angles round differently, ~1e-7
 relative), and sharded runs reorder sums as in test_step.py: 1e-5 relative.
 """
+import dataclasses
+import json
+import types
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding
+from test_tp_comm import random_params
 
-from layers.kernels import (BlockSizes, blocked_attention, chunked_attention, pallas_attention,
-                            reference_attention)
+from engine.cli import train as train_cli
+from engine.cli.args import UsageError, with_documents
+from engine.config import ParallelConfig, TrainConfig, model_config
+from engine.parallel.layout import Layout
+from engine.parallel.params import fsdp_dims
+from engine.run.data import Corpus
+from engine.run.step import Trainer
+from layers import documents, model, vocab
+from layers.axes import Axes
+from layers.kernels import (
+    BlockSizes,
+    blocked_attention,
+    chunked_attention,
+    pallas_attention,
+    reference_attention,
+)
 from layers.kernels.shared import SegmentIds
 
 TOL = 1e-5
@@ -130,17 +150,6 @@ def test_reference_segments_equal_separate_rows():
 
 # -- the model: a packed row against its documents as separate rows -----------------------
 
-import dataclasses  # noqa: E402
-
-from jax.sharding import NamedSharding  # noqa: E402
-from test_tp_comm import random_params  # noqa: E402
-
-from engine.config import ParallelConfig, TrainConfig, model_config  # noqa: E402
-from engine.parallel.layout import Layout  # noqa: E402
-from engine.parallel.params import fsdp_dims  # noqa: E402
-from engine.run.step import Trainer  # noqa: E402
-from layers import documents, model, vocab  # noqa: E402
-from layers.axes import Axes  # noqa: E402
 
 EOS = 3
 CFG = model_config("tiny", n_heads=8, n_kv_heads=2, head_dim=8, dtype="f32", remat="none")
@@ -302,12 +311,6 @@ def test_layouts_and_kernels_match_separate_rows(layout, parallel, attention, po
 
 # -- the training CLI -------------------------------------------------------------------
 
-import json  # noqa: E402
-import types  # noqa: E402
-
-from engine.cli import train as train_cli  # noqa: E402
-from engine.cli.args import UsageError, with_documents  # noqa: E402
-from engine.run.data import Corpus  # noqa: E402
 
 CLI = ["--model", "tiny", "--layout", "single", "--steps", "2", "--batch", "2", "--seq", "16",
        "--log-every", "1"]
