@@ -17,9 +17,9 @@ from jax.ad_checkpoint import checkpoint_name
 import collectives
 from layers import scopes
 from layers.axes import Axes
-from layers.documents import Documents
 from layers.common import einsum
 from layers.config import ModelConfig
+from layers.documents import Documents
 from layers.kernels import attention_kernel, reference_attention
 from layers.kernels import resolve_attention  # noqa: F401 (re-exported for the CLIs)
 from layers.kernels.context import CP_COMMS

@@ -5,8 +5,9 @@ strategy from engine/parallel/zero.py (storage and grad specs, what the model se
 reduction, the update). `parallel.tp_comm`, `parallel.cp_comm` and `parallel.prefetch`
 reach the layers through `layers.axes.Axes`. `parallel.microbatches` splits the local
 batch into microbatches whose grads are accumulated in a scan (`Trainer._accumulate`). Under cp the tokens are replicated over cp
-and each rank cuts its load-balanced chunks at the start of the loss (layers/context.py). With `ModelConfig.document_eos` the packed
-documents' ids are derived from the same tokens (layers/documents.py) and cut alike.
+and each rank cuts its load-balanced chunks at the start of the loss (layers/context.py).
+With `ModelConfig.document_eos` the packed documents' ids are derived from the same
+tokens (layers/documents.py) and cut alike.
 The step body below is the same for every setting.
 """
 from __future__ import annotations
