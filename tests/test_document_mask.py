@@ -11,6 +11,7 @@ offset (relative positions agree; cos/sin of the larger angles round differently
 relative), and sharded runs reorder sums as in test_step.py: 1e-5 relative.
 """
 import dataclasses
+import functools
 import json
 import types
 
@@ -185,6 +186,7 @@ def separate_rows(tokens, spans):
     return np.array(rows, np.int32), np.array(weights, np.float32)
 
 
+@functools.partial(jax.jit, static_argnums=2)
 def token_losses(params, tokens_BL, cfg):
     """Per-token cross-entropy [B, L] of the model on one device (no mesh axes), with the
     documents of `cfg` masked."""
@@ -202,6 +204,12 @@ def weighted_loss(params, tokens_BL, weights_BL, cfg, n_tokens):
     return jnp.sum(token_losses(params, tokens_BL, cfg) * weights_BL) / n_tokens
 
 
+@functools.partial(jax.jit, static_argnums=(3, 4))
+def loss_and_grads(params, tokens_BL, weights_BL, cfg, n_tokens):
+    """The weighted mean loss of the per-token losses, and its grads."""
+    return jax.value_and_grad(weighted_loss)(params, tokens_BL, weights_BL, cfg, n_tokens)
+
+
 @pytest.fixture(scope="module")
 def init():
     return random_params(CFG, 0)
@@ -215,8 +223,7 @@ def separate(init):
     rows, weights = separate_rows(tokens, spans)
     losses = np.asarray(token_losses(init, jnp.asarray(rows), CFG))
     n = tokens.shape[0] * SEQ
-    loss, grads = jax.value_and_grad(weighted_loss)(init, jnp.asarray(rows),
-                                                    jnp.asarray(weights), CFG, n)
+    loss, grads = loss_and_grads(init, jnp.asarray(rows), jnp.asarray(weights), CFG, n)
     return losses, float(loss), jax.tree.map(np.asarray, grads)
 
 
@@ -238,8 +245,8 @@ def test_packed_row_equals_separate_rows_per_token(positions, init, separate):
         for s, n in row_spans:
             close(losses[b, s:s + n], sep_losses[d, :n], what=f"row {b} document at {s}")
             d += 1
-    loss, grads = jax.value_and_grad(weighted_loss)(
-        init, jnp.asarray(tokens), jnp.ones((len(tokens), SEQ)), cfg, len(tokens) * SEQ)
+    loss, grads = loss_and_grads(init, jnp.asarray(tokens), jnp.ones((len(tokens), SEQ)), cfg,
+                                 len(tokens) * SEQ)
     assert abs(float(loss) - sep_loss) <= TOL * abs(sep_loss)
     for (path, g), w in zip(jax.tree_util.tree_flatten_with_path(grads)[0],
                             jax.tree.leaves(sep_grads)):
