@@ -19,6 +19,7 @@ from layers import scopes
 from layers.axes import Axes
 from layers.common import einsum
 from layers.config import ModelConfig
+from layers.documents import Documents
 from layers.kernels import attention_kernel, reference_attention
 from layers.kernels import resolve_attention  # noqa: F401 (re-exported for the CLIs)
 from layers.kernels.context import CP_COMMS
@@ -104,8 +105,14 @@ def cp_kernel(name: str) -> str:
     return "reference" if name == "auto" else name
 
 
+def rope_documents(x_BLHK: jax.Array, pos_BL: jax.Array, theta: float) -> jax.Array:
+    """RoPE with row b's token l at position pos_BL[b, l] (in-document positions).
+    [B, L, H, K] -> same."""
+    return jax.vmap(lambda x_LHK, pos_L: rope_at(x_LHK[None], pos_L, theta)[0])(x_BLHK, pos_BL)
+
+
 def attention(x_BLD: jax.Array, p: dict, cfg: ModelConfig, axes: Axes,
-              cache: LayerCache | None = None):
+              cache: LayerCache | None = None, docs: Documents | None = None):
     """x: [B, L, D] replicated over tp -> [B, L, D] replicated over tp (tp_comm
     allreduce); x: [B, L_tp, D] -> [B, L_tp, D] (sequence, ring: the projections see the
     whole sequence, so RoPE and the causal mask use global positions).
@@ -117,6 +124,9 @@ def attention(x_BLD: jax.Array, p: dict, cfg: ModelConfig, axes: Axes,
     with the new tokens) instead of y.
     Under cp, L is this rank's two load-balanced chunks (layers/context.py): RoPE at
     their global positions, keys and values from every cp rank as `axes.cp_comm` says.
+    docs (packed documents, layers/documents.py): every kernel also masks keys of other
+    documents, and with in-document positions RoPE uses them. Decoding takes no docs:
+    a prompt is one document.
     """
     dt = cfg.compute_dtype
     q_BLHK, k_BLGK, v_BLGK = qkv_projections(x_BLD, p, cfg, axes)
@@ -127,15 +137,21 @@ def attention(x_BLD: jax.Array, p: dict, cfg: ModelConfig, axes: Axes,
         o_BLHK = reference_attention(q_BLHK.astype(dt), cache.k_BCGK, cache.v_BCGK,
                                      q_offset=cache.start_B, axes=axes)
         return out_projection(o_BLHK, p, cfg, axes), cache
-    if axes.cp is not None:  # this rank's two chunks: global positions, keys over cp
+    masked = {} if docs is None else dict(segment_ids=docs.segment_ids())
+    if docs is not None and docs.positions_BL is not None:  # positions restart per document
+        q_BLHK, k_BLGK = (rope_documents(x, docs.positions_BL, cfg.rope_theta)
+                          for x in (q_BLHK, k_BLGK))
+    elif axes.cp is not None:  # this rank's two chunks: global positions
         pos_L = local_positions(q_BLHK.shape[1], axes)
         q_BLHK, k_BLGK = (rope_at(x, pos_L, cfg.rope_theta) for x in (q_BLHK, k_BLGK))
+    else:
+        q_BLHK, k_BLGK = rope(q_BLHK, theta=cfg.rope_theta), rope(k_BLGK, theta=cfg.rope_theta)
+    if axes.cp is not None:  # keys over cp
         o_BLHK = CP_COMMS[axes.cp_comm](q_BLHK.astype(dt), k_BLGK.astype(dt),
                                         v_BLGK.astype(dt), axes=axes,
-                                        kernel=cp_kernel(cfg.attention))
+                                        kernel=cp_kernel(cfg.attention), **masked)
         return out_projection(o_BLHK, p, cfg, axes)
-    q_BLHK, k_BLGK = rope(q_BLHK, theta=cfg.rope_theta), rope(k_BLGK, theta=cfg.rope_theta)
     attend = attention_kernel(cfg.attention, q_BLHK.shape[1])
     o_BLHK = attend(q_BLHK.astype(dt), k_BLGK.astype(dt), v_BLGK.astype(dt), causal=True,
-                    axes=axes)
+                    axes=axes, **masked)
     return out_projection(o_BLHK, p, cfg, axes)

@@ -12,6 +12,7 @@ from layers import scopes
 from layers.attention import LayerCache, attention
 from layers.axes import Axes
 from layers.config import ModelConfig
+from layers.documents import Documents
 from layers.mlp import mlp
 from layers.moe import moe
 from layers.norm import rms_norm
@@ -41,17 +42,17 @@ def gather_weights(p: dict, fsdp_dims: Mapping[str, int | None], axes: Axes, dty
 
 
 def block(x_BLD: jax.Array, p: dict, cfg: ModelConfig, axes: Axes,
-          cache: LayerCache | None = None):
+          cache: LayerCache | None = None, docs: Documents | None = None):
     """Pre-norm decoder block; p gathered over fsdp. x: [B, L, D] -> [B, L, D] replicated
     over tp (axes.tp_comm allreduce) or [B, L_tp, D] -> [B, L_tp, D] (sequence, ring).
     cache (decoding): the attention reads and writes this layer's KV cache, and the block
-    returns (x, cache)."""
-    x_BLD, cache, _ = block_stats(x_BLD, p, cfg, axes, cache)
+    returns (x, cache). docs: packed documents attention keeps apart (layers/documents.py)."""
+    x_BLD, cache, _ = block_stats(x_BLD, p, cfg, axes, cache, docs)
     return x_BLD if cache is None else (x_BLD, cache)
 
 
 def block_stats(x_BLD: jax.Array, p: dict, cfg: ModelConfig, axes: Axes,
-                cache: LayerCache | None = None):
+                cache: LayerCache | None = None, docs: Documents | None = None):
     """`block` returning (x, cache, the MLP's router sums): `layers.moe.moe`'s local sums
     with experts, {} for the dense MLP."""
     # sequence, ring: the norms run on x's sequence shard, so their scales' grads are
@@ -61,7 +62,7 @@ def block_stats(x_BLD: jax.Array, p: dict, cfg: ModelConfig, axes: Axes,
         scale_D = collectives.broadcast(p["attn_norm"], seq_tp)
         h_BLD = rms_norm(x_BLD, scale_D, cfg.norm_eps)
         if cache is None:
-            x_BLD = x_BLD + attention(h_BLD, p, cfg, axes)
+            x_BLD = x_BLD + attention(h_BLD, p, cfg, axes, docs=docs)
         else:
             y_BLD, cache = attention(h_BLD, p, cfg, axes, cache)
             x_BLD = x_BLD + y_BLD
@@ -77,8 +78,9 @@ def block_stats(x_BLD: jax.Array, p: dict, cfg: ModelConfig, axes: Axes,
 
 
 def blocks(x_BLD: jax.Array, stacked: dict, fsdp_dims: Mapping[str, int | None],
-           cfg: ModelConfig, axes: Axes) -> tuple[jax.Array, dict]:
-    """`lax.scan` over N stacked blocks. stacked: {name: [N, ...local shard...]}.
+           cfg: ModelConfig, axes: Axes, docs: Documents | None = None) -> tuple[jax.Array, dict]:
+    """`lax.scan` over N stacked blocks. stacked: {name: [N, ...local shard...]}; docs:
+    the packed documents every layer's attention keeps apart (None: no document mask).
     Returns (x, the blocks' router sums stacked over layers: {name: [N, ...]}, {} dense).
 
     axes.prefetch: layer i+1's gather is issued in the scan body before layer i's compute,
@@ -107,7 +109,7 @@ def blocks(x_BLD: jax.Array, stacked: dict, fsdp_dims: Mapping[str, int | None],
         return jax.checkpoint(f, policy=REMAT_POLICIES[cfg.remat], prevent_cse=False)
 
     def one(x_BLD, p):
-        x_BLD, _, stats = block_stats(x_BLD, p, cfg, axes)
+        x_BLD, _, stats = block_stats(x_BLD, p, cfg, axes, docs=docs)
         return x_BLD, stats
 
     if not axes.prefetch:
@@ -116,7 +118,7 @@ def blocks(x_BLD: jax.Array, stacked: dict, fsdp_dims: Mapping[str, int | None],
 
     n = jax.tree.leaves(stacked)[0].shape[0]
     if not cfg.moe:  # the hand-written backwards have no router sums
-        dense = lambda x_BLD, p: block(x_BLD, p, cfg, axes)  # noqa: E731
+        dense = lambda x_BLD, p: block(x_BLD, p, cfg, axes, docs=docs)  # noqa: E731
         if cfg.remat == "full":
             return prefetched_full_remat(dense, gather)(x_BLD, stacked), {}
         if n > 1:

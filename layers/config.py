@@ -42,6 +42,11 @@ class ModelConfig:
     capacity_factor: float = 0.0
     aux_loss_coef: float = 0.01  # Switch Transformer's alpha
     z_loss_coef: float = 0.001  # ST-MoE's router z-loss coefficient
+    # packed documents (layers/documents.py): the end-of-document token id, or None (off);
+    # when set a token attends only to earlier tokens of its own document, and with
+    # document_positions RoPE positions restart at 0 at each document
+    document_eos: int | None = None
+    document_positions: bool = False
 
     @property
     def compute_dtype(self):

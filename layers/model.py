@@ -17,6 +17,7 @@ import collectives
 from layers import block, scopes, vocab
 from layers.axes import Axes
 from layers.config import ModelConfig
+from layers.documents import Documents
 from layers.norm import rms_norm
 
 
@@ -29,11 +30,12 @@ def embed(params: dict, inputs_BL: jax.Array, fsdp_dims: Mapping, cfg: ModelConf
 
 
 def blocks(params: dict, x_BLD: jax.Array, fsdp_dims: Mapping, cfg: ModelConfig,
-           axes: Axes) -> tuple[jax.Array, dict]:
+           axes: Axes, docs: Documents | None = None) -> tuple[jax.Array, dict]:
     """The N decoder blocks (`layers.block.blocks`: scan, fsdp gathers, remat):
     x [B, L, D] -> [B, L, D] (or [B, L_tp, D] -> [B, L_tp, D]), and the router sums of a
-    mixture-of-experts MLP stacked over layers ({} for the dense MLP)."""
-    return block.blocks(x_BLD, params["blocks"], fsdp_dims["blocks"], cfg, axes)
+    mixture-of-experts MLP stacked over layers ({} for the dense MLP). docs: packed
+    documents kept apart (layers/documents.py)."""
+    return block.blocks(x_BLD, params["blocks"], fsdp_dims["blocks"], cfg, axes, docs)
 
 
 def head(params: dict, x_BLD: jax.Array, fsdp_dims: Mapping, cfg: ModelConfig,
@@ -62,7 +64,8 @@ def loss(params: dict, inputs_BL: jax.Array, targets_BL: jax.Array, fsdp_dims: M
 
 
 def loss_and_stats(params: dict, inputs_BL: jax.Array, targets_BL: jax.Array,
-                   fsdp_dims: Mapping, cfg: ModelConfig, axes: Axes) -> tuple[jax.Array, dict]:
+                   fsdp_dims: Mapping, cfg: ModelConfig, axes: Axes,
+                   docs: Documents | None = None) -> tuple[jax.Array, dict]:
     """(cross-entropy, the router's local sums per layer, {} dense: `layers.moe.
     router_losses` makes the router losses of them over the data axes).
 
@@ -73,10 +76,11 @@ def loss_and_stats(params: dict, inputs_BL: jax.Array, targets_BL: jax.Array,
     inputs predicts position t of targets (for a token stream, targets are the inputs
     shifted by one). Under cp, [B_batch, L_cp]: this rank's two load-balanced chunks
     (`layers.context.shard_sequence`); the loss is summed over every data axis (batch
-    axes and cp) and divided by the global token count.
+    axes and cp) and divided by the global token count. docs: the windows' packed
+    documents (`layers.documents.documents`), None without document masking.
     """
     x_BLD = embed(params, inputs_BL, fsdp_dims, cfg, axes)
-    x_BLD, stats = blocks(params, x_BLD, fsdp_dims, cfg, axes)
+    x_BLD, stats = blocks(params, x_BLD, fsdp_dims, cfg, axes, docs)
     return head_loss(params, x_BLD, targets_BL, fsdp_dims, cfg, axes), stats
 
 

@@ -73,6 +73,7 @@ class OneLineParser(argparse.ArgumentParser):
 
 GROUPS = ("model", "parallel", "batch", "training", "output", "data", "checkpoints",
           "processes")
+DOCUMENT_MASKS = ("auto", "on", "off")
 
 
 
@@ -198,6 +199,14 @@ def build_parser(prog: str = "python -m engine.train", description: str | None =
     g.add_argument("--errors", default="strict", choices=ERRORS,
                    help="invalid UTF-8 in .txt / .jsonl data: strict refuses it (naming "
                         "file, line and byte), replace turns it into U+FFFD")
+    g.add_argument("--document-mask", default="auto", choices=DOCUMENT_MASKS,
+                   help="packed documents (docs/packing.md): on = a token attends only to "
+                        "earlier tokens of its own document in the window (documents end "
+                        "at the data's end-of-document token); auto = on when the data has "
+                        "one")
+    g.add_argument("--document-positions", action="store_true",
+                   help="with the document mask: RoPE positions restart at 0 at each "
+                        "document (default: positions in the window, as torchtitan)")
     g.add_argument("--eval-every", type=int, default=None,
                    help="validation loss, perplexity and bits per byte every N steps and "
                         "at the end (off when unset)")
@@ -292,6 +301,9 @@ def flag_problems(args, cfg, tcfg) -> list[str]:
         problems.append(f"seed={args.seed} must be in [0, 2**32)")
     if args.peak_flops is not None and not args.peak_flops > 0:
         problems.append(f"peak_flops={args.peak_flops} must be > 0")
+    if args.document_positions and args.document_mask == "off":
+        problems.append("--document-positions needs the document mask (--document-mask "
+                        "auto or on)")
     if args.resume and not args.checkpoint_dir:
         problems.append("--resume needs --checkpoint-dir")
     if args.eval_only and not args.checkpoint_dir:
@@ -321,6 +333,24 @@ def host_memory_or_exit(cfg) -> None:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
 
+
+def with_documents(cfg, args, eos_id: int | None):
+    """cfg with the document mask `--document-mask` and `--document-positions` ask for,
+    given the data's end-of-document id (None: the data has none). Raises UsageError
+    when the mask is asked for and the data has no such token."""
+    if args.document_mask == "off" or (args.document_mask == "auto" and eos_id is None):
+        if args.document_positions:
+            raise UsageError("--document-positions needs data with an end-of-document "
+                             f"token (--data {args.data} has none)")
+        return dataclasses.replace(cfg, document_eos=None, document_positions=False)
+    if eos_id is None:
+        raise UsageError(f"--document-mask on needs data with an end-of-document token "
+                         f"(--data {args.data} has none)")
+    if not 0 <= eos_id < cfg.vocab:
+        raise UsageError(f"the data's end-of-document id {eos_id} is outside the model's "
+                         f"vocab {cfg.vocab}")
+    return dataclasses.replace(cfg, document_eos=int(eos_id),
+                               document_positions=bool(args.document_positions))
 
 
 def keep_freed_memory() -> None:

@@ -24,6 +24,7 @@ from engine.cli.args import (
     force_host_devices,
     keep_freed_memory,
     parse,
+    with_documents,
 )
 from engine.cli.given import auto_pins
 from engine.config import ConfigError
@@ -74,6 +75,8 @@ def run(cfg, tcfg, parallel, layout, args) -> int:
     from engine.run.checkpoint import CheckpointError
 
     data = load_checked_data(cfg, tcfg, args)
+    # the data's end-of-document id (None: it has none) decides --document-mask auto
+    cfg = with_documents(cfg, args, data.eos_id)
     distributed.initialize(args)
     keep_freed_memory()  # after initialize: it asks jax for the backend
     try:
@@ -177,6 +180,10 @@ def setup(cfg, tcfg, parallel, layout, args, data, say):
         f"{schedule_summary(parallel, layout)}; "
         f"{tcfg.batch * tcfg.seq} tokens/step; peak {peak / 1e12:.2f} TFLOP/s ({peak_src})")
     say(f"data {data.describe()}")
+    if cfg.document_eos is not None:
+        say(f"documents: end-of-document id {cfg.document_eos}; a token attends only to "
+            f"its own document; RoPE positions "
+            f"{'restart at each document' if cfg.document_positions else 'in the window'}")
     if kernel.startswith("pallas") and devices[0].platform == "cpu":
         say("note: no accelerator, so the Pallas kernels run in interpret mode: the same "
             "kernel code, much slower")

@@ -259,8 +259,8 @@ def reorder_blocks(tree, index):
 @dataclasses.dataclass(frozen=True)
 class Stages:
     """The model cut for a pipeline, each part per shard on params as the model sees
-    them: embed(p, inputs [B, L]) -> x [B, L, D]; blocks(p, x) -> x (this stage's
-    layers); head_loss(p, x, targets [B, L]) -> the loss of the microbatch, a scalar."""
+    them: embed(p, inputs [B, L]) -> x [B, L, D]; blocks(p, x, docs) -> x (this stage's
+    layers; docs: the microbatch's packed documents, `layers.documents`, or None); head_loss(p, x, targets [B, L]) -> the loss of the microbatch, a scalar."""
 
     embed: Callable
     blocks: Callable
@@ -272,13 +272,16 @@ def _like(x: jax.Array, axes) -> jax.Array:
 
 
 def run(stages: Stages, params, inputs_MBL, targets_MBL, x_shape, x_axes, axes: Axes,
-        the_plan: Plan, seen=lambda p: p, x_dtype=jnp.float32):
+        the_plan: Plan, seen=lambda p: p, x_dtype=jnp.float32, docs_M=None):
     """The pipelined loss (mean over the microbatches), and with a backward plan the
     grads of `params` (summed over pp for params the stages share).
 
     params: as differentiated (`seen` makes the model's params of them); inputs,
     targets: [M, B, L] this device's microbatches; x_shape, x_axes, x_dtype: the
-    residual stream's local shape [B, L, D], the axes it varies over and its dtype."""
+    residual stream's local shape [B, L, D], the axes it varies over and its dtype.
+    docs_M: the microbatches' packed documents (`layers.documents.Documents` of [M, B, ...]
+    arrays) or None; every stage indexes the ones of the microbatch it runs, as it
+    indexes the inputs (nothing is sent)."""
     M, V = inputs_MBL.shape[0], the_plan.virtual
     pp, n = axes.pp, axes.pp_size
     stage = collectives.axis_index(pp)
@@ -307,7 +310,7 @@ def run(stages: Stages, params, inputs_MBL, targets_MBL, x_shape, x_axes, axes: 
             return lax.cond(pred, f, g)
         return jax.tree.map(lambda a, b: jnp.where(pred, a, b), f(), g())
 
-    def unit(p, x_BLD, inputs_BL, targets_BL, v, with_loss=True):
+    def unit(p, x_BLD, inputs_BL, targets_BL, v, with_loss=True, docs=None):
         """One chunk on one microbatch: (output x [B, L, D], the loss on the model's
         last chunk, else 0). Only the first chunk embeds, only the last runs the head
         and loss (not at all without `with_loss`)."""
@@ -323,7 +326,7 @@ def run(stages: Stages, params, inputs_MBL, targets_MBL, x_shape, x_axes, axes: 
                 return _like(stages.head_loss(model_p, y_BLD, targets_BL), (pp,))
 
         x_BLD = either(first, embed, lambda: x_BLD)
-        y_BLD = _like(stages.blocks(model_p, x_BLD), x_axes)
+        y_BLD = _like(stages.blocks(model_p, x_BLD, docs), x_axes)
         if not with_loss:
             return y_BLD, loss0
         return y_BLD, either(last, head, lambda: loss0)
@@ -349,6 +352,7 @@ def run(stages: Stages, params, inputs_MBL, targets_MBL, x_shape, x_axes, axes: 
         kind, m, v = kind_TP[t, stage], mb_TP[t, stage], v_TP[t, stage]
         i = m * V + v  # the buffers' index of (microbatch, chunk)
         inputs_BL, targets_BL = inputs_MBL[m], targets_MBL[m]
+        docs = None if docs_M is None else jax.tree.map(lambda x: x[m], docs_M)
 
         def idle(c):
             return zeros_x, zeros_x, c
@@ -358,7 +362,7 @@ def run(stages: Stages, params, inputs_MBL, targets_MBL, x_shape, x_axes, axes: 
             # training: the loss is taken in the backward, which recomputes the stage
             x_BLD = c["x"][i % the_plan.x_slots]
             y_BLD, loss = unit(params, x_BLD, inputs_BL, targets_BL, v,
-                               with_loss=not backward)
+                               with_loss=not backward, docs=docs)
             c = dict(c, loss=c["loss"] + keep(active, loss, 0.0))
             if backward:
                 slot = i % the_plan.stash_slots
@@ -370,8 +374,8 @@ def run(stages: Stages, params, inputs_MBL, targets_MBL, x_shape, x_axes, axes: 
             x_BLD = c["stash"][i % the_plan.stash_slots]
             last = (stage == n - 1) & (v == V - 1)
             ct_BLD = jnp.where(last, 0.0, c["ct"][i % the_plan.ct_slots])
-            (_, loss), vjp = jax.vjp(lambda p, x: unit(p, x, inputs_BL, targets_BL, v),
-                                     params, x_BLD)
+            (_, loss), vjp = jax.vjp(lambda p, x: unit(p, x, inputs_BL, targets_BL, v,
+                                                       docs=docs), params, x_BLD)
             d_params, dx_BLD = vjp((ct_BLD, _like(jnp.float32(1 / M), (pp,))))
             grads = jax.tree.map(jnp.add, c["grads"], d_params)
             return zeros_x, dx_BLD, dict(c, grads=keep(active, grads, c["grads"]),

@@ -6,6 +6,8 @@ reduction, the update). `parallel.tp_comm`, `parallel.cp_comm` and `parallel.pre
 reach the layers through `layers.axes.Axes`. `parallel.microbatches` splits the local
 batch into microbatches whose grads are accumulated in a scan (`Trainer._accumulate`). Under cp the tokens are replicated over cp
 and each rank cuts its load-balanced chunks at the start of the loss (layers/context.py).
+With `ModelConfig.document_eos` the packed documents' ids are derived from the same
+tokens (layers/documents.py) and cut alike.
 The step body below is the same for every setting.
 """
 from __future__ import annotations
@@ -33,7 +35,7 @@ from engine.parallel.params import (
 )
 from engine.parallel.validate import check
 from engine.run import optim
-from layers import context, model, moe, scopes
+from layers import context, documents, model, moe, scopes
 from layers.axes import GatherWeights
 from layers.config import ModelConfig
 
@@ -106,8 +108,9 @@ class Trainer:
         # caller of it stay as they are
         inputs_BL, targets_BL = (context.shard_sequence(x_BL, self.axes)
                                  for x_BL in (tokens_BL[:, :-1], tokens_BL[:, 1:]))
+        docs = documents.documents(tokens_BL[:, :-1], self.cfg, self.axes)
         loss, stats = model.loss_and_stats(params, inputs_BL, targets_BL, self._dims,
-                                           self.cfg, self._model_axes)
+                                           self.cfg, self._model_axes, docs)
         loss = self.zero.finish_loss(loss, self.axes)
         if not stats:
             return loss, {}
@@ -167,16 +170,18 @@ class Trainer:
             for x in (context.shard_sequence(t_BL, self.axes)
                       for t_BL in (tokens_BL[:, :-1], tokens_BL[:, 1:])))
         ax, dims, cfg = self._model_axes, self._dims, self.cfg
+        docs_M = documents.microbatches(
+            documents.documents(tokens_BL[:, :-1], cfg, self.axes), m)
         stages = pipeline.Stages(
             embed=lambda p, i_BL: model.embed(p, i_BL, dims, cfg, ax),
-            blocks=lambda p, x_BLD: model.blocks(p, x_BLD, dims, cfg, ax)[0],
+            blocks=lambda p, x_BLD, docs: model.blocks(p, x_BLD, dims, cfg, ax, docs)[0],
             head_loss=lambda p, x_BLD, t_BL: self.zero.finish_loss(
                 model.head_loss(p, x_BLD, t_BL, dims, cfg, ax), self.axes))
         length = inputs_MBL.shape[2] // (self.axes.tp_size if self.axes.seq_tp else 1)
         x_axes = self.axes.data + ((self.axes.tp,) if self.axes.seq_tp else ())
         return pipeline.run(stages, params, inputs_MBL, targets_MBL,
                             (inputs_MBL.shape[1], length, cfg.d_model), x_axes, self.axes,
-                            the_plan, seen, cfg.act_dtype)
+                            the_plan, seen, cfg.act_dtype, docs_M)
 
     def _train_step(self, params, opt_state, tokens_BL):
         loss, grads, grad_norm, metrics = self._loss_and_grads(params, tokens_BL, True)

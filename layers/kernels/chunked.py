@@ -28,7 +28,8 @@ Global positions (`q_offset`, `k_offset`: a slice of a longer sequence, such as 
 context-parallel rank's query chunk against keys gathered over cp): static offsets keep
 the static skip (each chunk against the keys up to its last query's position); traced
 ones mask at global positions over all the keys (nothing skipped: the kernel's tiles
-are static; `layers.kernels.blocked` skips at run time).
+are static; `layers.kernels.blocked` skips at run time). Segment ids (packed documents)
+mask the chunk's scores as well; they skip nothing here (the chunks are static).
 
 Scores, softmax and accumulation are f32; E and dS are cast to the inputs' dtype
 before their matmuls. Memory is O(L^2) like the dense reference: this is
@@ -43,8 +44,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from layers.kernels.shared import (MASK_VALUE, BlockSizes, attention_dims, softmax_scale,
-                                   tile_mask)
+from layers.kernels.shared import (MASK_VALUE, BlockSizes, attention_dims, heads_mask,
+                                   same_segment, softmax_scale, tile_mask)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,19 +61,27 @@ class _Plan:
     q_start: int = 0  # global position of the first query
     k_start: int = 0  # global position of the first key
     at: bool = False  # positions are inputs (traced offsets): q_start, k_start unused
+    segmented: bool = False  # segment ids (q [B, L], kv [B, S]) are inputs too
 
 
-def _scores(q_BGRTK, k_BGSK, plan: _Plan, start: int, pos=None):
+def _scores(q_BGRTK, k_BGSK, plan: _Plan, start: int, pos=None, seg=None):
     """Scaled, masked scores s_BGRTS (f32) of the chunk whose first query is query
-    `start`, and the mask [T, S]. pos: the chunk's traced positions (q_pos_T, k_pos_S)
-    under `at`."""
+    `start`, and the mask ([T, S], or [B, 1, 1, T, S] with segment ids). pos: the chunk's
+    traced positions (q_pos_T, k_pos_S) under `at`; seg: its segment ids (q [B, T],
+    kv [B, S]) when `segmented`."""
     s_BGRTS = jnp.einsum("BGRTK,BGSK->BGRTS", q_BGRTK, k_BGSK,
                          preferred_element_type=jnp.float32) * plan.scale
-    T, S = q_BGRTK.shape[3], k_BGSK.shape[2]
+    mask_TS = _mask(q_BGRTK.shape[3], k_BGSK.shape[2], plan, start, pos)
+    if seg is not None:
+        mask_TS = heads_mask(mask_TS & same_segment(*seg))
+    return jnp.where(mask_TS, s_BGRTS, MASK_VALUE), mask_TS
+
+
+def _mask(T: int, S: int, plan: _Plan, start: int, pos=None):
+    """The chunk's causal and padding mask [T, S] (`_scores`)."""
     if pos is None and plan.k_start == 0:  # key positions are key indices
-        mask_TS = tile_mask(plan.q_start + start + jnp.arange(T), jnp.arange(S),
-                            causal=plan.causal, kv_len=plan.kv_len)
-        return jnp.where(mask_TS, s_BGRTS, MASK_VALUE), mask_TS
+        return tile_mask(plan.q_start + start + jnp.arange(T), jnp.arange(S),
+                         causal=plan.causal, kv_len=plan.kv_len)
     if pos is None:
         q_pos_T, k_pos_S = plan.q_start + start + jnp.arange(T), plan.k_start + jnp.arange(S)
     else:
@@ -80,7 +89,7 @@ def _scores(q_BGRTK, k_BGSK, plan: _Plan, start: int, pos=None):
     mask_TS = jnp.broadcast_to(jnp.arange(S)[None, :] < plan.kv_len, (T, S))
     if plan.causal:
         mask_TS = mask_TS & (q_pos_T[:, None] >= k_pos_S[None, :])
-    return jnp.where(mask_TS, s_BGRTS, MASK_VALUE), mask_TS
+    return mask_TS
 
 
 def _probs(s_BGRTS, shift_BGRT, mask_TS, padded: bool):
@@ -90,10 +99,11 @@ def _probs(s_BGRTS, shift_BGRT, mask_TS, padded: bool):
     return jnp.where(mask_TS, p_BGRTS, 0.0) if padded else p_BGRTS
 
 
-def _forward(q_BLGRK, k_BSGK, v_BSGK, plan: _Plan, pos=None):
+def _forward(q_BLGRK, k_BSGK, v_BSGK, plan: _Plan, pos=None, seg=None):
     """o_BLGRK (q's dtype), and for the backward q, k, v and o heads-major and, per
     chunk that sees a key, the unnormalised probabilities e_BGRTS = exp(s - max) in v's
-    dtype (what the PV matmul reads) and 1 / rowsum. pos: (q_pos_L, k_pos_S) under `at`.
+    dtype (what the PV matmul reads) and 1 / rowsum. pos: (q_pos_L, k_pos_S) under `at`;
+    seg: segment ids (q_seg_BL, k_seg_BS) when `segmented`.
 
     q, k and v are laid out heads-major once ([B, G, R, L, K], [B, G, S, K]), so every
     chunk's matmuls read slices of them in the order the matmuls take."""
@@ -106,7 +116,8 @@ def _forward(q_BLGRK, k_BSGK, v_BSGK, plan: _Plan, pos=None):
             o_chunks.append(jnp.zeros_like(q_BGRTK))
             continue
         at = None if pos is None else (pos[0][start:stop], pos[1][:S])
-        s_BGRTS, mask_TS = _scores(q_BGRTK, k_BGSK[:, :, :S], plan, start, at)
+        ids = None if seg is None else (seg[0][:, start:stop], seg[1][:, :S])
+        s_BGRTS, mask_TS = _scores(q_BGRTK, k_BGSK[:, :, :S], plan, start, at, ids)
         m_BGRT = jnp.max(s_BGRTS, axis=-1)
         # a row may see no key: padding, or (with offsets) queries before every key
         e_BGRTS = _probs(s_BGRTS, m_BGRT, mask_TS,
@@ -181,29 +192,34 @@ def _backward(plan: _Plan, residuals, do_BLGRK):
 
 @functools.cache
 def _attend(plan: _Plan):
-    """The differentiable attention of one call, (q_BLGRK, k, v) -> o_BLGRK, or under
-    `at` (q, k, v, q_pos_L, k_pos_S) -> o with the positions (int32) taking no cotangent."""
-    no_cotangents = (None, None) if plan.at else ()
+    """The differentiable attention of one call, (q_BLGRK, k, v) -> o_BLGRK, followed
+    under `at` by (q_pos_L, k_pos_S) and when `segmented` by (q_seg_BL, k_seg_BS): int32
+    inputs taking no cotangent."""
+    n_ints = 2 * plan.at + 2 * plan.segmented
+
+    def forward(q, k, v, *ints):
+        pos, seg = (ints[:2] if plan.at else None), (ints[-2:] if plan.segmented else None)
+        return _forward(q, k, v, plan, pos, seg)
 
     @jax.custom_vjp
-    def attend(q, k, v, *pos):
-        return _forward(q, k, v, plan, pos or None)[0]
+    def attend(q, k, v, *ints):
+        return forward(q, k, v, *ints)[0]
 
-    attend.defvjp(lambda q, k, v, *pos: _forward(q, k, v, plan, pos or None),
-                  lambda res, do: (*_backward(plan, res, do), *no_cotangents))
+    attend.defvjp(forward, lambda res, do: (*_backward(plan, res, do), *(None,) * n_ints))
     return attend
 
 
 def chunked_attention(q_BLHK, k_BSGK, v_BSGK, *, causal: bool = True, axes=None,
                       blocks: BlockSizes = BlockSizes(block_q=64), kv_len: int | None = None,
-                      q_offset=0, k_offset=0):
+                      q_offset=0, k_offset=0, segment_ids=None):
     """Softmax(q k^T / sqrt(K)) v, computing only the causally visible tiles.
 
     q_BLHK [B, L, H, K]; k_BSGK, v_BSGK [B, S, G, K] with H a multiple of G. Causal
     without offsets needs L == S; queries are taken `blocks.block_q` at a time, each
     chunk against the keys up to its last query. kv_len (default S) masks keys at
     indices >= kv_len. q_offset, k_offset (ints, or traced int32 scalars): global
-    positions of the first query and key (module doc). Returns o_BLHK in q's dtype.
+    positions of the first query and key (module doc). segment_ids (`SegmentIds`): a
+    query sees only keys of its own document. Returns o_BLHK in q's dtype.
     axes: unused (nothing is communicated)."""
     static = isinstance(q_offset, int) and isinstance(k_offset, int)
     dims = attention_dims(q_BLHK, k_BSGK, v_BSGK,
@@ -212,7 +228,8 @@ def chunked_attention(q_BLHK, k_BSGK, v_BSGK, *, causal: bool = True, axes=None,
     q_BLGRK = q_BLHK.reshape(B, L, dims.kv_heads, dims.group, K)
     T = min(blocks.block_q, L) if causal else L
     kv_len = dims.kv_len if kv_len is None else kv_len
-    common = dict(causal=causal, scale=softmax_scale(K), kv_len=kv_len, keys=dims.kv_len)
+    common = dict(causal=causal, scale=softmax_scale(K), kv_len=kv_len, keys=dims.kv_len,
+                  segmented=segment_ids is not None)
     spans = [(start, min(start + T, L)) for start in range(0, L, T)]
     if static:  # each chunk against the keys up to its last query (by global position)
         seen = lambda stop: (min(max(q_offset + stop - k_offset, 0), dims.kv_len) if causal
@@ -225,4 +242,5 @@ def chunked_attention(q_BLHK, k_BSGK, v_BSGK, *, causal: bool = True, axes=None,
                      at=True, **common)
         pos = (jnp.asarray(q_offset, jnp.int32) + jnp.arange(L, dtype=jnp.int32),
                jnp.asarray(k_offset, jnp.int32) + jnp.arange(dims.kv_len, dtype=jnp.int32))
-    return _attend(plan)(q_BLGRK, k_BSGK, v_BSGK, *pos).reshape(B, L, H, K)
+    seg = () if segment_ids is None else tuple(jnp.asarray(x, jnp.int32) for x in segment_ids)
+    return _attend(plan)(q_BLGRK, k_BSGK, v_BSGK, *pos, *seg).reshape(B, L, H, K)

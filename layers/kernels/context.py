@@ -17,6 +17,14 @@ S = cp · L_cp the whole sequence.
                each block's probabilities; one last shift takes dK, dV home. Of each
                remote block only the visible half is computed (`_earlier`).
 
+Segment ids (packed documents, `SegmentIds`): q_BL holds this rank's local tokens' ids
+[B, L_cp], kv_BS the ids of the whole window [B, S] in position order. The tokens are
+replicated over cp, so every rank derives the whole window's ids itself and no id
+travels: the all-gather path hands each query chunk the ids of the key prefix it reads,
+the ring slices the ids of the block that arrived (the source rank's chunk positions)
+out of the window's. Every tile then also masks across documents; remote ring tiles,
+unmasked before, are masked by ids alone.
+
 `CP_COMMS` is the registry `--cp-comm` names; `CP_KERNELS` the local kernels that take
 global query and key offsets (the only ones a cp rank's chunks can use).
 """
@@ -26,6 +34,7 @@ import dataclasses
 import functools
 from collections.abc import Callable
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -35,27 +44,31 @@ from layers.kernels import blocked
 from layers.kernels.blocked import blocked_attention
 from layers.kernels.chunked import chunked_attention
 from layers.kernels.reference import reference_attention
-from layers.kernels.shared import (MASK_VALUE, BlockSizes, causal_mask, flash_vjp, pad_axis,
-                                   softmax_scale)
+from layers.kernels.shared import (MASK_VALUE, BlockSizes, SegmentIds, causal_mask, flash_vjp,
+                                   heads_mask, pad_axis, same_segment, softmax_scale)
 
 CP_KERNELS = {"reference": reference_attention, "chunked": chunked_attention,
               "blocked": blocked_attention}
 
 
-def allgather_attention(q_BLHK, k_BLGK, v_BLGK, *, axes, kernel: str = "reference"):
+def allgather_attention(q_BLHK, k_BLGK, v_BLGK, *, axes, kernel: str = "reference",
+                        segment_ids: SegmentIds | None = None):
     """q [B, L_cp, H, K], k, v [B, L_cp, G, K] (this rank's chunks i and 2cp−1−i) ->
     o [B, L_cp, H, K] in q's dtype: causal attention at global positions over the keys
     all-gathered from every cp rank, by the local kernel `kernel` (`CP_KERNELS`). The
     first chunk (i < cp) sees only the first half of the keys, so it is given only
     those; within a call the kernel skips what it can (blocked: every key block past
-    the chunk's last position)."""
+    the chunk's last position, or before the chunk's first document). segment_ids: the
+    local and whole-window document ids (module doc)."""
     attend = CP_KERNELS[kernel]
     k_BSGK, v_BSGK = (natural_order(collectives.gather(x, axes.cp, dim=1), axes.cp_size)
                       for x in (k_BLGK, v_BLGK))
     c = q_BLHK.shape[1] // 2
     S = k_BSGK.shape[1]
+    seg = lambda j: {} if segment_ids is None else dict(segment_ids=SegmentIds(  # noqa: E731
+        segment_ids.q_BL[:, j * c:(j + 1) * c], segment_ids.kv_BS[:, :S // (2 - j)]))
     outs = [attend(q_BLHK[:, j * c:(j + 1) * c], k_BSGK[:, :S // (2 - j)],
-                   v_BSGK[:, :S // (2 - j)], causal=True, q_offset=m * c, k_offset=0)
+                   v_BSGK[:, :S // (2 - j)], causal=True, q_offset=m * c, k_offset=0, **seg(j))
             for j, m in enumerate(chunk_ids(axes))]
     return jnp.concatenate(outs, axis=1)
 
@@ -75,35 +88,48 @@ def _blocked_plan(S: int, K: int, ring: _Ring) -> blocked._Plan:
     return blocked._Plan(causal=True, block_k=T, kv_len=S, scale=softmax_scale(K))
 
 
-def _tile_stats(q_BLGRK, k_BSGK, v_BSGK, q_pos_L, k_pos_S, ring: _Ring, masked: bool):
+def _mask(q_pos_L, k_pos_S, seg, masked: bool):
+    """A dense tile's mask: causal at global positions when `masked`, and within
+    documents when seg = (q_seg_BL, k_seg_BS) is given; None when nothing is masked."""
+    mask = causal_mask(q_pos_L, k_pos_S) if masked else None
+    if seg is not None:
+        same_BLS = same_segment(*seg)
+        mask = same_BLS if mask is None else mask & same_BLS
+    return None if mask is None else heads_mask(mask)
+
+
+def _tile_stats(q_BLGRK, k_BSGK, v_BSGK, q_pos_L, k_pos_S, ring: _Ring, masked: bool,
+                seg=None):
     """One tile's softmax pieces (m, l, acc; f32) at global positions: dense (masked
-    only when `masked`) or, with ring.block_k, the blocked kernel's forward (o, lse)
-    as m = lse, l = 1, acc = o (the same online-softmax state)."""
+    causally only when `masked`, by document when seg = (q_seg_BL, k_seg_BS)) or, with
+    ring.block_k, the blocked kernel's forward (o, lse) as m = lse, l = 1, acc = o (the
+    same online-softmax state)."""
     if not ring.block_k:
-        return _block_stats(q_BLGRK, k_BSGK, v_BSGK,
-                            causal_mask(q_pos_L, k_pos_S) if masked else None)
+        return _block_stats(q_BLGRK, k_BSGK, v_BSGK, _mask(q_pos_L, k_pos_S, seg, masked))
     S = k_BSGK.shape[1]
     plan = _blocked_plan(S, q_BLGRK.shape[-1], ring)
     k, v = (pad_axis(x, 1, plan.block_k) for x in (k_BSGK, v_BSGK))
     k_pos = pad_axis(k_pos_S, 0, plan.block_k)
-    o_BLGRK, (lse_BGRL,) = blocked._forward(q_BLGRK, k, v, plan, q_pos_L, k_pos)
+    ids = (None, None) if seg is None else (seg[0], pad_axis(seg[1], 1, plan.block_k))
+    o_BLGRK, (lse_BGRL,) = blocked._forward(q_BLGRK, k, v, plan, q_pos_L, k_pos, *ids)
     acc_BGRLK = o_BLGRK.astype(jnp.float32).transpose(0, 2, 3, 1, 4)
     return lse_BGRL, jnp.ones_like(lse_BGRL), acc_BGRLK
 
 
 def _tile_grads(q_BLGRK, k_BSGK, v_BSGK, o_BLGRK, do_BLGRK, lse_BGRL, delta_BGRL, q_pos_L,
-                k_pos_S, ring: _Ring, masked: bool):
+                k_pos_S, ring: _Ring, masked: bool, seg=None):
     """One tile's (dq, dk, dv) (f32) from the global o and lse: dense, or the blocked
-    kernel's backward (which skips key blocks no query sees)."""
+    kernel's backward (which skips key blocks no query sees). Masks as `_tile_stats`."""
     if not ring.block_k:
         return _block_grads(q_BLGRK, k_BSGK, v_BSGK, do_BLGRK, lse_BGRL, delta_BGRL,
-                            causal_mask(q_pos_L, k_pos_S) if masked else None)
+                            _mask(q_pos_L, k_pos_S, seg, masked))
     S = k_BSGK.shape[1]
     plan = _blocked_plan(S, q_BLGRK.shape[-1], ring)
     k, v = (pad_axis(x, 1, plan.block_k) for x in (k_BSGK, v_BSGK))
     k_pos = pad_axis(k_pos_S, 0, plan.block_k)
+    ids = (None, None) if seg is None else (seg[0], pad_axis(seg[1], 1, plan.block_k))
     dq, dk, dv = blocked._backward(plan, (q_BLGRK, k, v, o_BLGRK, lse_BGRL), do_BLGRK,
-                                   q_pos_L, k_pos)
+                                   q_pos_L, k_pos, *ids)
     f32 = jnp.float32
     return dq.astype(f32), dk[:, :S].astype(f32), dv[:, :S].astype(f32)
 
@@ -166,47 +192,66 @@ def _pad_keys(x, axis: int = 1):
     return jnp.concatenate([x, jnp.zeros_like(x)], axis=axis)
 
 
-def _ring_forward(q_BLGRK, k_BSGK, v_BSGK, ring: _Ring):
-    """o_BLGRK (q's dtype) and the row log-sum-exp lse_BGRL (f32) for the backward."""
+def _ids(seg, rows=slice(None), keys=None):
+    """Segment ids (q rows, k ids) of one tile, or None without ids: seg = (q_seg_BL,
+    window_BS); keys: the tile's key ids [B, S'] (None: the local tokens' own)."""
+    if seg is None:
+        return None
+    return seg[0][:, rows], seg[0] if keys is None else keys
+
+
+def _arrived_ids(seg, src_pos_L):
+    """The ids of the block that arrived from the rank holding positions src_pos_L: the
+    window's ids at those positions (no communication), or None without ids."""
+    return None if seg is None else jnp.take(seg[1], src_pos_L, axis=1)
+
+
+def _ring_forward(q_BLGRK, k_BSGK, v_BSGK, ring: _Ring, seg=None):
+    """o_BLGRK (q's dtype) and the row log-sum-exp lse_BGRL (f32) for the backward.
+    seg: None or (q_seg_BL, window_BS), the segment ids (module doc)."""
     L = q_BLGRK.shape[1]
     c = L // 2
     i = collectives.axis_index(ring.axis)
     pos_L = chunk_positions(i, L, ring.size)
-    m_BGRL, l_BGRL, acc_BGRLK = _tile_stats(q_BLGRK, k_BSGK, v_BSGK, pos_L, pos_L, ring, True)
+    m_BGRL, l_BGRL, acc_BGRLK = _tile_stats(q_BLGRK, k_BSGK, v_BSGK, pos_L, pos_L, ring, True,
+                                            _ids(seg))
     kv = (k_BSGK, v_BSGK)
-    # in the remote tiles below every query sees every key: positions only place them
-    # (the blocked kernel's mask), nothing is masked
+    # in the remote tiles below every query sees every key causally: positions only
+    # place them (the blocked kernel's mask); only segment ids, if any, mask
     src_pos = lambda step: chunk_positions((i - step) % ring.size, L, ring.size)
 
-    def keys_first(q_BLGRK, k_BSGK, v_BSGK, k_pos_L):
+    def keys_first(q_BLGRK, k_BSGK, v_BSGK, k_pos_L, k_seg_BL):
         return _tile_stats(q_BLGRK, k_BSGK[:, :c], v_BSGK[:, :c], pos_L, k_pos_L[:c], ring,
-                           False)
+                           False, _ids(seg, keys=None if seg is None else k_seg_BL[:, :c]))
 
-    def queries_second(q_BLGRK, k_BSGK, v_BSGK, k_pos_L):
+    def queries_second(q_BLGRK, k_BSGK, v_BSGK, k_pos_L, k_seg_BL):
         m_BGRL, l_BGRL, acc_BGRLK = _tile_stats(q_BLGRK[:, c:], k_BSGK, v_BSGK, pos_L[c:],
-                                                k_pos_L, ring, False)
+                                                k_pos_L, ring, False,
+                                                _ids(seg, slice(c, None), k_seg_BL))
         return (_pad_rows(m_BGRL, c, 3, MASK_VALUE), _pad_rows(l_BGRL, c, 3, 0.0),
                 _pad_rows(acc_BGRLK, c, 3, 0.0))
 
     for step in range(1, ring.size):
         kv = tuple(collectives.ring_shift(x, ring.axis) for x in kv)
         mb_BGRL, lb_BGRL, accb_BGRLK = lax.cond(_earlier(step, ring), keys_first,
-                                                queries_second, q_BLGRK, *kv, src_pos(step))
+                                                queries_second, q_BLGRK, *kv, src_pos(step),
+                                                _arrived_ids(seg, src_pos(step)))
         m_new_BGRL = jnp.maximum(m_BGRL, mb_BGRL)
         old_BGRL, new_BGRL = jnp.exp(m_BGRL - m_new_BGRL), jnp.exp(mb_BGRL - m_new_BGRL)
         l_BGRL = l_BGRL * old_BGRL + lb_BGRL * new_BGRL
         acc_BGRLK = acc_BGRLK * old_BGRL[..., None] + accb_BGRLK * new_BGRL[..., None]
         m_BGRL = m_new_BGRL
-    # every query sees its own key (step 0), so l > 0
+    # every query sees its own key (step 0, in its own document), so l > 0
     o_BLGRK = (acc_BGRLK / l_BGRL[..., None]).transpose(0, 3, 1, 2, 4)
     return o_BLGRK.astype(q_BLGRK.dtype), (m_BGRL + jnp.log(l_BGRL),)
 
 
-def _ring_backward(ring: _Ring, residuals, do_BLGRK):
+def _ring_backward(ring: _Ring, residuals, do_BLGRK, seg=None):
     """K/V go around the ring again with their dK/dV accumulators beside them; at each
     step the visible tile's P = exp(s - lse) is recomputed, dQ accumulates here and the
     tile's dK, dV are added to the accumulators travelling with the block. After the
-    cp steps each accumulator is one rank short of home: one more shift delivers it."""
+    cp steps each accumulator is one rank short of home: one more shift delivers it.
+    seg: as `_ring_forward`'s."""
     q_BLGRK, k_BSGK, v_BSGK, o_BLGRK, lse_BGRL = residuals
     L = q_BLGRK.shape[1]
     c = L // 2
@@ -215,26 +260,29 @@ def _ring_backward(ring: _Ring, residuals, do_BLGRK):
     i = collectives.axis_index(ring.axis)
     pos_L = chunk_positions(i, L, ring.size)
     dq_BLGRK, dk_BSGK, dv_BSGK = _tile_grads(q_BLGRK, k_BSGK, v_BSGK, o_BLGRK, do_BLGRK,
-                                             lse_BGRL, delta_BGRL, pos_L, pos_L, ring, True)
+                                             lse_BGRL, delta_BGRL, pos_L, pos_L, ring, True,
+                                             _ids(seg))
     kv, dkv = (k_BSGK, v_BSGK), (dk_BSGK, dv_BSGK)
     src_pos = lambda step: chunk_positions((i - step) % ring.size, L, ring.size)
 
-    def keys_first(q_BLGRK, k_BSGK, v_BSGK, k_pos_L):
+    def keys_first(q_BLGRK, k_BSGK, v_BSGK, k_pos_L, k_seg_BL):
         dq, dk, dv = _tile_grads(q_BLGRK, k_BSGK[:, :c], v_BSGK[:, :c], o_BLGRK, do_BLGRK,
-                                 lse_BGRL, delta_BGRL, pos_L, k_pos_L[:c], ring, False)
+                                 lse_BGRL, delta_BGRL, pos_L, k_pos_L[:c], ring, False,
+                                 _ids(seg, keys=None if seg is None else k_seg_BL[:, :c]))
         return dq, _pad_keys(dk), _pad_keys(dv)
 
-    def queries_second(q_BLGRK, k_BSGK, v_BSGK, k_pos_L):
+    def queries_second(q_BLGRK, k_BSGK, v_BSGK, k_pos_L, k_seg_BL):
         dq, dk, dv = _tile_grads(q_BLGRK[:, c:], k_BSGK, v_BSGK, o_BLGRK[:, c:],
                                  do_BLGRK[:, c:], lse_BGRL[..., c:], delta_BGRL[..., c:],
-                                 pos_L[c:], k_pos_L, ring, False)
+                                 pos_L[c:], k_pos_L, ring, False,
+                                 _ids(seg, slice(c, None), k_seg_BL))
         return _pad_rows(dq, c, 1, 0.0), dk, dv
 
     for step in range(1, ring.size):
         kv = tuple(collectives.ring_shift(x, ring.axis) for x in kv)
         dkv = tuple(collectives.ring_shift(x, ring.axis) for x in dkv)
         dq, dk, dv = lax.cond(_earlier(step, ring), keys_first, queries_second, q_BLGRK, *kv,
-                              src_pos(step))
+                              src_pos(step), _arrived_ids(seg, src_pos(step)))
         dq_BLGRK = dq_BLGRK + dq
         dkv = (dkv[0] + dk, dkv[1] + dv)
     dk_BSGK, dv_BSGK = (collectives.ring_shift(x, ring.axis) for x in dkv)
@@ -247,18 +295,44 @@ def _ring(ring: _Ring):
     return flash_vjp(_ring_forward, _ring_backward, ring)
 
 
+@functools.cache
+def _ring_segmented(ring: _Ring):
+    """`_ring` with the segment ids (q_seg_BL, window_BS) as two more inputs (int32, no
+    cotangent)."""
+
+    @jax.custom_vjp
+    def attend(q, k, v, q_seg_BL, window_BS):
+        return _ring_forward(q, k, v, ring, (q_seg_BL, window_BS))[0]
+
+    def attend_fwd(q, k, v, q_seg_BL, window_BS):
+        o, saved = _ring_forward(q, k, v, ring, (q_seg_BL, window_BS))
+        return o, (q, k, v, o, *saved, q_seg_BL, window_BS)
+
+    def attend_bwd(residuals, do):
+        *saved, q_seg_BL, window_BS = residuals
+        return (*_ring_backward(ring, tuple(saved), do, (q_seg_BL, window_BS)), None, None)
+
+    attend.defvjp(attend_fwd, attend_bwd)
+    return attend
+
+
 def ring_attention(q_BLHK, k_BLGK, v_BLGK, *, axes, kernel: str = "reference",
-                   blocks: BlockSizes = BlockSizes()):
+                   blocks: BlockSizes = BlockSizes(), segment_ids: SegmentIds | None = None):
     """q [B, L_cp, H, K], k, v [B, L_cp, G, K] (this rank's chunks) -> o [B, L_cp, H, K]
     in q's dtype, the allgather kernel's result with K and V passed around the ring.
     kernel: "blocked" runs each step's tile with the blocked kernel (key blocks of
     `blocks.block_k`; the diagonal's invisible blocks skipped), anything else as one
-    dense tile (the ring's steps are already the causal tiles)."""
+    dense tile (the ring's steps are already the causal tiles). segment_ids: the local
+    and whole-window document ids (module doc)."""
     B, L, H, K = q_BLHK.shape
     G = k_BLGK.shape[2]
     block_k = blocks.block_k if kernel == "blocked" else 0
-    o_BLGRK = _ring(_Ring(axes.cp, axes.cp_size, block_k))(q_BLHK.reshape(B, L, G, H // G, K),
-                                                            k_BLGK, v_BLGK)
+    ring = _Ring(axes.cp, axes.cp_size, block_k)
+    q_BLGRK = q_BLHK.reshape(B, L, G, H // G, K)
+    if segment_ids is None:
+        o_BLGRK = _ring(ring)(q_BLGRK, k_BLGK, v_BLGK)
+    else:
+        o_BLGRK = _ring_segmented(ring)(q_BLGRK, k_BLGK, v_BLGK, *segment_ids)
     return o_BLGRK.reshape(B, L, H, K)
 
 

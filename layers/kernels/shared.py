@@ -6,10 +6,12 @@ K head dim, R = H // G query heads per kv head; Q query rows and T keys of one t
 
 The kernel signature, for every entry of `layers.kernels.KERNELS`:
 
-    kernel(q_BLHK, k_BSGK, v_BSGK, *, causal=True, axes=None, **options) -> o_BLHK
+    kernel(q_BLHK, k_BSGK, v_BSGK, *, causal=True, axes=None, segment_ids=None,
+           **options) -> o_BLHK
 
 q [B, L, H, K]; k, v [B, S, G, K] with H a multiple of G (query head h reads kv head
-h // R); o in q's dtype. `axes` (a `layers.axes.Axes`) is for kernels that communicate
+h // R); o in q's dtype. segment_ids (`SegmentIds`, packed documents): a query attends a
+key only if both carry the same id (and, causal, the key is not later). `axes` (a `layers.axes.Axes`) is for kernels that communicate
 (e.g. K/V blocks travelling around a sequence-parallel ring); the local kernels accept
 it and move nothing.
 """
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +30,17 @@ import collectives
 # Finite stand-in for -inf in the flash kernels: masked scores never produce
 # inf - inf = NaN.
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+
+
+class SegmentIds(NamedTuple):
+    """Document ids of the queries and of the keys (int32): q [B, L], kv [B, S]. A query
+    attends only keys of its own document. Ids are non-decreasing along the sequence
+    (documents packed in order: `layers.documents`), which lets the flash kernels skip
+    a tile whose last key's id is below its first query's (the Pallas kernel relies on
+    it; the masks themselves compare ids for equality)."""
+
+    q_BL: jax.Array
+    kv_BS: jax.Array
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,6 +121,16 @@ def causal_mask(q_pos, k_pos_S):
     """Query at q_pos sees keys at positions <= its own: q_pos [L] or [B, L], k_pos [S]
     -> bool [L, S] or [B, L, S]."""
     return q_pos[..., :, None] >= k_pos_S[None, :]
+
+
+def same_segment(q_seg_BL, k_seg_BS):
+    """Query l and key s are in one document: bool [B, L, S]."""
+    return q_seg_BL[:, :, None] == k_seg_BS[:, None, :]
+
+
+def heads_mask(mask_LS):
+    """A mask [L, S] or [B, L, S] shaped to broadcast against scores [B, G, R, L, S]."""
+    return mask_LS if mask_LS.ndim == 2 else mask_LS[:, None, None]
 
 
 def tile_mask(q_pos_Q, k_pos_T, *, causal: bool, kv_len: int):
