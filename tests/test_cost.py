@@ -140,6 +140,21 @@ def test_ring_formulas_on_a_tpu():
     assert collective_seconds(a2a, hw, mesh) == pytest.approx(expect)
 
 
+def test_an_axis_spanning_torus_dimensions_runs_a_ring_on_each():
+    """fsdp64 on a v5p slice fills a 4x4x4 cube: its rings run on all three dimensions
+    at once (3x one dimension's bandwidth) in 3 x 3 hops; 8 chips of a v5e row stay on
+    one dimension of its 16x16 torus."""
+    hw = hardware.get("v5p")
+    ici = hw.fast.bandwidth * hw.link_eff
+    row = Row("mlp", "fwd", "collective", "all_gather", "bfloat16", (1,), 0.0, 8e6, 1,
+              ("fsdp",), 64)
+    assert collective_seconds(row, hw, (("fsdp", 64),)) == pytest.approx(
+        63 / 64 * 8e6 / (3 * ici) + 9 * hw.fast.latency)
+    ar = dataclasses.replace(row, primitive="psum")
+    assert collective_seconds(ar, hw, (("fsdp", 64),)) == pytest.approx(
+        2 * 63 / 64 * 8e6 / (3 * ici) + 18 * hw.fast.latency)
+
+
 def test_predict_only_512_devices():
     """llama3-8b on fsdp64xtp8 traces on an AbstractMesh on one CPU and prices sanely."""
     cfg = model_config("llama3-8b", dtype="bf16", remat="full")

@@ -114,6 +114,10 @@ class Hardware:
     # and this is the best rate a large matmul reaches (engine/run/mfu.py's measurement)
     mfu_peak: dict = dataclasses.field(default_factory=dict)
     transcendental_flops: float = 0.0
+    # TPUs: the side lengths of the torus a slice's ICI is built from; a mesh axis inside
+    # a slice fills them in turn and runs its rings on every dimension it spans at once
+    # (`price.torus_link`); (): one ring over the fast link
+    torus: tuple = ()
     # GPUs: the bus bandwidths nccl-tests measures on the platform; collectives are then
     # priced as NCCL runs them (engine/cost/nccl.py) instead of the link formulas
     nccl: object = None
@@ -180,12 +184,21 @@ class Hardware:
 # 95 GiB (v5p), Cloud TPU system-architecture pages. No overlap_slowdown: no measurement
 # of compute beside collectives on TPU was found (the GPU figure below is of collectives
 # run as kernels on the compute cores; a TPU moves ICI data with DMA engines).
-def _tpu(name, bf16, hbm, ici_one_way, fast_domain, capacity):
+#
+# ICI topology (`torus`): v5e slices are 2D tori of up to 16x16 chips (Cloud TPU v5e
+# page: 256 chips a pod, "2D torus"); v4 and v5p slices are 3D tori built of 4x4x4 cubes
+# ("All 4x4x4 and larger slices (one cube) have full 3D torus", Cloud TPU v5p page). A
+# collective over an axis spanning d torus dimensions runs a bidirectional ring on each
+# at once, each moving 1/d of the data: d times one dimension's bandwidth ("How to
+# Scale Your Model", Austin et al. 2025, part 3: an AllGather over several ICI axes gets
+# the bandwidth of each axis), with sum(side - 1) hops of the rings it runs in turn.
+# Per-hop latencies (1 us ICI, 10 us DCN) are not from a published measurement.
+def _tpu(name, bf16, hbm, ici_one_way, fast_domain, capacity, torus):
     return Hardware(name, {"bfloat16": bf16, "float32": bf16}, bf16 / 8, hbm,
                     Link(2 * ici_one_way, 1e-6), Link(6.25e9, 1e-5), fast_domain,
                     matmul_eff=0.85, mem_eff=0.9, link_eff=0.9, fusion=True,
                     attention_eff=0.5, hbm_capacity=capacity, memory_platform="tpu",
-                    source="published specs")
+                    torus=torus, source="published specs")
 
 
 # GPUs: NVIDIA A100-SXM4-80GB / H100-SXM5 datasheets: bf16 dense tensor-core peak; f32
@@ -292,9 +305,9 @@ def flash_rates(peak: float, table) -> tuple:
 
 
 PROFILES = {
-    "v4": _tpu("TPU v4", 275e12, 1.2e12, 4.5e10, 4096, 32 * 2**30),
-    "v5e": _tpu("TPU v5e", 197e12, 8.1e11, 4.5e10, 256, 16 * 2**30),
-    "v5p": _tpu("TPU v5p", 459e12, 2.765e12, 9e10, 8960, 95 * 2**30),
+    "v4": _tpu("TPU v4", 275e12, 1.2e12, 4.5e10, 4096, 32 * 2**30, (4, 4, 4)),
+    "v5e": _tpu("TPU v5e", 197e12, 8.1e11, 4.5e10, 256, 16 * 2**30, (16, 16)),
+    "v5p": _tpu("TPU v5p", 459e12, 2.765e12, 9e10, 8960, 95 * 2**30, (4, 4, 4)),
     "a100": _gpu("A100-SXM 80GB", A100_SXM_BF16, 156e12, 19.5e12, 2.039e12, 300e9, 25e9, 0.8,
                  0.55, A100_NCCL),
     "h100": dataclasses.replace(

@@ -156,6 +156,21 @@ def link_for(hw: Hardware, mesh_axes, axes: tuple[str, ...]):
     return Link(min(hw.fast.bandwidth, hw.slow.bandwidth * k), hw.slow.latency)
 
 
+def torus_rings(hw: Hardware, n: int) -> tuple[int, int]:
+    """(d, hops) of a group of n chips inside a TPU slice (`Hardware.torus`): it fills
+    the torus dimensions in turn, the last one in part, spanning d of them; its rings
+    run on all d at once and take sum(side - 1) hops over the sides it fills (a 3D
+    torus's last dimension takes the rest of a group larger than the cube: v5p and v4
+    slices beyond 64 chips grow their dimensions past 4)."""
+    d, hops, left = 0, 0, n
+    for i, side in enumerate(hw.torus):
+        if left <= 1:
+            break
+        side = left if i == len(hw.torus) - 1 else min(side, left)
+        d, hops, left = d + 1, hops + side - 1, -(-left // side)
+    return max(d, 1), max(hops, n - 1 if not hw.torus else 1)
+
+
 def collective_key(row: Row) -> tuple:
     """What one execution of a collective row costs on a host, as
     `Hardware.collective_seconds` keys its measurement: (kind, group size, ledger bytes,
@@ -184,6 +199,11 @@ def collective_seconds(row: Row, hw: Hardware, mesh_axes) -> float:
         link = link_for(hw, mesh_axes, row.axes)
         latency, bw, eff = link.latency, link.bandwidth, hw.link_eff
     frac, hops = ring_factor(kind, n)
+    if (hw.torus and kind in ("all-gather", "reduce-scatter", "all-reduce")
+            and kind not in hw.collective_fit
+            and not domain_share(hw, mesh_axes, row.axes)[1]):  # rings on every dimension
+        d, ring_hops = torus_rings(hw, n)
+        bw, hops = bw * d, RING[kind][1] * ring_hops
     widened = hw.bf16_collectives_in_f32 and row.dtype == "bfloat16" and kind in WIDENED_KINDS
     nbytes = 2 * row.bytes if widened else row.bytes
     return frac * nbytes / (bw * eff) + hops * latency
