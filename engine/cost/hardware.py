@@ -264,9 +264,10 @@ def _tpu(name, bf16, hbm, ici_one_way, fast_domain, capacity, torus):
 #   A100-SXM4 "result: 232.54GB/s" (github.com/NVIDIA/nccl-tests/issues/175); HDR NIC
 #   24 GB/s: "when HCA=mlx5_0, reach the theoretical value (24GB/s)"
 #   (github.com/NVIDIA/nccl/issues/1048, 200 Gb/s ConnectX-6).
-# The Links below (fast, slow) remain for all-to-all-free uses (the planner's
-# bandwidth terms); their latencies are NCCL's per-step NVLink / network Simple-ring
-# latencies (tuning.cc `hwLatencies`: 3.4 us, 14 us).
+# The GPU Links (fast: NVLink per direction, slow: one NIC) describe the links; a GPU
+# profile's collectives are priced by `nccl`, not by them. Their latencies are NCCL's
+# per-step Simple-ring latencies over NVLink and the network (tuning.cc `hwLatencies`:
+# 3.4 us, 14 us).
 def _gpu(name, bf16, tf32, fp32, hbm, nvlink_dir, nic, matmul_eff, attention_eff, net):
     return Hardware(name, {"bfloat16": bf16, "float32": tf32}, fp32, hbm,
                     Link(nvlink_dir, 3.4e-6), Link(nic, 14e-6), 8,
