@@ -222,6 +222,8 @@ def main(argv=None) -> int:
             side = "dropped by compiler" if k in a.missing else "added by compiler"
             print(f"  {side}: {n} x {k} {a.names[k]}")
     print(f"hardware {hw.name} ({hw.source}); layout {layout}; {cfg.dtype}, remat {cfg.remat}")
+    if mine.predict_only:
+        print(report.assumptions(cfg, parallel, hw, mine.activations))
     srows = report.scope_table(pred, measured, hw)
     if mine.by == "fusion":
         print(report.format_fusions(report.fusion_table(pred, hw)))

@@ -117,23 +117,42 @@ def test_the_ledger_traces_the_targets_weight_gather():
     assert not any(hardware.get(n).bf16_collectives_in_f32 for n in ("v5e", "h100", "a100"))
 
 
-def test_ring_formulas_on_h100():
-    """all-gather over tp8 inside one node: 7/8 * bytes / (NVLink * eff) + 7 hops;
-    all-reduce twice that; over an axis spanning nodes: the NIC rate."""
-    hw = hardware.get("h100")
-    mesh = (("fsdp", 4), ("tp", 8))
-    row = Row("mlp", "fwd", "collective", "all_gather", "bfloat16", (1,), 0.0, 8e6, 1, ("tp",), 8)
-    expect = 7 / 8 * 8e6 / (450e9 * 0.8) + 7 * 5e-6
+def test_ring_formulas_on_a_tpu():
+    """all-gather over an axis inside one slice: (n-1)/n * bytes / (ICI * eff) + (n-1)
+    hops; all-reduce twice that; over an axis spanning slices: the DCN rate. (GPU
+    profiles price collectives as NCCL runs them: tests/test_nccl.py.)"""
+    hw = hardware.get("v5e")
+    mesh = (("dp", 4), ("fsdp", 8))
+    ici = hw.fast.bandwidth * hw.link_eff
+    row = Row("mlp", "fwd", "collective", "all_gather", "bfloat16", (1,), 0.0, 8e6, 1,
+              ("fsdp",), 8)
+    expect = 7 / 8 * 8e6 / ici + 7 * hw.fast.latency
     assert collective_seconds(row, hw, mesh) == pytest.approx(expect)
-    ar = Row("mlp", "fwd", "collective", "psum", "float32", (1,), 0.0, 8e6, 1, ("tp",), 8)
+    ar = Row("mlp", "fwd", "collective", "psum", "float32", (1,), 0.0, 8e6, 1, ("fsdp",), 8)
     assert collective_seconds(ar, hw, mesh) == pytest.approx(2 * expect)
+    across_mesh = (("dp", 4), ("fsdp", 256))
     across = Row("mlp", "fwd", "collective", "all_gather", "bfloat16", (1,), 0.0, 8e6, 1,
-                 ("fsdp",), 4)
-    assert collective_seconds(across, hw, mesh) == pytest.approx(
-        3 / 4 * 8e6 / (50e9 * 0.8) + 3 * 1e-5)
+                 ("dp",), 4)
+    assert collective_seconds(across, hw, across_mesh) == pytest.approx(
+        3 / 4 * 8e6 / (hw.slow.bandwidth * hw.link_eff) + 3 * hw.slow.latency)
     a2a = Row("mlp", "fwd", "collective", "all_to_all", "bfloat16", (1,), 0.0, 8e6, 1,
-              ("tp",), 8)  # pairwise exchange: as an all-gather of the same buffer
+              ("fsdp",), 8)  # pairwise exchange: as an all-gather of the same buffer
     assert collective_seconds(a2a, hw, mesh) == pytest.approx(expect)
+
+
+def test_an_axis_spanning_torus_dimensions_runs_a_ring_on_each():
+    """fsdp64 on a v5p slice fills a 4x4x4 cube: its rings run on all three dimensions
+    at once (3x one dimension's bandwidth) in 3 x 3 hops; 8 chips of a v5e row stay on
+    one dimension of its 16x16 torus."""
+    hw = hardware.get("v5p")
+    ici = hw.fast.bandwidth * hw.link_eff
+    row = Row("mlp", "fwd", "collective", "all_gather", "bfloat16", (1,), 0.0, 8e6, 1,
+              ("fsdp",), 64)
+    assert collective_seconds(row, hw, (("fsdp", 64),)) == pytest.approx(
+        63 / 64 * 8e6 / (3 * ici) + 9 * hw.fast.latency)
+    ar = dataclasses.replace(row, primitive="psum")
+    assert collective_seconds(ar, hw, (("fsdp", 64),)) == pytest.approx(
+        2 * 63 / 64 * 8e6 / (3 * ici) + 18 * hw.fast.latency)
 
 
 def test_predict_only_512_devices():

@@ -19,6 +19,7 @@ from engine.config import (
     ParallelConfig,
     TrainConfig,
     model_config,
+    resolve_activations,
 )
 from engine.cost import profile
 from engine.parallel import validate
@@ -125,8 +126,10 @@ def build_parser(prog: str = "python -m engine.train", description: str | None =
                         "sequence's tokens, the rest pass through (0: dropless, default)")
     m.add_argument("--dtype", default="bf16", choices=sorted(DTYPES),
                    help="compute dtype of matmuls (params and optimizer state are f32)")
-    m.add_argument("--activations", default="f32", choices=sorted(DTYPES),
-                   help="dtype of the activations between matmuls: matmul results, the "
+    m.add_argument("--activations", default="auto", choices=["auto", *sorted(DTYPES)],
+                   help="auto: bf16 on GPUs and TPUs (with --hardware: that profile's "
+                        "platform), f32 on the CPU (engine/config.py); "
+                        "dtype of the activations between matmuls: matmul results, the "
                         "residual stream and what the backward keeps (bf16 halves "
                         "activation memory; norms, softmax and the loss compute in f32)")
     m.add_argument("--remat", default="full", choices=REMAT,
@@ -245,7 +248,8 @@ def parse(argv, parser: argparse.ArgumentParser | None = None, auto: bool = Fals
     cfg = model_config(args.model, **{k: getattr(args, k) for k in (
         "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "mlp_dim", "vocab",
         "experts", "top_k", "shared_experts", "capacity_factor")},
-        dtype=args.dtype, activations=args.activations, remat=args.remat,
+        dtype=args.dtype, remat=args.remat,
+        activations=resolve_activations(args.activations, getattr(args, "hardware", None)),
         attention=args.attention)
     tcfg = TrainConfig(batch=args.batch, seq=args.seq, steps=args.steps, lr=args.lr,
                        warmup=args.warmup, seed=args.seed, schedule_steps=args.schedule_steps)

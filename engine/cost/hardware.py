@@ -12,6 +12,8 @@ import math
 import os
 from pathlib import Path
 
+from engine.cost.nccl import NcclNet
+
 CALIBRATION_PATH = Path(os.environ.get("SHARDWISE_CPU_PROFILE",
                                        Path.home() / ".cache" / "shardwise" / "cpu_profile.json"))
 
@@ -112,6 +114,13 @@ class Hardware:
     # and this is the best rate a large matmul reaches (engine/run/mfu.py's measurement)
     mfu_peak: dict = dataclasses.field(default_factory=dict)
     transcendental_flops: float = 0.0
+    # TPUs: the side lengths of the torus a slice's ICI is built from; a mesh axis inside
+    # a slice fills them in turn and runs its rings on every dimension it spans at once
+    # (`price.torus_link`); (): one ring over the fast link
+    torus: tuple = ()
+    # GPUs: the bus bandwidths nccl-tests measures on the platform; collectives are then
+    # priced as NCCL runs them (engine/cost/nccl.py) instead of the link formulas
+    nccl: object = None
     # a shared host: seconds per byte that first touching freshly mapped memory adds (the
     # kernel's page fault and zero fill), the price of a step's temporaries mapped anew
     # each step (engine/run/host.py `mapped_each_step`, `price.fault_seconds`); 0: not priced
@@ -175,12 +184,21 @@ class Hardware:
 # 95 GiB (v5p), Cloud TPU system-architecture pages. No overlap_slowdown: no measurement
 # of compute beside collectives on TPU was found (the GPU figure below is of collectives
 # run as kernels on the compute cores; a TPU moves ICI data with DMA engines).
-def _tpu(name, bf16, hbm, ici_one_way, fast_domain, capacity):
+#
+# ICI topology (`torus`): v5e slices are 2D tori of up to 16x16 chips (Cloud TPU v5e
+# page: 256 chips a pod, "2D torus"); v4 and v5p slices are 3D tori built of 4x4x4 cubes
+# ("All 4x4x4 and larger slices (one cube) have full 3D torus", Cloud TPU v5p page). A
+# collective over an axis spanning d torus dimensions runs a bidirectional ring on each
+# at once, each moving 1/d of the data: d times one dimension's bandwidth ("How to
+# Scale Your Model", Austin et al. 2025, part 3: an AllGather over several ICI axes gets
+# the bandwidth of each axis), with sum(side - 1) hops of the rings it runs in turn.
+# Per-hop latencies (1 us ICI, 10 us DCN) are not from a published measurement.
+def _tpu(name, bf16, hbm, ici_one_way, fast_domain, capacity, torus):
     return Hardware(name, {"bfloat16": bf16, "float32": bf16}, bf16 / 8, hbm,
                     Link(2 * ici_one_way, 1e-6), Link(6.25e9, 1e-5), fast_domain,
                     matmul_eff=0.85, mem_eff=0.9, link_eff=0.9, fusion=True,
                     attention_eff=0.5, hbm_capacity=capacity, memory_platform="tpu",
-                    source="published specs")
+                    torus=torus, source="published specs")
 
 
 # GPUs: NVIDIA A100-SXM4-80GB / H100-SXM5 datasheets: bf16 dense tensor-core peak; f32
@@ -232,12 +250,35 @@ def _tpu(name, bf16, hbm, ici_one_way, fast_domain, capacity):
 # own docstring says "Overall Triton forward + backward is slightly slower than CUDA
 # forward + backward".
 # HBM per chip: 80 GB (A100-SXM4-80GB and H100-SXM5 datasheets).
-def _gpu(name, bf16, tf32, fp32, hbm, nvlink_dir, nic, matmul_eff, attention_eff):
+#
+# Collectives (`nccl`, engine/cost/nccl.py: NCCL's own cost model and algorithm choice),
+# bus bandwidths as nccl-tests reports them at large sizes:
+# - H100 NVLink ring 370 GB/s: "With the protocol overhead (~20%) NCCL can get an
+#   effective NVLink bandwidth of 370GB/s, which you can observe as BusBw when running
+#   non-allreduce operations, or when running with NCCL_ALGO=RING" (S. Jeaugey, NVIDIA,
+#   github.com/NVIDIA/nccl-tests/issues/212); NVLink SHARP all-reduce inside a node
+#   480 GB/s ("On 8 GPUs, you should reach a peak busBw of ~480GB/s", same thread).
+# - H100 NIC 48 GB/s: "You should achieve around 48GB/s from each CX7 NIC at 400Gbps"
+#   (A. Ladd, NVIDIA, github.com/NVIDIA/nccl-tests/issues/319).
+# - A100 NVLink ring 232 GB/s: single-node `all_reduce_perf -b 8 -e 4G -g 8` on 8
+#   A100-SXM4 "result: 232.54GB/s" (github.com/NVIDIA/nccl-tests/issues/175); HDR NIC
+#   24 GB/s: "when HCA=mlx5_0, reach the theoretical value (24GB/s)"
+#   (github.com/NVIDIA/nccl/issues/1048, 200 Gb/s ConnectX-6).
+# The GPU Links (fast: NVLink per direction, slow: one NIC) describe the links; a GPU
+# profile's collectives are priced by `nccl`, not by them. Their latencies are NCCL's
+# per-step Simple-ring latencies over NVLink and the network (tuning.cc `hwLatencies`:
+# 3.4 us, 14 us).
+def _gpu(name, bf16, tf32, fp32, hbm, nvlink_dir, nic, matmul_eff, attention_eff, net):
     return Hardware(name, {"bfloat16": bf16, "float32": tf32}, fp32, hbm,
-                    Link(nvlink_dir, 5e-6), Link(nic, 1e-5), 8,
+                    Link(nvlink_dir, 3.4e-6), Link(nic, 14e-6), 8,
                     matmul_eff=matmul_eff, mem_eff=0.85, link_eff=0.8, fusion=True,
                     epilogue_fusion=False, overlap_slowdown=0.189,
-                    attention_eff=attention_eff, hbm_capacity=80e9, source="published specs")
+                    attention_eff=attention_eff, hbm_capacity=80e9, nccl=net,
+                    source="published specs")
+
+
+H100_NCCL = NcclNet(nvlink=370e9, nic=48e9, arch="hopper", nvls=480e9)
+A100_NCCL = NcclNet(nvlink=232e9, nic=24e9, arch="ampere")
 
 
 # (sequence, forward TFLOP/s, backward TFLOP/s) of the FlashAttention-3 paper's
@@ -265,12 +306,14 @@ def flash_rates(peak: float, table) -> tuple:
 
 
 PROFILES = {
-    "v4": _tpu("TPU v4", 275e12, 1.2e12, 4.5e10, 4096, 32 * 2**30),
-    "v5e": _tpu("TPU v5e", 197e12, 8.1e11, 4.5e10, 256, 16 * 2**30),
-    "v5p": _tpu("TPU v5p", 459e12, 2.765e12, 9e10, 8960, 95 * 2**30),
-    "a100": _gpu("A100-SXM 80GB", A100_SXM_BF16, 156e12, 19.5e12, 2.039e12, 300e9, 25e9, 0.8, 0.55),
+    "v4": _tpu("TPU v4", 275e12, 1.2e12, 4.5e10, 4096, 32 * 2**30, (4, 4, 4)),
+    "v5e": _tpu("TPU v5e", 197e12, 8.1e11, 4.5e10, 256, 16 * 2**30, (16, 16)),
+    "v5p": _tpu("TPU v5p", 459e12, 2.765e12, 9e10, 8960, 95 * 2**30, (4, 4, 4)),
+    "a100": _gpu("A100-SXM 80GB", A100_SXM_BF16, 156e12, 19.5e12, 2.039e12, 300e9, 25e9, 0.8,
+                 0.55, A100_NCCL),
     "h100": dataclasses.replace(
-        _gpu("H100-SXM", H100_SXM_BF16, 494.7e12, 67e12, 3.35e12, 450e9, 50e9, 0.75, 0.0),
+        _gpu("H100-SXM", H100_SXM_BF16, 494.7e12, 67e12, 3.35e12, 450e9, 50e9, 0.75, 0.0,
+             H100_NCCL),
         attention_rates=flash_rates(H100_SXM_BF16, H100_CUDNN)),
 }
 

@@ -61,6 +61,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from engine.cost import nccl
 from engine.cost.hardware import Hardware, Link
 from engine.cost.ledger import COLLECTIVES, WIDENED_KINDS, Row
 from layers.scopes import BLOCK_SCOPES
@@ -118,18 +119,10 @@ class Prediction:
     fault_s: float = 0.0
 
 
-def link_for(hw: Hardware, mesh_axes, axes: tuple[str, ...]):
-    """The slowest link tier any of `axes` uses: an axis stays on fast links while it and
-    every axis inside it (later in the layout) fit in one fast domain.
-
-    A group crossing fast domains runs its rings over the slow tier, one ring channel per
-    NIC: when k of the group's devices share a fast domain (a node), each with its own
-    NIC (the GPU profiles' one NIC per GPU), k channels cross between domains at once and
-    the group's bus bandwidth is k NICs' worth, capped by the fast tier: NCCL builds
-    one ring channel per NIC on rail-optimized nodes (DGX A100 / H100 reference
-    architectures: 8 x 200 / 400 Gb/s per node), so a ring crossing nodes is bounded by
-    the node's aggregate NIC rate, not one NIC's (a bound from the topology, not a
-    measured bus bandwidth).
+def domain_share(hw: Hardware, mesh_axes, axes: tuple[str, ...]) -> tuple[int, bool]:
+    """(k, crosses): how many of a group's devices share one fast domain (a GPU node, a
+    TPU slice), and whether the group spans more than one. An axis stays inside a domain
+    while it and every axis inside it (later in the layout) fit in one;
     k = product over the group's axes of min(size, fast_domain / stride), stride = the
     product of the sizes of the axes after it."""
     names = [n for n, _ in mesh_axes]
@@ -144,9 +137,38 @@ def link_for(hw: Hardware, mesh_axes, axes: tuple[str, ...]):
         k *= max(1, min(sizes[i], hw.fast_domain // stride))
         if inner > hw.fast_domain:
             crosses = True
+    return k, crosses
+
+
+def link_for(hw: Hardware, mesh_axes, axes: tuple[str, ...]):
+    """The slowest link tier any of `axes` uses (`domain_share`).
+
+    A group crossing fast domains runs its rings over the slow tier, one ring channel per
+    NIC: when k of the group's devices share a fast domain (a node), each with its own
+    NIC (the GPU profiles' one NIC per GPU), k channels cross between domains at once and
+    the group's bus bandwidth is k NICs' worth, capped by the fast tier: NCCL builds
+    one ring channel per NIC on rail-optimized nodes (DGX A100 / H100 reference
+    architectures: 8 x 200 / 400 Gb/s per node), so a ring crossing nodes is bounded by
+    the node's aggregate NIC rate, not one NIC's."""
+    k, crosses = domain_share(hw, mesh_axes, axes)
     if not crosses:
         return hw.fast
     return Link(min(hw.fast.bandwidth, hw.slow.bandwidth * k), hw.slow.latency)
+
+
+def torus_rings(hw: Hardware, n: int) -> tuple[int, int]:
+    """(d, hops) of a group of n chips inside a TPU slice (`Hardware.torus`): it fills
+    the torus dimensions in turn, the last one in part, spanning d of them; its rings
+    run on all d at once and take sum(side - 1) hops over the sides it fills (a 3D
+    torus's last dimension takes the rest of a group larger than the cube: v5p and v4
+    slices beyond 64 chips grow their dimensions past 4)."""
+    d, hops, left = 0, 0, n
+    for i, side in enumerate(hw.torus):
+        if left <= 1:
+            break
+        side = left if i == len(hw.torus) - 1 else min(side, left)
+        d, hops, left = d + 1, hops + side - 1, -(-left // side)
+    return max(d, 1), max(hops, n - 1 if not hw.torus else 1)
 
 
 def collective_key(row: Row) -> tuple:
@@ -158,13 +180,18 @@ def collective_key(row: Row) -> tuple:
 
 def collective_seconds(row: Row, hw: Hardware, mesh_axes) -> float:
     """One execution of a collective row (0 for pvary and size-1 axes): its measured
-    time where the profile has one, else the ring formula."""
+    time where the profile has one, on a GPU profile NCCL's (engine/cost/nccl.py: its
+    algorithm and protocol of least time for the group's ranks per node), else the ring
+    formula."""
     kind = COLLECTIVES.get(row.primitive)
     n = row.axis_size
     if kind is None or n == 1 or row.bytes == 0:
         return 0.0
     if (measured := hw.collective_seconds.get(collective_key(row))) is not None:
         return measured
+    if hw.nccl is not None and kind not in hw.collective_fit:
+        k, crosses = domain_share(hw, mesh_axes, row.axes)
+        return nccl.seconds(kind, n, k if crosses else n, row.bytes, hw.nccl)
     if kind in hw.collective_fit:
         latency, bw = hw.collective_fit[kind]
         eff = 1.0
@@ -172,6 +199,11 @@ def collective_seconds(row: Row, hw: Hardware, mesh_axes) -> float:
         link = link_for(hw, mesh_axes, row.axes)
         latency, bw, eff = link.latency, link.bandwidth, hw.link_eff
     frac, hops = ring_factor(kind, n)
+    if (hw.torus and kind in ("all-gather", "reduce-scatter", "all-reduce")
+            and kind not in hw.collective_fit
+            and not domain_share(hw, mesh_axes, row.axes)[1]):  # rings on every dimension
+        d, ring_hops = torus_rings(hw, n)
+        bw, hops = bw * d, RING[kind][1] * ring_hops
     widened = hw.bf16_collectives_in_f32 and row.dtype == "bfloat16" and kind in WIDENED_KINDS
     nbytes = 2 * row.bytes if widened else row.bytes
     return frac * nbytes / (bw * eff) + hops * latency

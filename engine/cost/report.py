@@ -220,3 +220,26 @@ def plot_roofline(srows, pred: Prediction, hw: Hardware, n_devices: int, path: s
            title=f"{hw.name}: predicted (o) and measured (x) per scope")
     ax.legend(fontsize=8)
     fig.savefig(path, dpi=120, bbox_inches="tight")
+
+
+def assumptions(cfg, parallel, hw: Hardware, activations_flag: str) -> str:
+    """One line of every choice a prediction was priced with: the model's dtypes (and
+    whether `--activations auto` chose them), remat, the attention kernel the profile
+    prices, the parallel settings and how the profile runs collectives."""
+    acts = cfg.activations + (" (auto for this platform)" if activations_flag == "auto" else "")
+    if hw.attention_rates:
+        kernel = "flash kernel at its published speed per sequence length"
+    elif hw.attention_eff:
+        kernel = f"flash kernel at {hw.attention_eff:.2f} of the matmul peak"
+    else:
+        kernel = f"the jnp key-block scan ({cfg.attention})"
+    comms = ("NCCL's ring / tree / NVLS by size (engine/cost/nccl.py)" if hw.nccl is not None
+             else "measured per kind (collective_fit)" if hw.collective_fit
+             else "rings over the slowest link tier")
+    p = parallel
+    return (f"assumed: compute {cfg.dtype}, activations {acts}, params and optimizer f32, "
+            f"remat {cfg.remat}, attention {kernel}, zero {p.zero}, "
+            f"prefetch {'on' if p.prefetch else 'off'}, tp-comm {p.tp_comm}, "
+            f"cp-comm {p.cp_comm}, microbatches {p.microbatches}, pp-schedule "
+            f"{p.pp_schedule} (virtual {p.pp_virtual}), grad-reduce {p.grad_reduce}, "
+            f"collectives {comms}, overlap {'on' if hw.overlap else 'off'}")
