@@ -121,20 +121,20 @@ def attention(x_BLD: jax.Array, p: dict, cfg: ModelConfig, axes: Axes,
     dt = cfg.compute_dtype
     q_BLHK, k_BLGK, v_BLGK = qkv_projections(x_BLD, p, cfg, axes)
     if cache is not None:
-        q_BLHK = rope_rows(q_BLHK, cache.start_B, cfg.rope_theta)
-        k_BLGK = rope_rows(k_BLGK, cache.start_B, cfg.rope_theta)
+        q_BLHK = rope_rows(q_BLHK, cache.start_B, cfg.rope)
+        k_BLGK = rope_rows(k_BLGK, cache.start_B, cfg.rope)
         cache = cache.write(k_BLGK, v_BLGK)
         o_BLHK = reference_attention(q_BLHK.astype(dt), cache.k_BCGK, cache.v_BCGK,
                                      q_offset=cache.start_B, axes=axes)
         return out_projection(o_BLHK, p, cfg, axes), cache
     if axes.cp is not None:  # this rank's two chunks: global positions, keys over cp
         pos_L = local_positions(q_BLHK.shape[1], axes)
-        q_BLHK, k_BLGK = (rope_at(x, pos_L, cfg.rope_theta) for x in (q_BLHK, k_BLGK))
+        q_BLHK, k_BLGK = (rope_at(x, pos_L, cfg.rope) for x in (q_BLHK, k_BLGK))
         o_BLHK = CP_COMMS[axes.cp_comm](q_BLHK.astype(dt), k_BLGK.astype(dt),
                                         v_BLGK.astype(dt), axes=axes,
                                         kernel=cp_kernel(cfg.attention))
         return out_projection(o_BLHK, p, cfg, axes)
-    q_BLHK, k_BLGK = rope(q_BLHK, theta=cfg.rope_theta), rope(k_BLGK, theta=cfg.rope_theta)
+    q_BLHK, k_BLGK = rope(q_BLHK, theta=cfg.rope), rope(k_BLGK, theta=cfg.rope)
     attend = attention_kernel(cfg.attention, q_BLHK.shape[1])
     o_BLHK = attend(q_BLHK.astype(dt), k_BLGK.astype(dt), v_BLGK.astype(dt), causal=True,
                     axes=axes)
