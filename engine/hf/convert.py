@@ -139,3 +139,30 @@ def export_hf(ckpt_path: str, out: str, dtype: str = "f32", max_shard_size: int 
     return ["config.json", *written, *copy_tokenizer(tok, out)]
 
 
+
+
+def init_params(hf_dir: str, trainer) -> tuple:
+    """(params, a fresh optimizer state) of `trainer`'s model from an HF directory, each
+    param assembled on the host and placed as the trainer's layout stores it before the
+    next is read (`engine.train --init-from-hf`)."""
+    import jax
+    from jax.sharding import NamedSharding
+
+    from engine.parallel.params import param_shapes
+
+    cfg = trainer.cfg
+    _, _, reader = load(hf_dir, cfg.vocab_multiple, dtype=cfg.dtype,
+                        activations=cfg.activations, remat=cfg.remat, attention=cfg.attention)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(param_shapes(cfg))
+    names = {key_path(p): p for p in table(cfg)}
+    out = []
+    for (path, want), spec in zip(leaves, treedef.flatten_up_to(trainer.specs)):
+        key = jax.tree_util.keystr(path)
+        x = weights.import_param(names[key], want.shape, cfg, reader.get)
+        if trainer.layer_order is not None and key.startswith("['blocks']"):
+            x = x[trainer.layer_order]
+        out.append(jax.make_array_from_callback(x.shape, NamedSharding(trainer.mesh, spec),
+                                                lambda index, x=x: x[index]))
+        del x
+    params = jax.tree.unflatten(treedef, out)
+    return params, trainer.init_opt(params)
