@@ -11,6 +11,7 @@ RoPE change the logits by O(1)).
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 
 import jax
@@ -124,23 +125,26 @@ def test_logits_match_transformers(made, family, layout):
     assert np.all(np.isneginf(padded[:, hf_models.VOCAB:])), "padding ids must not be sampled"
 
 
-SWEEP = [("llama2", "fsdp2xtp2", ParallelConfig()),
-         ("llama31", "tp4", ParallelConfig()),
-         ("llama32-tied", "fsdp2xtp4", ParallelConfig()),
-         ("mistral", "cp2", ParallelConfig()),
-         ("llama32-tied", "pp2", ParallelConfig(microbatches=2)),
-         ("mixtral", "ep4", ParallelConfig()),
-         ("mixtral", "fsdp2xep2", ParallelConfig())]
+def case(family, layout, slow=False, **parallel):
+    marks = [pytest.mark.slow] if slow else []
+    name = "-".join([family, layout, *(f"{k}{v}" for k, v in parallel.items())])
+    return pytest.param(family, layout, ParallelConfig(**parallel), marks=marks, id=name)
 
 
-@pytest.mark.parametrize("family,layout,parallel", SWEEP[:1] + SWEEP[4:5])
+# fsdp x tp, pp, cp and the tied embedding under ZeRO-2 by default; the rest slow
+SWEEP = [case("llama2", "fsdp2xtp2"),
+         case("llama32-tied", "pp2", microbatches=2),
+         case("mistral", "cp2"),
+         case("llama32-tied", "fsdp2xtp2", zero=2),
+         case("llama31", "tp4", slow=True),
+         case("llama32-tied", "fsdp2xtp4", slow=True),
+         case("mixtral", "ep4", slow=True),
+         case("mixtral", "fsdp2xep2", slow=True),
+         case("llama32-tied", "fsdp4", slow=True, zero=1)]
+
+
+@pytest.mark.parametrize("family,layout,parallel", SWEEP)
 def test_loss_and_grads_match_transformers_sharded(made, family, layout, parallel):
-    check_loss_and_grads(made, family, layout, parallel)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("family,layout,parallel", SWEEP[1:4] + SWEEP[5:])
-def test_loss_and_grads_match_transformers_sweep(made, family, layout, parallel):
     check_loss_and_grads(made, family, layout, parallel)
 
 
@@ -188,3 +192,22 @@ def test_greedy_decoding_matches_transformers_generate(made, family):
         cache, next_B, _ = decoder.step(params, cache, next_B, lengths + t - 1, t, 0)
         got.append(np.asarray(next_B))
     np.testing.assert_array_equal(np.stack(got, axis=1), want)
+
+
+def test_native_model_exports_as_llama(tmp_path):
+    """A model shardwise initialised and trained exports as LlamaForCausalLM, and
+    transformers' logits of the export are shardwise's."""
+    from engine.cli.convert import main as convert_main
+    from engine.cli.train import main as train_main
+
+    ck, out = str(tmp_path / "ck"), str(tmp_path / "out")
+    assert train_main(["--model", "tiny", "--vocab", "1001", "--steps", "2", "--batch", "4",
+                       "--seq", "16", "--dtype", "f32", "--checkpoint-dir", ck,
+                       "--log-every", "2"]) == 0
+    assert convert_main(["to-hf", "--checkpoint-dir", ck, "--out", out, "--dtype", "f32"]) == 0
+    with open(os.path.join(out, "config.json")) as f:
+        assert json.load(f)["architectures"] == ["LlamaForCausalLM"]
+    got, _ = ours_logits(ck, "single", LENGTHS)
+    want_BLV = hf_models.logits(out, tokens()[:, :L])
+    assert_close(got, np.stack([want_BLV[b, n - 1] for b, n in enumerate(LENGTHS)]),
+                 "native export logits")
