@@ -150,11 +150,14 @@ def test_loss_and_grads_match_transformers_sharded(made, family, layout, paralle
 
 def test_round_trip_train_export_load(made, tmp_path):
     """Import, 3 training steps on fsdp4xtp2 (engine.train), export (engine.convert):
-    transformers loads the export, and its logits are the trained checkpoint's."""
+    transformers loads the export, and its logits are the trained checkpoint's; the
+    source's tokenizer file travels along."""
     from engine.cli.convert import main as convert_main
     from engine.cli.train import main as train_main
 
     hf_dir, _ = made("llama32-tied")
+    with open(os.path.join(hf_dir, "tokenizer.json"), "w") as f:
+        f.write('{"version": "1.0", "model": {"type": "BPE"}}')
     ck = str(tmp_path / "ck")
     assert convert_main(["from-hf", hf_dir, "--checkpoint-dir", ck]) == 0
     assert train_main(["--resume", "--checkpoint-dir", ck, "--layout", "fsdp4xtp2",
@@ -164,6 +167,9 @@ def test_round_trip_train_export_load(made, tmp_path):
     assert convert_main(["to-hf", "--checkpoint-dir", ck, "--out", out, "--dtype", "f32",
                          "--max-shard-size", "200KB"]) == 0
     assert os.path.exists(os.path.join(out, "model.safetensors.index.json"))
+    with open(os.path.join(out, "tokenizer.json")) as f:
+        assert '"BPE"' in f.read()
+    assert not os.path.exists(os.path.join(out, "tokenizer_config.json"))
     trained = checkpoint.latest(ck)
     assert trained.step == 3
     got, _ = ours_logits(ck, "single", LENGTHS, trained)

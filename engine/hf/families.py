@@ -24,7 +24,6 @@ Refused (one line): another architecture, `attention_bias` or `mlp_bias` true, a
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 
@@ -144,12 +143,3 @@ def hf_config(cfg: ModelConfig, source: dict | None = None) -> dict:
     elif arch == "MixtralForCausalLM":
         raise HFError("a dense model cannot export as MixtralForCausalLM")
     return out
-
-
-def numerics(cfg: ModelConfig) -> dict:
-    """The fields of `cfg` that are not in config.json (how it computes)."""
-    return {k: getattr(cfg, k) for k in ("dtype", "activations", "remat", "attention")}
-
-
-def replace_numerics(cfg: ModelConfig, **numerics) -> ModelConfig:
-    return dataclasses.replace(cfg, **numerics)
