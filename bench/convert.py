@@ -60,7 +60,7 @@ def main() -> None:
           f"{time.perf_counter() - t0:.1f} s")
     imp = run(["from-hf", hf, "--checkpoint-dir", ck])
     exp = run(["to-hf", "--checkpoint-dir", ck, "--out", out, "--dtype", "bf16"])
-    gib = lambda b: b / 2**30  # noqa: E731
+    gib = lambda b: b / 2**30
     print(f"model bytes: {gib(2 * n):.2f} GiB bf16, {gib(4 * n):.2f} GiB f32")
     print(f"import: {imp[0]:.1f} s, peak RSS {imp[1]:.2f} GiB "
           f"({imp[1] / gib(2 * n):.2f}x bf16 bytes, {imp[1] / gib(4 * n):.2f}x f32 bytes)")

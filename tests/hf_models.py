@@ -98,7 +98,8 @@ def _saved_names(name: str, g: np.ndarray) -> dict:
     if leaf == "experts.gate_up_proj":
         F = g.shape[1] // 2
         return {k: v for e in range(g.shape[0]) for k, v in (
-            (f"{moe}.experts.{e}.w1.weight", g[e, :F]), (f"{moe}.experts.{e}.w3.weight", g[e, F:]))}
+            (f"{moe}.experts.{e}.w1.weight", g[e, :F]),
+            (f"{moe}.experts.{e}.w3.weight", g[e, F:]))}
     if leaf == "experts.down_proj":
         return {f"{moe}.experts.{e}.w2.weight": g[e] for e in range(g.shape[0])}
     return {name: g}

@@ -14,11 +14,11 @@ import dataclasses
 import json
 import os
 
+import hf_models
 import jax
 import numpy as np
 import pytest
 
-import hf_models
 from engine.config import ParallelConfig, TrainConfig
 from engine.hf import convert, weights
 from engine.parallel.layout import Layout

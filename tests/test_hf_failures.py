@@ -7,11 +7,11 @@ import json
 import os
 import shutil
 
+import hf_models
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import hf_models
 from engine.cli.convert import main as convert_main
 from engine.cli.train import main as train_main
 from engine.hf import convert
@@ -70,7 +70,8 @@ def test_truncated_shard(capsys, hf_dir, tmp_path):
 
 def test_missing_shard(capsys, hf_dir, tmp_path):
     d = copy(hf_dir, tmp_path)
-    os.rename(os.path.join(d, "model.safetensors"), os.path.join(d, "model-00001-of-00002.safetensors"))
+    os.rename(os.path.join(d, "model.safetensors"),
+              os.path.join(d, "model-00001-of-00002.safetensors"))
     with open(os.path.join(d, "model.safetensors.index.json"), "w") as f:
         json.dump({"weight_map": {"lm_head.weight": "model-00002-of-00002.safetensors",
                                   "model.norm.weight": "model-00001-of-00002.safetensors"}}, f)

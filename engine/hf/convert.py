@@ -53,8 +53,7 @@ def load(hf_dir: str, vocab_multiple: int = 1, **numerics) -> tuple[ModelConfig,
 
 def param_arrays(cfg: ModelConfig, reader: io.Reader):
     """[(key path, global shape, f32)] of the model and `produce(key)` filling one."""
-    from engine.parallel.params import param_shapes
-    from engine.parallel.params import _lookup
+    from engine.parallel.params import _lookup, param_shapes
 
     shapes = param_shapes(cfg)
     names = {key_path(p): p for p in table(cfg)}

@@ -15,10 +15,11 @@ and `model.safetensors.index.json` mapping every tensor to its file.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import struct
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 import ml_dtypes
 import numpy as np
@@ -136,6 +137,33 @@ def write(directory: str, tensors: list[tuple[str, tuple, np.dtype]],
     `produce` yields (name, make) in any order, `make()` giving that tensor's array (cast
     to its dtype here). Returns the files written (and the index, when there are several)."""
     files = plan_files(tensors, max_bytes)
+    with contextlib.ExitStack() as stack:
+        handles, where = _open_files(directory, files, stack)
+        for name, make in produce:
+            file, pos, shape, dtype = where.pop(name)
+            x = np.ascontiguousarray(make(), dtype=dtype)
+            if x.shape != tuple(shape):
+                raise ValueError(f"{name}: made {x.shape}, planned {tuple(shape)}")
+            handles[file].seek(pos)
+            handles[file].write(memoryview(x.reshape(-1).view(np.uint8)))
+            del x
+        if where:
+            raise ValueError(f"tensors never produced: {sorted(where)[:3]}")
+    out = list(files)
+    if len(files) > 1:
+        total = sum(int(np.prod(s, dtype=np.int64)) * np.dtype(d).itemsize
+                    for group in files.values() for _, s, d in group)
+        index = {"metadata": {"total_size": total},
+                 "weight_map": {name: file for file, g in files.items() for name, _, _ in g}}
+        with open(os.path.join(directory, INDEX), "w") as f:
+            json.dump(index, f, indent=2)
+        out.append(INDEX)
+    return out
+
+
+def _open_files(directory: str, files: dict, stack: contextlib.ExitStack):
+    """Each file created with its header and its full size; ({file: handle},
+    {tensor name: (file, byte offset, shape, dtype)})."""
     where: dict[str, tuple] = {}
     handles = {}
     for file, group in files.items():
@@ -148,35 +176,11 @@ def write(directory: str, tensors: list[tuple[str, tuple, np.dtype]],
         header["__metadata__"] = {"format": "pt"}
         blob = json.dumps(header, separators=(",", ":")).encode()
         blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned
-        f = open(os.path.join(directory, file), "wb")
+        f = stack.enter_context(open(os.path.join(directory, file), "wb"))
         f.write(struct.pack("<Q", len(blob)) + blob)
         f.truncate(8 + len(blob) + offset)
         handles[file] = f
         base = 8 + len(blob)
         for name, shape, dtype in group:
             where[name] = (file, base + header[name]["data_offsets"][0], shape, dtype)
-    try:
-        for name, make in produce:
-            file, pos, shape, dtype = where.pop(name)
-            x = np.ascontiguousarray(make(), dtype=dtype)
-            if x.shape != tuple(shape):
-                raise ValueError(f"{name}: made {x.shape}, planned {tuple(shape)}")
-            f = handles[file]
-            f.seek(pos)
-            f.write(memoryview(x.reshape(-1).view(np.uint8)))
-            del x
-        if where:
-            raise ValueError(f"tensors never produced: {sorted(where)[:3]}")
-    finally:
-        for f in handles.values():
-            f.close()
-    out = list(files)
-    if len(files) > 1:
-        total = sum(int(np.prod(s, dtype=np.int64)) * np.dtype(d).itemsize
-                    for s_group in files.values() for _, s, d in s_group)
-        index = {"metadata": {"total_size": total},
-                 "weight_map": {name: file for file, g in files.items() for name, _, _ in g}}
-        with open(os.path.join(directory, INDEX), "w") as f:
-            json.dump(index, f, indent=2)
-        out.append(INDEX)
-    return out
+    return handles, where

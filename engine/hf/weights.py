@@ -32,7 +32,7 @@ Our V is `padded_vocab`: import appends zero rows for the padding ids, export dr
 from __future__ import annotations
 
 import re
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import zlib
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import msgpack
 import numpy as np
@@ -38,8 +38,7 @@ def save_params(directory: str, step: int, arrays: list[tuple[str, tuple, np.dty
     try:
         with open(tmp, "wb") as f:
             f.write(pk.pack_map_header(len(head) + 1))
-            for key, value in head.items():
-                f.write(pk.pack(key) + pk.pack(value))
+            f.writelines(pk.pack(key) + pk.pack(value) for key, value in head.items())
             f.write(pk.pack("pieces") + pk.pack_map_header(2) + pk.pack("params")
                     + pk.pack_map_header(len(arrays)))
             for key, shape, dtype in arrays:
