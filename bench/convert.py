@@ -3,8 +3,11 @@ random-init Llama of ~1 B params made with `save_pretrained` (bf16 on disk).
 
     python bench/convert.py [--work DIR] [--layers 16] [--d-model 2048]
 
-Each conversion runs in its own process (`python -m engine.convert`), timed from outside;
-its peak RSS is that child's ru_maxrss (os.wait4). Printed beside the model's bytes in the HF files
+The model is made, and each conversion runs, in a process of its own (`python -m
+engine.convert`), timed from outside; a conversion's peak RSS is that child's ru_maxrss
+(os.wait4). This process never imports torch or jax: Linux hands a child its parent's
+high-water RSS at fork and keeps it across exec, so a large parent would hide the
+child's own peak. --reuse keeps an HF directory made by an earlier run. Printed beside the model's bytes in the HF files
 (bf16) and in the checkpoint (f32 params). Figures only, no assertions.
 """
 from __future__ import annotations
@@ -15,6 +18,8 @@ import shutil
 import subprocess
 import sys
 import time
+
+import numpy as np
 
 
 def make(directory: str, layers: int, d: int) -> int:
@@ -34,6 +39,14 @@ def make(directory: str, layers: int, d: int) -> int:
     return n
 
 
+def params(hf: str) -> int:
+    """Params in an HF directory's safetensors files (headers only)."""
+    from engine.hf.io import Reader
+
+    reader = Reader(hf)
+    return sum(int(np.prod(reader.shape(name))) for name in reader.names())
+
+
 def run(argv: list[str]) -> tuple[float, float]:
     """(seconds, peak RSS in GiB) of `python -m engine.convert argv` in a child process
     (its own rusage, from wait4)."""
@@ -51,13 +64,22 @@ def main() -> None:
     p.add_argument("--work", default="/tmp/shardwise-bench-convert")
     p.add_argument("--layers", type=int, default=16)
     p.add_argument("--d-model", type=int, default=2048)
+    p.add_argument("--reuse", action="store_true", help="keep WORK/hf if it is there")
+    p.add_argument("--make-only", default=None, help=argparse.SUPPRESS)  # the child's job
     args = p.parse_args()
-    shutil.rmtree(args.work, ignore_errors=True)
+    if args.make_only:
+        print(make(args.make_only, args.layers, args.d_model))
+        return
     hf, ck, out = (os.path.join(args.work, x) for x in ("hf", "ck", "out"))
+    for d in (ck, out) if args.reuse and os.path.isdir(hf) else (args.work,):
+        shutil.rmtree(d, ignore_errors=True)
     t0 = time.perf_counter()
-    n = make(hf, args.layers, args.d_model)
-    print(f"made {n / 1e9:.3f} B params with save_pretrained in "
-          f"{time.perf_counter() - t0:.1f} s")
+    if not os.path.isdir(hf):
+        subprocess.run([sys.executable, __file__, "--make-only", hf, "--layers",
+                        str(args.layers), "--d-model", str(args.d_model)], check=True)
+        print(f"made the model with save_pretrained in {time.perf_counter() - t0:.1f} s")
+    n = params(hf)
+    print(f"{n / 1e9:.3f} B params")
     imp = run(["from-hf", hf, "--checkpoint-dir", ck])
     exp = run(["to-hf", "--checkpoint-dir", ck, "--out", out, "--dtype", "bf16"])
     gib = lambda b: b / 2**30
