@@ -18,8 +18,12 @@ import shutil
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
+
+ROOT = str(Path(__file__).resolve().parents[1])
+sys.path.insert(0, ROOT)
 
 
 def make(directory: str, layers: int, d: int) -> int:
@@ -51,7 +55,7 @@ def run(argv: list[str]) -> tuple[float, float]:
     """(seconds, peak RSS in GiB) of `python -m engine.convert argv` in a child process
     (its own rusage, from wait4)."""
     t0 = time.perf_counter()
-    child = subprocess.Popen([sys.executable, "-m", "engine.convert", *argv])
+    child = subprocess.Popen([sys.executable, "-m", "engine.convert", *argv], cwd=ROOT)
     _, status, usage = os.wait4(child.pid, 0)
     seconds = time.perf_counter() - t0
     if os.waitstatus_to_exitcode(status) != 0:
