@@ -171,7 +171,7 @@ def _read_array(f, key: str, entry: dict) -> np.ndarray:
     dtype = ck._DTYPES.get(entry["dtype"]) or np.dtype(entry["dtype"])
     out = np.empty(entry["shape"], dtype)
     flat = memoryview(out.reshape(-1).view(np.uint8))
-    kind, n_pieces = _head(f)
+    _, n_pieces = _head(f)
     filled = 0
     for _ in range(n_pieces):
         index, crc, got, data = None, None, 0, []
