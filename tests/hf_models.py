@@ -83,7 +83,7 @@ def loss_and_grads(directory: str, tokens_BL1: np.ndarray) -> tuple[float, dict]
         grads.update(_saved_names(n, p.grad.numpy()))
     if model.config.tie_word_embeddings:
         grads.pop("lm_head.weight", None)
-    return float(loss), grads
+    return float(loss.detach()), grads
 
 
 def _saved_names(name: str, g: np.ndarray) -> dict:
