@@ -24,7 +24,7 @@ from layers.kernels import attention_kernel, reference_attention
 from layers.kernels import resolve_attention  # noqa: F401 (re-exported for the CLIs)
 from layers.kernels.context import CP_COMMS
 from layers.context import local_positions
-from layers.rope import rope, rope_at, rope_rows
+from layers.rope import Rope, rope, rope_at, rope_rows
 
 
 class LayerCache(NamedTuple):
@@ -105,7 +105,7 @@ def cp_kernel(name: str) -> str:
     return "reference" if name == "auto" else name
 
 
-def rope_documents(x_BLHK: jax.Array, pos_BL: jax.Array, theta: float) -> jax.Array:
+def rope_documents(x_BLHK: jax.Array, pos_BL: jax.Array, theta: float | Rope) -> jax.Array:
     """RoPE with row b's token l at position pos_BL[b, l] (in-document positions).
     [B, L, H, K] -> same."""
     return jax.vmap(lambda x_LHK, pos_L: rope_at(x_LHK[None], pos_L, theta)[0])(x_BLHK, pos_BL)
@@ -131,21 +131,21 @@ def attention(x_BLD: jax.Array, p: dict, cfg: ModelConfig, axes: Axes,
     dt = cfg.compute_dtype
     q_BLHK, k_BLGK, v_BLGK = qkv_projections(x_BLD, p, cfg, axes)
     if cache is not None:
-        q_BLHK = rope_rows(q_BLHK, cache.start_B, cfg.rope_theta)
-        k_BLGK = rope_rows(k_BLGK, cache.start_B, cfg.rope_theta)
+        q_BLHK = rope_rows(q_BLHK, cache.start_B, cfg.rope)
+        k_BLGK = rope_rows(k_BLGK, cache.start_B, cfg.rope)
         cache = cache.write(k_BLGK, v_BLGK)
         o_BLHK = reference_attention(q_BLHK.astype(dt), cache.k_BCGK, cache.v_BCGK,
                                      q_offset=cache.start_B, axes=axes)
         return out_projection(o_BLHK, p, cfg, axes), cache
     masked = {} if docs is None else dict(segment_ids=docs.segment_ids())
     if docs is not None and docs.positions_BL is not None:  # positions restart per document
-        q_BLHK, k_BLGK = (rope_documents(x, docs.positions_BL, cfg.rope_theta)
+        q_BLHK, k_BLGK = (rope_documents(x, docs.positions_BL, cfg.rope)
                           for x in (q_BLHK, k_BLGK))
     elif axes.cp is not None:  # this rank's two chunks: global positions
         pos_L = local_positions(q_BLHK.shape[1], axes)
-        q_BLHK, k_BLGK = (rope_at(x, pos_L, cfg.rope_theta) for x in (q_BLHK, k_BLGK))
+        q_BLHK, k_BLGK = (rope_at(x, pos_L, cfg.rope) for x in (q_BLHK, k_BLGK))
     else:
-        q_BLHK, k_BLGK = rope(q_BLHK, theta=cfg.rope_theta), rope(k_BLGK, theta=cfg.rope_theta)
+        q_BLHK, k_BLGK = rope(q_BLHK, theta=cfg.rope), rope(k_BLGK, theta=cfg.rope)
     if axes.cp is not None:  # keys over cp
         o_BLHK = CP_COMMS[axes.cp_comm](q_BLHK.astype(dt), k_BLGK.astype(dt),
                                         v_BLGK.astype(dt), axes=axes,

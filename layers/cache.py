@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax import lax
 
 import collectives
-from layers import model, scopes
+from layers import model, scopes, vocab
 from layers.attention import LayerCache
 from layers.axes import Axes
 from layers.block import block, gather_weights
@@ -62,4 +62,5 @@ def forward(params: dict, cache: KVCache, tokens_BL, start_B, last_B,
         h_B1D, unembed_DV = model.head(params, x_B1D, fsdp_dims, cfg, axes)
         h_BD = collectives.broadcast(h_B1D[:, 0], axes.tp)
         logits_BV = einsum("BD,DV->BV", h_BD, unembed_DV, dtype=cfg.compute_dtype)
+        logits_BV = vocab.mask_padding(logits_BV, model.padding(cfg), axes)
     return logits_BV, KVCache(k_NBCGK, v_NBCGK)

@@ -5,6 +5,8 @@ import dataclasses
 
 import jax.numpy as jnp
 
+from layers.rope import Rope
+
 DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16}
 
 
@@ -19,7 +21,15 @@ class ModelConfig:
     `shared_experts` SwiGLU experts every token passes through (layers/moe.py); the loss
     adds `aux_loss_coef` x the load-balancing loss and `z_loss_coef` x the router z-loss.
     capacity_factor C > 0: each expert takes at most ceil(C * L * top_k / E) of a
-    sequence's assignments, the rest are dropped; 0: dropless."""
+    sequence's assignments, the rest are dropped; 0: dropless. router_renorm: the top_k
+    combine weights are divided by their sum (Mixtral's router, layers/moe.py `route`).
+
+    tie_embed: the unembedding is the embedding's transpose (one param, `embed`).
+    vocab_multiple: the embedding and unembedding have `padded_vocab` rows / columns, the
+    vocab rounded up to this multiple (so that tp divides it); the padding ids are never
+    looked up and their logits are kept out of the loss and out of decoding.
+    rope_scaling_factor > 0: Llama 3's frequency-dependent RoPE scaling
+    (layers/rope.py `Rope`) with the three fields after it."""
 
     d_model: int = 256
     n_layers: int = 4
@@ -36,6 +46,13 @@ class ModelConfig:
     attention: str = "reference"  # auto | reference | chunked | blocked | pallas (layers/attention.py)
     rope_theta: float = 10_000.0
     norm_eps: float = 1e-5
+    rope_scaling_factor: float = 0.0  # 0: no scaling
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max: int = 8192
+    tie_embed: bool = False
+    sliding_window: int = 0  # Mistral's; only 0 (none) or >= the sequence is accepted
+    vocab_multiple: int = 1
     experts: int = 0
     top_k: int = 2
     shared_experts: int = 0
@@ -47,6 +64,7 @@ class ModelConfig:
     # document_positions RoPE positions restart at 0 at each document
     document_eos: int | None = None
     document_positions: bool = False
+    router_renorm: bool = False
 
     @property
     def compute_dtype(self):
@@ -55,6 +73,17 @@ class ModelConfig:
     @property
     def act_dtype(self):
         return DTYPES[self.activations]
+
+    @property
+    def padded_vocab(self) -> int:
+        """V of the params: the vocab rounded up to a multiple of `vocab_multiple`."""
+        return -(-self.vocab // self.vocab_multiple) * self.vocab_multiple
+
+    @property
+    def rope(self) -> Rope:
+        """The rotary frequencies' parameters (hashable, static under jit)."""
+        return Rope(self.rope_theta, self.rope_scaling_factor, self.rope_low_freq_factor,
+                    self.rope_high_freq_factor, self.rope_original_max)
 
     @property
     def moe(self) -> bool:

@@ -43,17 +43,23 @@ def head(params: dict, x_BLD: jax.Array, fsdp_dims: Mapping, cfg: ModelConfig,
     """The final norm and the unembedding: logits are h @ unembed.
 
     x [B, L, D] (or [B, L_tp, D]) -> (h [B, L, D] in x's dtype, the same sharding as x; unembed
-    [D, V_tp] in the compute dtype, gathered over fsdp). The training loss feeds both
+    [D, V_tp] in the compute dtype, gathered over fsdp; with `tie_embed` the embedding
+    transposed, so its grad sums both uses). The training loss feeds both
     to the vocab-parallel cross-entropy (full logits never built); the decoder
     (layers/cache.py) multiplies them for the last token's logits."""
     # sequence, ring: x is [B, L_tp, D], so the scale's grad is a partial sum over tp,
     # all-reduced by the broadcast's bwd (allreduce: x replicated, nothing to reduce)
     h_BLD = rms_norm(x_BLD, collectives.broadcast(params["final_norm"], axes.seq_tp),
                      cfg.norm_eps)
-    unembed_DV = collectives.gather(params["unembed"], axes.fsdp, dim=fsdp_dims["unembed"],
-                                    cast=cfg.compute_dtype,
-                                    keep_grad_dtype=axes.grad_reduce == "f32")
-    return h_BLD, unembed_DV
+    name = "embed" if cfg.tie_embed else "unembed"  # tied: embed [V_tp, D] transposed
+    w = collectives.gather(params[name], axes.fsdp, dim=fsdp_dims[name],
+                           cast=cfg.compute_dtype, keep_grad_dtype=axes.grad_reduce == "f32")
+    return h_BLD, w.T if cfg.tie_embed else w
+
+
+def padding(cfg: ModelConfig) -> int | None:
+    """The real vocab when the params carry padding ids (`vocab.mask_padding`), else None."""
+    return cfg.vocab if cfg.padded_vocab != cfg.vocab else None
 
 
 def loss(params: dict, inputs_BL: jax.Array, targets_BL: jax.Array, fsdp_dims: Mapping,
@@ -91,6 +97,6 @@ def head_loss(params: dict, x_BLD: jax.Array, targets_BL: jax.Array, fsdp_dims: 
     with jax.named_scope(scopes.LOSS):
         h_BLD, unembed_DV = head(params, x_BLD, fsdp_dims, cfg, axes)
         loss_BL = vocab.cross_entropy(h_BLD, unembed_DV, targets_BL, axes, cfg.compute_dtype,
-                                      axes.tp_comm)
+                                      axes.tp_comm, padding(cfg))
         n_tokens = loss_BL.size * axes.data_size
         return collectives.all_reduce(jnp.sum(loss_BL), axes.data) / n_tokens

@@ -8,8 +8,12 @@ C slots per peer in the send buffer, R = P*C rows received, M slots per expert i
 the expert buffer.
 
 Dispatch, with fixed-size buffers (`lax.ragged_all_to_all` is unimplemented on XLA:CPU):
-1. Router: logits [T, E] in f32, probs = softmax, the top-K probs are the combine
-   weights (Switch / GShard: not renormalized).
+1. Router: logits [T, E] in f32, probs = softmax over all E, the top-K probs are the
+   combine weights (Switch / GShard: not renormalized, so they sum to less than 1).
+   `router_renorm` divides them by their sum (Mixtral, HF `MixtralSparseMoeBlock`):
+   softmax-then-top-K-then-renormalize, which equals top-K-then-softmax over the K
+   chosen logits. The choice of experts is the same either way; only the weights
+   differ. The load-balancing and z-losses read the full softmax in both.
 2. Capacity (capacity_factor c > 0): assignment a of row b to expert e is kept if fewer
    than ceil(c*L*K/E) earlier assignments of row b went to e (k-major priority); the
    rest are dropped and counted. Dropless (c = 0): every assignment is kept.
@@ -69,6 +73,8 @@ def route(x_TD: jax.Array, router_DE: jax.Array, cfg: ModelConfig):
                                 scopes.ROUTER_LOGITS)
     probs_TE = jax.nn.softmax(logits_TE, axis=-1)
     w_TK, e_TK = lax.top_k(probs_TE, cfg.top_k)
+    if cfg.router_renorm:
+        w_TK = w_TK / jnp.sum(w_TK, axis=-1, keepdims=True)
     return probs_TE, logits_TE, w_TK.T, e_TK.T
 
 

@@ -62,9 +62,10 @@ ROLES: dict[str, Role] = {r.name: r for r in (
          doc="experts sharded, batch sharded; tokens reach their experts by all-to-all"),
 )}
 
-# Model dims a role may have to divide, as `ModelConfig` field names (and "batch").
+# Model dims a role may have to divide, as `ModelConfig` field names (and "batch"; the
+# vocab as the params hold it, rounded up to `vocab_multiple`).
 DIM_FIELDS = {"batch": "batch", "d_model": "d_model", "heads": "n_heads",
-              "mlp_dim": "mlp_dim", "vocab": "vocab", "layers": "n_layers",
+              "mlp_dim": "mlp_dim", "vocab": "padded_vocab", "layers": "n_layers",
               "experts": "experts"}
 
 

@@ -140,7 +140,8 @@ def help_text(module_main, capsys) -> str:
 
 def test_train_help_shows_defaults_once(capsys):
     text = help_text(main, capsys)
-    for shown in ("preset dimensions (engine/config.py) (default: small)",
+    for shown in ("preset dimensions (engine/config.py; default small, or the resumed "
+                  "checkpoint's model when it was imported from Hugging Face)",
                   "optimizer steps in the run (default: 50)",
                   "init and batch order are functions of the seed (default: 0)"):
         assert shown in text

@@ -15,10 +15,10 @@ LAYERS = (
     ("engine", "engine.config", "engine.text"),
     ("engine.parallel",),
     ("engine.run",),
-    ("engine.cost",),
+    ("engine.cost", "engine.hf"),
     ("engine.planner",),
     ("engine.cli", "engine.train", "engine.generate", "engine.plan", "engine.launch",
-     "engine.prepare"),
+     "engine.prepare", "engine.convert"),
 )
 PACKAGES = ("collectives", "layers", "engine")
 

@@ -110,8 +110,15 @@ def build_parser(prog: str = "python -m engine.train", description: str | None =
                           "at hand, with its --zero, --prefetch, --tp-comm, --cp-comm and "
                           "--remat (engine/planner/search.py)")
     m = group("model", "model (a preset, then any dimension overridden)")
-    m.add_argument("--model", default="small", choices=sorted(PRESETS),
-                   help="preset dimensions (engine/config.py)")
+    m.add_argument("--model", default=None, choices=sorted(PRESETS),
+                   help="preset dimensions (engine/config.py; default small, or the "
+                        "resumed checkpoint's model when it was imported from Hugging Face)")
+    m.add_argument("--init-from-hf", default=None, metavar="HF_DIR",
+                   help="start from a Hugging Face Llama / Mistral / Mixtral directory's "
+                        "weights and config (step 0, fresh optimizer; docs/huggingface.md); "
+                        "dimension flags must agree with its config.json")
+    m.add_argument("--vocab-multiple", type=int, default=128,
+                   help="--init-from-hf: pad the params' vocab to this multiple")
     for flag, field, what in [("--d-model", "d_model", "D"), ("--layers", "n_layers", "N"),
                               ("--heads", "n_heads", "H"), ("--kv-heads", "n_kv_heads", "G"),
                               ("--head-dim", "head_dim", "K"), ("--mlp-dim", "mlp_dim", "F"),
@@ -245,12 +252,7 @@ def parse(argv, parser: argparse.ArgumentParser | None = None, auto: bool = Fals
     parser = parser or build_parser()
     args = parser.parse_args(argv)
     args.given = given_flags(parser, argv)  # a flag that cannot take effect is refused
-    cfg = model_config(args.model, **{k: getattr(args, k) for k in (
-        "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "mlp_dim", "vocab",
-        "experts", "top_k", "shared_experts", "capacity_factor")},
-        dtype=args.dtype, remat=args.remat,
-        activations=resolve_activations(args.activations, getattr(args, "hardware", None)),
-        attention=args.attention)
+    cfg = _model(args)
     tcfg = TrainConfig(batch=args.batch, seq=args.seq, steps=args.steps, lr=args.lr,
                        warmup=args.warmup, seed=args.seed, schedule_steps=args.schedule_steps)
     parallel = ParallelConfig(zero=args.zero, prefetch=args.prefetch, tp_comm=args.tp_comm,
@@ -273,6 +275,67 @@ def parse(argv, parser: argparse.ArgumentParser | None = None, auto: bool = Fals
     validate.check(cfg, tcfg, parallel, layout)
     return cfg, tcfg, parallel, layout, args
 
+
+
+MODEL_FLAGS = ("d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "mlp_dim", "vocab",
+               "experts", "top_k", "shared_experts", "capacity_factor")
+
+
+def _model(args):
+    """The ModelConfig the flags ask for: a preset with overrides, or the model of
+    --init-from-hf (or of a resumed checkpoint imported from Hugging Face, without
+    --model) with the numerics flags; `args.hf` is then that model's HF record
+    ({config, source}) for the checkpoints, else None."""
+    numerics = dict(dtype=args.dtype, remat=args.remat, attention=args.attention,
+                    activations=resolve_activations(args.activations,
+                                                    getattr(args, "hardware", None)))
+    args.hf, args.model_name = None, args.model or "small"
+    base = None
+    if getattr(args, "init_from_hf", None):
+        from engine.hf import families
+        from engine.hf.io import HFError
+
+        if args.resume:
+            raise UsageError("--init-from-hf starts a run at step 0; --resume continues one "
+                             "(a checkpoint imported by engine.convert resumes without it)")
+        try:
+            hf = families.read_config(args.init_from_hf)
+            base = families.model_config(hf, args.vocab_multiple, **numerics)
+        except HFError as e:
+            raise UsageError(str(e)) from None
+        args.hf, args.model_name = dict(config=hf, source=args.init_from_hf), "from-hf"
+    elif args.resume and args.checkpoint_dir and args.model is None:
+        base = _imported_model(args, numerics)
+    if base is None:
+        return model_config(args.model_name, **{k: getattr(args, k) for k in MODEL_FLAGS},
+                            **numerics)
+    if args.model is not None:
+        raise UsageError(f"--model {args.model} and the model of {args.model_name} "
+                         f"conflict; drop --model")
+    clash = [f"--{k.replace('_', '-')} {getattr(args, k)} (config: {getattr(base, k)})"
+             for k in MODEL_FLAGS if getattr(args, k) is not None
+             and getattr(args, k) != getattr(base, k)]
+    if clash:
+        raise UsageError(f"flags disagree with the model of {args.model_name}: "
+                         + ", ".join(clash))
+    return base
+
+
+def _imported_model(args, numerics):
+    """The model of the newest checkpoint in --checkpoint-dir if it was imported from
+    Hugging Face (its manifest's `hf` entry), else None (the flags' model, checked
+    against the checkpoint when it is read)."""
+    from engine.hf.convert import checkpoint_config
+    from engine.run import checkpoint, checkpoint_stream
+
+    found = checkpoint.list_checkpoints(args.checkpoint_dir)
+    if not found:
+        return None
+    meta = checkpoint_stream.read_meta(found[-1][1])
+    if not meta.get("hf"):
+        return None
+    args.hf, args.model_name = meta["hf"], "hf-checkpoint"
+    return dataclasses.replace(checkpoint_config(meta), **numerics)
 
 
 def parse_or_exit(argv, parser: argparse.ArgumentParser) -> tuple:

@@ -173,7 +173,7 @@ def setup(cfg, tcfg, parallel, layout, args, data, say):
               f"{resolve_attention(cfg.attention, tcfg.seq)} attention")
     procs = f" in {jax.process_count()} processes" if jax.process_count() > 1 else ""
     say(f"layout {layout} on {len(devices)} {devices[0].platform} device(s){procs}; "
-        f"model {args.model} ({param_count(cfg) / 1e6:.2f}M params, D={cfg.d_model} "
+        f"model {args.model_name} ({param_count(cfg) / 1e6:.2f}M params, D={cfg.d_model} "
         f"N={cfg.n_layers} H={cfg.n_heads} G={cfg.n_kv_heads} K={cfg.head_dim} "
         f"F={cfg.mlp_dim} V={cfg.vocab}{moe_summary(cfg)}); {cfg.dtype} compute, "
         f"{cfg.activations} activations, remat {cfg.remat}, {kernel}"
@@ -188,7 +188,13 @@ def setup(cfg, tcfg, parallel, layout, args, data, say):
         say("note: no accelerator, so the Pallas kernels run in interpret mode: the same "
             "kernel code, much slower")
 
-    if ckpt is None:
+    if ckpt is None and args.init_from_hf:
+        from engine.hf import convert
+
+        params, opt_state = convert.init_params(args.init_from_hf, trainer)
+        start = 0
+        say(f"initialised from {args.init_from_hf} (fresh optimizer)")
+    elif ckpt is None:
         params, opt_state = trainer.init(tcfg.seed)
         start = 0
     else:
@@ -337,6 +343,12 @@ def _hooks(cfg, tcfg, parallel, layout, args, data, session, metrics, say) -> li
                     train=dataclasses.asdict(tcfg), parallel=dataclasses.asdict(parallel),
                     layout=str(layout), data=dict(source=args.data, dtype=args.data_dtype,
                                                   **_tokenizer_meta(data)))
+        if args.hf:  # the HF config this model came from: engine.convert to-hf writes it
+            meta["hf"] = args.hf
+            if args.init_from_hf:
+                from engine.hf.convert import TOKENIZER_DIR, copy_tokenizer
+                copy_tokenizer(args.init_from_hf,
+                               os.path.join(args.checkpoint_dir, TOKENIZER_DIR))
         hooks.append(Checkpoints(args.checkpoint_dir, args.checkpoint_every, args.keep,
                                  tcfg.steps, meta, say))
     if args.profile_steps:

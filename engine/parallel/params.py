@@ -102,17 +102,20 @@ def _nest(flat: dict) -> dict:
 
 
 def _dims(cfg: ModelConfig) -> dict[str, int]:
-    return dict(V=cfg.vocab, D=cfg.d_model, N=cfg.n_layers, H=cfg.n_heads, G=cfg.n_kv_heads,
+    return dict(V=cfg.padded_vocab, D=cfg.d_model, N=cfg.n_layers, H=cfg.n_heads, G=cfg.n_kv_heads,
                 K=cfg.head_dim, F=cfg.mlp_dim, E=cfg.experts,
                 I=cfg.shared_experts * cfg.mlp_dim)
 
 
 def table(cfg: ModelConfig) -> dict[str, tuple[str, tuple, str]]:
     """The rows of PARAM_TABLE the model has: the dense MLP's, or the router and experts
-    (and the shared experts') with experts > 0. Rows keep their place in the table, which
-    seeds their init."""
+    (and the shared experts') with experts > 0; no `unembed` with tied embeddings (the
+    head reads `embed` transposed: vocab-parallel over tp either way). Rows keep their
+    place in the table, which seeds their init. V is `cfg.padded_vocab`."""
     absent = set(ROUTED + SHARED) if not cfg.moe else set(DENSE_MLP) | (
         set() if cfg.shared_experts else set(SHARED))
+    if cfg.tie_embed:
+        absent.add("unembed")
     return {name: row for name, row in PARAM_TABLE.items() if name not in absent}
 
 

@@ -36,6 +36,10 @@ def config_problems(cfg: ModelConfig, tcfg: TrainConfig,
     for name in ("batch", "seq", "steps"):
         if getattr(tcfg, name) < 1:
             problems.append(f"{name}={getattr(tcfg, name)} must be >= 1")
+    if 0 < cfg.sliding_window < tcfg.seq:
+        problems.append(f"sliding_window={cfg.sliding_window} is shorter than seq={tcfg.seq}: "
+                        f"sliding-window attention is not implemented (use seq <= "
+                        f"{cfg.sliding_window})")
     if cfg.head_dim % 2:
         problems.append(f"head_dim={cfg.head_dim} must be even (RoPE rotates pairs)")
     if cfg.n_kv_heads >= 1 and cfg.n_heads % cfg.n_kv_heads:

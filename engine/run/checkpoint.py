@@ -60,7 +60,7 @@ FORMAT_1 = "shardwise-checkpoint/1"  # one file, whole arrays, as format 2: stil
 DOWN_PROJECTIONS = ("['wd']", "['ws_d']")
 SHARD_FORMAT = "shardwise-checkpoint-shard/2"
 SHAPE_FIELDS = ("d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "mlp_dim", "vocab",
-                "experts", "shared_experts")
+                "experts", "shared_experts", "vocab_multiple", "tie_embed")
 _NAME = re.compile(r"step_(\d{8})\.ckpt")
 _SHARD_NAME = re.compile(r"step_(\d{8})\.ckpt\.shard-\d{5}-of-\d{5}")
 _CHUNK = 1 << 30  # msgpack bin objects hold < 4 GiB; arrays are split into 1 GiB chunks
@@ -382,7 +382,12 @@ def restore_params(ckpt: Checkpoint, trainer):
 
 
 def restore(ckpt: Checkpoint, trainer) -> tuple:
-    """(params, opt_state) from `ckpt`, placed as `trainer`'s layout stores them."""
+    """(params, opt_state) from `ckpt`, placed as `trainer`'s layout stores them; a
+    checkpoint without optimizer state (`optimizer: fresh`, an imported model:
+    engine/run/checkpoint_stream.py) gets a fresh one."""
+    if ckpt.meta.get("optimizer") == "fresh":
+        params = restore_params(ckpt, trainer)
+        return params, trainer.init_opt(params)
     opt_shapes = jax.eval_shape(trainer.tx.init, param_shapes(trainer.cfg))
     return (restore_params(ckpt, trainer),
             _place(ckpt.opt_state, opt_shapes, trainer.opt_specs, trainer.mesh, ckpt.path,

@@ -212,9 +212,12 @@ class Trainer:
         """(params, opt_state), sharded; params are layout-invariant for a seed."""
         params = self.store(init_params(self.cfg, self.layout, self.mesh, seed,
                                         self.zero.level))
+        return params, self.init_opt(params)
+
+    def init_opt(self, params):
+        """A fresh optimizer state (zero moments, count 0) for `params`, sharded."""
         shardings = jax.tree.map(lambda s: NamedSharding(self.mesh, s), self.opt_specs)
-        opt_state = jax.jit(self.tx.init, out_shardings=shardings)(params)
-        return params, opt_state
+        return jax.jit(self.tx.init, out_shardings=shardings)(params)
 
     def put_batch(self, tokens: np.ndarray) -> jax.Array:
         """Global host tokens [B, L+1] -> a device array sharded over the batch axes."""
