@@ -77,7 +77,7 @@ def _open_checkpoints(cfg, args, say=print):
         raise UsageError(f"{directory} already holds checkpoints up to step {found[-1][0]}; "
                          f"pass --resume to continue, or choose another --checkpoint-dir")
     checkpoint.check_writable(directory)
-    ckpt = checkpoint.latest(directory) if args.resume else None
+    ckpt = checkpoint.latest(directory, lazy=True) if args.resume else None
     if args.resume and ckpt is None:
         say(f"no checkpoint in {directory} yet; starting from step 0")
     if ckpt is not None:
