@@ -14,6 +14,7 @@ import os
 import sys
 import time
 
+from engine.cli import config_file
 from engine.cli.args import (
     LIMITS,
     UsageError,
@@ -89,7 +90,8 @@ def _settings_changed(ckpt, tcfg, args) -> list[str]:
     """Training settings that differ from the checkpoint's (allowed; they change the run)."""
     saved = dict(ckpt.meta.get("train", {}), data=ckpt.meta.get("data", {}).get("source"))
     now = dict(dataclasses.asdict(tcfg), data=args.data)
-    return [f"{k}={now[k]} (checkpoint: {saved.get(k)})" for k in now if now[k] != saved.get(k)]
+    return [f"{k}={now[k]} (checkpoint: {saved.get(k)})" for k in now
+            if k in saved and now[k] != saved[k]]  # fields added since it was written: no note
 
 
 def _check_memory(cfg, devices) -> None:
@@ -171,11 +173,14 @@ def _peak(cfg, args, devices) -> tuple[float, str]:
 def _train(cfg, tcfg, parallel, layout, args, data) -> int:
     """setup, then the loop with the hooks the flags ask for."""
     from engine.run.loop import Checkpoints, Evaluate, Log, MetricsFile, Rates, loop
+    from engine.run.preempt import Preemption
 
     is_main = distributed.is_main()  # process 0 prints and writes the metrics file
     say = (lambda *a, **k: print(*a, **k, flush=True)) if is_main else (lambda *a, **k: None)
     if args.metrics_file and is_main:
         check_output_file(args.metrics_file, "--metrics-file")
+    settings = config_file.resolved(args)
+    say("config: " + config_file.to_toml(settings).strip().replace("\n", ", "))
     session = setup(cfg, tcfg, parallel, layout, args, data, say)
     if session is None:
         return 0
@@ -189,9 +194,11 @@ def _train(cfg, tcfg, parallel, layout, args, data) -> int:
     if args.checkpoint_dir:
         meta = dict(rng=dict(seed=tcfg.seed), model=dataclasses.asdict(cfg),
                     train=dataclasses.asdict(tcfg), parallel=dataclasses.asdict(parallel),
-                    layout=str(layout), data=dict(source=args.data, dtype=args.data_dtype))
+                    layout=str(layout), data=dict(source=args.data, dtype=args.data_dtype),
+                    config=settings)
         hooks.append(Checkpoints(args.checkpoint_dir, args.checkpoint_every, args.keep,
-                                 tcfg.steps, meta, say))
+                                 tcfg.steps, meta, say, asynchronous=args.async_save,
+                                 preemption=Preemption()))
     if args.profile_steps:
         hooks.append(profile.Profile(args.profile_steps, args.profile_dir, cfg, tcfg, layout,
                                      parallel, say))
