@@ -87,3 +87,15 @@ def test_params_only_read_ignores_a_corrupt_optimizer_state(state, tmp_path):
     assert ckpt.opt_state is None and ckpt.params.keys() == clean.params.keys()
     for key, x in clean.params.items():
         assert (ckpt.params[key] == x).all(), key
+
+
+def test_a_save_leaves_the_files_of_later_steps_alone(state, tmp_path):
+    """Another process may already be writing the next save (its shard file, its
+    temporary file) when process 0 prunes after this one."""
+    later = [tmp_path / "step_00000005.ckpt.shard-00001-of-00002",
+             tmp_path / ".step_00000005.ckpt.shard-00001-of-00002.tmp-999999"]
+    earlier = tmp_path / ".step_00000003.ckpt.tmp-999999"  # a killed writer's
+    for f in [*later, earlier]:
+        f.write_bytes(b"partial")
+    checkpoint.save(str(tmp_path), 4, state.params, state.opt_state, meta(), keep=2)
+    assert all(f.exists() for f in later) and not earlier.exists()

@@ -120,6 +120,7 @@ def setup(cfg, tcfg, parallel, layout, args, data, say):
     from layers.attention import cp_kernel, resolve_attention
 
     ckpt = _open_checkpoints(cfg, args, say)
+    say("config: " + config_file.to_toml(config_file.resolved(args)).strip().replace("\n", ", "))
     mesh = layout.mesh()
     trainer = Trainer(cfg, tcfg, layout, mesh, parallel)
     devices = list(mesh.devices.flat)
@@ -180,7 +181,6 @@ def _train(cfg, tcfg, parallel, layout, args, data) -> int:
     if args.metrics_file and is_main:
         check_output_file(args.metrics_file, "--metrics-file")
     settings = config_file.resolved(args)
-    say("config: " + config_file.to_toml(settings).strip().replace("\n", ", "))
     session = setup(cfg, tcfg, parallel, layout, args, data, say)
     if session is None:
         return 0

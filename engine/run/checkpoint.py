@@ -64,6 +64,7 @@ SHARD_FORMAT = "shardwise-checkpoint-shard/3"
 SHAPE_FIELDS = ("d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "mlp_dim", "vocab",
                 "experts", "shared_experts")
 _NAME = re.compile(r"step_(\d{8})\.ckpt")
+_ANY_NAME = re.compile(r"\.?step_(\d{8})\.ckpt")  # a checkpoint's files, temporary ones too
 _SHARD_NAME = re.compile(r"step_(\d{8})\.ckpt\.shard-\d{5}-of-\d{5}")
 KILL_HOOK = "SHARDWISE_TEST_KILL_IN_CHECKPOINT_WRITE"  # tests: SIGKILL before the rename
 
@@ -224,7 +225,7 @@ def write(directory: str, step: int, snap: Snapshot, meta: dict, keep: int) -> s
             return pieces.tail(record)[0]
 
         _write_atomic(path, buffers, step, finish=manifest_tail)
-        _prune(directory, keep)
+        _prune(directory, keep, step)
     except OSError as e:
         raise CheckpointError(f"cannot write checkpoint {path}: {e.strerror or e}") from None
     return path
@@ -255,12 +256,18 @@ def _collect(save: int) -> list[tuple[int, int]]:
     return out
 
 
-def _prune(directory: str, keep: int) -> None:
+def _prune(directory: str, keep: int, step: int) -> None:
+    """Delete all but the newest `keep` checkpoints, and, up to `step` (the one just
+    written), shard files no kept manifest names and temporary files of killed writers.
+    Files of later steps are left alone: another process may be writing the next save
+    already."""
     complete = list_checkpoints(directory)
     for _, old in complete[:-keep]:
         os.remove(old)
     kept = {os.path.basename(p) for _, p in complete[-keep:]}
     for name in os.listdir(directory):
+        if not (m := _ANY_NAME.match(name)) or int(m.group(1)) > step:
+            continue
         stale_tmp = ".ckpt.tmp-" in name or ".ckpt.shard-" in name and ".tmp-" in name
         if stale_tmp and not name.endswith(f"-{os.getpid()}"):
             os.remove(os.path.join(directory, name))
