@@ -114,19 +114,17 @@ def worker(args) -> dict:
         out["blocking_save_s"] = time.perf_counter() - t0
         from engine.run.writer import Writer
 
+        params, opt, _, _ = step(params, opt, 4)
         writer = Writer()
         t0 = time.perf_counter()
-        snap = checkpoint.snapshot(params, opt)
+        snap = checkpoint.snapshot(params, opt)  # the state after 5 steps
         writer.submit(checkpoint.write, args.dir, 5, snap, meta, 10)
         out["async_save_wait_s"] = time.perf_counter() - t0
-        params, opt, _, out["overlapped_step_s"] = step(params, opt, 4)
+        params, opt, loss5, out["overlapped_step_s"] = step(params, opt, 5)
         writer.wait()
         out["async_write_s"] = time.perf_counter() - t0
-        losses = []
-        for i in (5, 6):
-            params, opt, loss, _ = step(params, opt, i)
-            losses.append(loss)
-        out["next_losses"] = losses
+        params, opt, loss6, _ = step(params, opt, 6)
+        out["next_losses"] = [loss5, loss6]
         return out
     ckpt = checkpoint.latest(args.dir, lazy=True)
     before = current_rss_mib()
@@ -173,6 +171,7 @@ def main() -> None:
         print(json.dumps(worker(args)), flush=True)
         return
     args.dir = args.dir or tempfile.mkdtemp(prefix="bench-checkpoint-")
+    os.makedirs(args.dir, exist_ok=True)
     save = run_phase(args, "save", 2)
     restore = run_phase(args, "restore", 2)
     relayout = run_phase(args, "relayout", 1)
