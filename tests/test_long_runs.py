@@ -153,3 +153,49 @@ def test_a_second_write_waits_for_the_first_and_errors_are_raised_once():
     with pytest.raises(checkpoint.CheckpointError, match="disk full"):
         writer.finished()
     assert writer.wait() == []
+
+
+def tensorboard_scalars(directory) -> dict:
+    """{(tag, step): value} of the event files in `directory`, read with tensorboardX's
+    own Event protobuf; each record framed as TFRecord (length, masked crc32c, data,
+    masked crc32c), the checksums verified with tensorboardX's crc32c."""
+    import struct
+
+    from tensorboardX.crc32c import crc32c
+    from tensorboardX.proto.event_pb2 import Event
+
+    def masked(data: bytes) -> int:
+        crc = crc32c(data)
+        return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
+
+    out = {}
+    for name in os.listdir(directory):
+        blob = open(os.path.join(directory, name), "rb").read()
+        at = 0
+        while at < len(blob):
+            head = blob[at:at + 8]
+            (n,), (head_crc,) = struct.unpack("<Q", head), struct.unpack("<I", blob[at + 8:at + 12])
+            data = blob[at + 12:at + 12 + n]
+            (data_crc,) = struct.unpack("<I", blob[at + 12 + n:at + 16 + n])
+            assert head_crc == masked(head) and data_crc == masked(data)
+            event = Event.FromString(data)
+            for value in event.summary.value:
+                out[value.tag, event.step] = value.simple_value
+            at += 16 + n
+    return out
+
+
+def test_tensorboard_event_file_holds_every_scalar_of_every_step(run, tmp_path):
+    pytest.importorskip("tensorboardX")
+    from engine.run.tensorboard import TensorBoard
+
+    session = restart(run, run["start"], 0)
+    rows = Rows()
+    hooks = [Rates(run["cfg"], run["tcfg"], session.peak), rows, TensorBoard(str(tmp_path))]
+    assert loop(session, hooks, print) == 0
+    got = tensorboard_scalars(tmp_path)
+    want = {(f"train/{k}", r["step"]): np.float32(v) for r in rows.rows for k, v in r.items()
+            if k != "step"}
+    assert {"train/loss", "train/lr", "train/grad_norm", "train/tokens_per_s",
+            "train/mfu"} <= {tag for tag, _ in want}
+    assert got == want

@@ -189,6 +189,9 @@ def build_parser(prog: str = "python -m engine.train", description: str | None =
                         "a table of their time per scope and collective, measured vs "
                         "predicted (engine/cost/profile.py)")
     o.add_argument("--profile-dir", default="profile", help="where --profile-steps writes")
+    o.add_argument("--tensorboard", default=None, metavar="DIR",
+                   help="TensorBoard scalars of every step into DIR (needs the tensorboard "
+                        "extra; engine/run/tensorboard.py)")
     g = group("data", "data (see engine/run/data.py)")
     g.add_argument("--data", default="synthetic",
                    help="synthetic, python-stdlib, or a PATH.txt / PATH.jsonl (bytes as "
@@ -292,6 +295,10 @@ def flag_problems(args, cfg, tcfg) -> list[str]:
     problems += optimizer_problems(tcfg)
     if args.peak_flops is not None and not args.peak_flops > 0:
         problems.append(f"peak_flops={args.peak_flops} must be > 0")
+    if args.tensorboard is not None:
+        from engine.run import tensorboard
+        if not tensorboard.available():
+            problems.append(f"--tensorboard needs tensorboardX: {tensorboard.EXTRA}")
     if args.resume and not args.checkpoint_dir:
         problems.append("--resume needs --checkpoint-dir")
     problems += profile.flag_problems(args.profile_steps, args.profile_dir, tcfg.steps)

@@ -190,6 +190,10 @@ def _train(cfg, tcfg, parallel, layout, args, data) -> int:
         hooks.append(Evaluate(args.eval_every, args.eval_batches, tcfg.steps))
     if args.metrics_file and is_main:
         hooks.append(MetricsFile(args.metrics_file, append=args.resume))
+    if args.tensorboard and is_main:
+        from engine.run.tensorboard import TensorBoard
+
+        hooks.append(TensorBoard(args.tensorboard))
     hooks.append(Log(args.log_every, tcfg.steps, rates, say))
     if args.checkpoint_dir:
         meta = dict(rng=dict(seed=tcfg.seed), model=dataclasses.asdict(cfg),
