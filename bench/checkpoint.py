@@ -17,7 +17,8 @@ Three phases, each in fresh processes (so each peak RSS is that phase's own):
            compared bit for bit with the checkpoint; the 2 steps after it are compared
            with the saving run's (another layout sums in another order: relative
            difference printed).
-Prints figures; asserts nothing.
+Prints figures; asserts nothing. Figures of the default model on the 2-core CPU host:
+bench/results/2026-11-28-checkpoint-cpu.md.
 """
 from __future__ import annotations
 

@@ -199,3 +199,38 @@ def test_tensorboard_event_file_holds_every_scalar_of_every_step(run, tmp_path):
     assert {"train/loss", "train/lr", "train/grad_norm", "train/tokens_per_s",
             "train/mfu"} <= {tag for tag, _ in want}
     assert got == want
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_launcher_saves_one_step_on_every_process(tmp_path):
+    """2 processes (engine.launch forwards SIGTERM to both): jax's preemption sync point
+    makes them stop and save at the same step; the launcher exits 0."""
+    import subprocess
+    import sys
+
+    from subprocess_env import cli_env
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    metrics, ck = tmp_path / "m.jsonl", tmp_path / "ck"
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "engine.launch", "--processes", "2", "--", "--model", "tiny",
+         "--layout", "fsdp4xtp2", "--batch", "8", "--seq", "32", "--steps", "100000",
+         "--peak-flops", "1e12", "--metrics-file", str(metrics), "--checkpoint-dir", str(ck),
+         "--checkpoint-every", "100000"],
+        cwd=root, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 600
+        while not (metrics.exists() and metrics.read_text().count("\n") >= 3):
+            assert time.monotonic() < deadline and launcher.poll() is None
+            time.sleep(0.1)
+        launcher.send_signal(signal.SIGTERM)
+        out, err = launcher.communicate(timeout=300)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+    assert launcher.returncode == 0, err[-2000:]
+    (step, path), = checkpoint.list_checkpoints(str(ck))
+    assert f"preempted (SIGTERM): saved step {step} to {path}; exiting" in out
+    assert os.path.exists(checkpoint.shard_path(path, 1, 2))
+    assert checkpoint.read(path).step == step
