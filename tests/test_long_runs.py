@@ -234,3 +234,23 @@ def test_sigterm_to_the_launcher_saves_one_step_on_every_process(tmp_path):
     assert f"preempted (SIGTERM): saved step {step} to {path}; exiting" in out
     assert os.path.exists(checkpoint.shard_path(path, 1, 2))
     assert checkpoint.read(path).step == step
+
+
+def test_the_cli_reports_a_failed_background_write_in_one_line(tmp_path, monkeypatch,
+                                                                one_line_error):
+    from engine.cli.train import main
+
+    real_fsync = os.fsync
+
+    def full(fd):
+        if ".step_00000002.ckpt.tmp" in os.readlink(f"/proc/self/fd/{fd}"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", full)
+    ck = tmp_path / "ck"
+    one_line_error(main, [*FLAGS, "--layout", "single", "--steps", "40",
+                          "--checkpoint-every", "2", "--checkpoint-dir", str(ck)],
+                   "cannot write checkpoint", "step_00000002.ckpt", "no space left",
+                   table="step    40/40")
+    assert os.listdir(ck) == []  # nothing half-written stays
