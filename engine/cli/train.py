@@ -120,12 +120,12 @@ def setup(cfg, tcfg, parallel, layout, args, data, say):
     from layers.attention import cp_kernel, resolve_attention
 
     ckpt = _open_checkpoints(cfg, args, say)
-    say("config: " + config_file.to_toml(config_file.resolved(args)).strip().replace("\n", ", "))
     mesh = layout.mesh()
     trainer = Trainer(cfg, tcfg, layout, mesh, parallel)
     devices = list(mesh.devices.flat)
     _check_memory(cfg, devices)
     peak, peak_src = _peak(cfg, args, devices)
+    say("config: " + config_file.to_toml(config_file.resolved(args)).strip().replace("\n", ", "))
     kernel = (f"{cp_kernel(cfg.attention)} attention over cp ({parallel.cp_comm})"
               if layout.degree("cp") > 1 else
               f"{resolve_attention(cfg.attention, tcfg.seq)} attention")
