@@ -70,7 +70,7 @@ class TrainConfig:
     batch: int = 16  # global sequences per step
     seq: int = 256
     steps: int = 50
-    lr: float = 3e-3  # peak, after linear warmup; cosine decay to lr * min_lr_ratio
+    lr: float = 3e-3  # peak, after linear warmup; then `schedule` to lr * min_lr_ratio
     warmup: int = 10
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.1
@@ -78,14 +78,26 @@ class TrainConfig:
     b2: float = 0.95
     clip_norm: float = 1.0
     seed: int = 0
-    # the step the lr schedule's cosine decay ends at; None: `steps` (engine/run/optim.py)
+    # the step the lr schedule's decay ends at; None: `steps` (engine/run/optim.py)
     schedule_steps: int | None = None
+    eps: float = 1e-8  # Adam's
+    schedule: str = "cosine"  # after warmup: one of LR_SCHEDULES
+    decay_fraction: float = 0.2  # warmup-stable-decay: the share of the steps that decay
 
     @property
     def horizon(self) -> int:
         """The step the learning-rate schedule decays to its floor at."""
         return self.schedule_steps or self.steps
 
+
+# the learning rate after warmup (engine/run/optim.py `schedule`): name -> what it does
+LR_SCHEDULES = {
+    "cosine": "cosine decay from the peak to lr x min-lr-ratio",
+    "linear": "linear decay from the peak to lr x min-lr-ratio",
+    "constant": "the peak lr to the end (min-lr-ratio unused)",
+    "warmup-stable-decay": "the peak lr, then a linear decay to lr x min-lr-ratio over the "
+                           "last --decay-fraction of the steps",
+}
 
 # the dtypes fsdp may reduce-scatter weight grads in (ParallelConfig.grad_reduce)
 GRAD_REDUCES = ("compute", "f32")

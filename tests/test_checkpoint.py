@@ -8,6 +8,7 @@ layout compiles the train step, and the other layouts compile only a forward los
 import dataclasses
 import functools
 import os
+import zlib
 
 import jax
 import numpy as np
@@ -18,7 +19,7 @@ from engine.cli.train import main
 from engine.config import TrainConfig, model_config
 from engine.parallel.layout import Layout
 from engine.parallel.params import fsdp_dims, param_shapes
-from engine.run import checkpoint
+from engine.run import checkpoint, pieces
 from engine.run.data import synthetic_tokens
 from engine.run.step import Trainer
 from layers import model
@@ -126,6 +127,12 @@ def test_round_trip_is_exact_and_shards_as_the_table_says(layout, tmp_path):
     assert_same(ckpt.opt_state, state.opt_state)
 
 
+def old_piece(x: np.ndarray) -> dict:
+    """A whole array as formats 1 to 3 stored a piece: msgpack bins inside the file."""
+    data = np.ascontiguousarray(x).tobytes()
+    return {"index": [[0, n] for n in x.shape], "crc32": zlib.crc32(data), "chunks": [data]}
+
+
 def test_a_format_2_checkpoint_reads_its_down_projections_turned_around(tmp_path):
     """Format 2 stored wd (and its Adam moments) [N, F, D]; read gives the [N, D, F] the
     params are now, and leaves every other array as it was stored."""
@@ -138,15 +145,15 @@ def test_a_format_2_checkpoint_reads_its_down_projections_turned_around(tmp_path
     path = checkpoint.save(str(tmp_path), 1, params, opt, meta(), 1)
     assert_same(checkpoint.read(path).params, {"['blocks']['wd']": wd_NDF,
                                                "['blocks']['wq']": wq})
-    with open(path, "rb") as f:
-        record = msgpack.unpackb(f.read())
+    record = pieces.read_header(path)[0]
     record["format"] = checkpoint.FORMAT_2
     for part, key, x in (("params", "['blocks']['wd']", wd_NDF),
-                         ("opt_state", "['mu']['blocks']['wd']", 2 * wd_NDF)):
-        stored = np.swapaxes(x, -1, -2)
+                         ("opt_state", "['mu']['blocks']['wd']", 2 * wd_NDF),
+                         ("params", "['blocks']['wq']", wq),
+                         ("opt_state", "['mu']['blocks']['wq']", wq)):
+        stored = np.swapaxes(x, -1, -2) if key.endswith("['wd']") else x
         record["arrays"][part][key]["shape"] = list(stored.shape)
-        record["pieces"][part][key] = [checkpoint._piece([[0, n] for n in stored.shape],
-                                                         stored)]
+        record["pieces"][part][key] = [old_piece(stored)]
     with open(path, "wb") as f:
         f.write(msgpack.packb(record))
     old = checkpoint.read(path)
@@ -216,9 +223,9 @@ CLI = ["--model", "tiny", "--layout", "single", "--steps", "2", "--batch", "2", 
 def cli_checkpoint(tmp_path_factory):
     """A valid checkpoint of the model the CLI flags above describe."""
     cfg = model_config("tiny")
-    state = host_state(trainer("single", cfg), 0)
+    t = trainer("single", cfg)
     d = tmp_path_factory.mktemp("cli_ckpt")
-    return checkpoint.save(str(d), 1, state.params, state.opt_state, meta(cfg), 1)
+    return checkpoint.save(str(d), 1, *checkpoint.restore(host_state(t, 0), t), meta(cfg), 1)
 
 
 def run_main(capsys, *args):

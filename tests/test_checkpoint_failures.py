@@ -4,11 +4,10 @@ refused as such. No compile: states are built on the host."""
 import errno
 import os
 
-import msgpack
 import pytest
 from test_checkpoint import host_state, meta, run_main, trainer
 
-from engine.run import checkpoint
+from engine.run import checkpoint, pieces
 
 
 @pytest.fixture
@@ -49,12 +48,19 @@ def test_probe_file_is_removed_when_the_probe_write_fails(tmp_path, monkeypatch)
     assert os.listdir(tmp_path) == []
 
 
+def rewrite_header(path: str, header: dict) -> None:
+    """Replace the header of a format-4 file, keeping its pieces' bytes."""
+    data_end = os.path.getsize(path) - len(pieces.tail(pieces.read_header(path)[0])[0])
+    data = open(path, "rb").read()[:data_end]
+    open(path, "wb").write(data + pieces.tail(header)[0])
+
+
 def test_missing_shard_file_is_named(state, tmp_path):
     path = checkpoint.save(str(tmp_path), 1, state.params, state.opt_state, meta(), keep=1)
-    record = msgpack.unpackb(open(path, "rb").read())
+    record = pieces.read_header(path)[0]
     shard = os.path.basename(checkpoint.shard_path(path, 1, 2))
     record["shards"] = [{"file": shard, "size": 10, "crc32": 0}]
-    open(path, "wb").write(msgpack.packb(record))
+    rewrite_header(path, record)
     with pytest.raises(checkpoint.CheckpointError) as e:
         checkpoint.read(path)
     assert f"shard file {os.path.join(str(tmp_path), shard)}: No such file" in str(e.value)
@@ -71,15 +77,25 @@ def test_params_only_read_ignores_a_corrupt_optimizer_state(state, tmp_path):
     """Generation reads only the params: a damaged optimizer state must not stop it."""
     path = checkpoint.save(str(tmp_path), 1, state.params, state.opt_state, meta(), keep=1)
     clean = checkpoint.read(path)
-    record = msgpack.unpackb(open(path, "rb").read())
-    piece = next(iter(record["pieces"]["opt_state"].values()))[0]
-    chunk = bytearray(piece["chunks"][0])
-    chunk[0] ^= 0xFF
-    piece["chunks"][0] = bytes(chunk)
-    open(path, "wb").write(msgpack.packb(record))
+    piece = next(iter(pieces.read_header(path)[0]["pieces"]["opt_state"].values()))[0]
+    data = bytearray(open(path, "rb").read())
+    data[piece["offset"]] ^= 0xFF
+    open(path, "wb").write(bytes(data))
     with pytest.raises(checkpoint.CheckpointError, match="checksum mismatch"):
         checkpoint.read(path)
     ckpt = checkpoint.latest(str(tmp_path), parts=("params",))
     assert ckpt.opt_state is None and ckpt.params.keys() == clean.params.keys()
     for key, x in clean.params.items():
         assert (ckpt.params[key] == x).all(), key
+
+
+def test_a_save_leaves_the_files_of_later_steps_alone(state, tmp_path):
+    """Another process may already be writing the next save (its shard file, its
+    temporary file) when process 0 prunes after this one."""
+    later = [tmp_path / "step_00000005.ckpt.shard-00001-of-00002",
+             tmp_path / ".step_00000005.ckpt.shard-00001-of-00002.tmp-999999"]
+    earlier = tmp_path / ".step_00000003.ckpt.tmp-999999"  # a killed writer's
+    for f in [*later, earlier]:
+        f.write_bytes(b"partial")
+    checkpoint.save(str(tmp_path), 4, state.params, state.opt_state, meta(), keep=2)
+    assert all(f.exists() for f in later) and not earlier.exists()

@@ -43,8 +43,12 @@ def assert_overlap_identical(rows: list[dict]):
             assert row.get(key) == old.get(key), (row["step"], key, row.get(key), old.get(key))
 
 
-def test_sigkill_inside_a_checkpoint_write_then_resume(tmp_path):
-    cmd = command(tmp_path, "--steps", "6", "--checkpoint-every", "2", "--eval-every", "3")
+@pytest.mark.parametrize("mode", ["--no-async-save", "--async-save"])
+def test_sigkill_inside_a_checkpoint_write_then_resume(tmp_path, mode):
+    """Synchronous, the kill comes inside step 4's save; asynchronous, inside the
+    background write of step 4's state, while steps 5 and 6 may already run."""
+    cmd = command(tmp_path, "--steps", "6", "--checkpoint-every", "2", "--eval-every", "3",
+                  mode)
     killed = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
                             env=environment(**{checkpoint.KILL_HOOK: "4"}))
     assert killed.returncode == -signal.SIGKILL, killed.stderr
@@ -52,14 +56,15 @@ def test_sigkill_inside_a_checkpoint_write_then_resume(tmp_path):
     names = sorted(set(os.listdir(ck)) - {lock.NAME})  # the killed run's lock file stays
     assert names[0] == ".step_00000004.ckpt.tmp-" + names[0].rsplit("-", 1)[1]
     assert names[1:] == ["step_00000002.ckpt"]  # the interrupted write left no step 4
-    assert [r["step"] for r in metrics(tmp_path)] == [1, 2, 3, 4]
+    logged = [r["step"] for r in metrics(tmp_path)]
+    assert logged == [1, 2, 3, 4] if mode == "--no-async-save" else logged[:4] == [1, 2, 3, 4]
 
     resumed = subprocess.run([*cmd, "--resume"], cwd=ROOT, capture_output=True, text=True,
                              timeout=600, env=environment())
     assert resumed.returncode == 0, resumed.stderr
     assert f"resumed from {ck / 'step_00000002.ckpt'} (step 2" in resumed.stdout
     rows = metrics(tmp_path)
-    assert [r["step"] for r in rows] == [1, 2, 3, 4, 3, 4, 5, 6]
+    assert [r["step"] for r in rows] == logged + [3, 4, 5, 6]
     assert_overlap_identical(rows)
     assert "val_loss" in rows[2] and "val_loss" in rows[-1]
     assert sorted(set(os.listdir(ck)) - {lock.NAME}) == [f"step_0000000{s}.ckpt"

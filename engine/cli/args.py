@@ -14,6 +14,7 @@ from collectives.ring import COMMS, TP_COMMS
 from engine.cli.given import given_flags
 from engine.config import (
     GRAD_REDUCES,
+    LR_SCHEDULES,
     PRESETS,
     ConfigError,
     ParallelConfig,
@@ -109,6 +110,9 @@ def build_parser(prog: str = "python -m engine.train", description: str | None =
                         + "); training only: auto = the planner's choice for the devices "
                           "at hand, with its --zero, --prefetch, --tp-comm, --cp-comm and "
                           "--remat (engine/planner/search.py)")
+    p.add_argument("--config", default=None, metavar="FILE.toml",
+                   help="flag settings from a TOML file; flags given override it "
+                        "(docs/run_config.md)")
     m = group("model", "model (a preset, then any dimension overridden)")
     m.add_argument("--model", default=None, choices=sorted(PRESETS),
                    help="preset dimensions (engine/config.py; default small, or the "
@@ -176,8 +180,22 @@ def build_parser(prog: str = "python -m engine.train", description: str | None =
     t.add_argument("--lr", type=float, default=d.lr, help="peak learning rate")
     t.add_argument("--warmup", type=int, default=d.warmup, help="linear warmup steps")
     t.add_argument("--lr-schedule-steps", dest="schedule_steps", type=int, default=None,
-                   metavar="N", help="the step the cosine decay ends at (default: --steps; "
+                   metavar="N", help="the step the schedule's decay ends at (default: --steps; "
                                      "resuming, the checkpoint's)")
+    t.add_argument("--lr-schedule", default=d.schedule, choices=list(LR_SCHEDULES),
+                   help="after warmup: " + "; ".join(f"{k}: {v}" for k, v in
+                                                     LR_SCHEDULES.items()))
+    t.add_argument("--min-lr-ratio", type=float, default=d.min_lr_ratio,
+                   help="the last step's lr as a fraction of --lr")
+    t.add_argument("--decay-fraction", type=float, default=d.decay_fraction,
+                   help="warmup-stable-decay: the fraction of the steps that decay")
+    t.add_argument("--weight-decay", type=float, default=d.weight_decay,
+                   help="AdamW's decoupled weight decay (none on norm scales)")
+    t.add_argument("--adam-b1", type=float, default=d.b1, help="Adam's first-moment decay")
+    t.add_argument("--adam-b2", type=float, default=d.b2, help="Adam's second-moment decay")
+    t.add_argument("--adam-eps", type=float, default=d.eps, help="Adam's epsilon")
+    t.add_argument("--clip-norm", type=float, default=d.clip_norm,
+                   help="clip the global gradient norm to this")
     t.add_argument("--seed", type=int, default=d.seed,
                    help="init and batch order are functions of the seed")
     o = group("output", "output")
@@ -195,6 +213,9 @@ def build_parser(prog: str = "python -m engine.train", description: str | None =
                         "a table of their time per scope and collective, measured vs "
                         "predicted (engine/cost/profile.py)")
     o.add_argument("--profile-dir", default="profile", help="where --profile-steps writes")
+    o.add_argument("--tensorboard", default=None, metavar="DIR",
+                   help="TensorBoard scalars of every step into DIR (needs the tensorboard "
+                        "extra; engine/run/tensorboard.py)")
     g = group("data", "data (see engine/run/data.py)")
     g.add_argument("--data", default="synthetic",
                    help="synthetic, python-stdlib, or a PATH.txt / PATH.jsonl (bytes as "
@@ -230,6 +251,9 @@ def build_parser(prog: str = "python -m engine.train", description: str | None =
     c.add_argument("--checkpoint-every", type=int, default=50,
                    help="checkpoint every N steps and at the last step")
     c.add_argument("--keep", type=int, default=3, help="keep the newest N checkpoints")
+    c.add_argument("--async-save", action=argparse.BooleanOptionalAction, default=True,
+                   help="copy the state to host memory at a save and write it in a "
+                        "background thread while training goes on (engine/run/writer.py)")
     c.add_argument("--resume", action="store_true",
                    help="continue from the newest complete checkpoint in --checkpoint-dir "
                         "(any layout; appends to --metrics-file)")
@@ -249,12 +273,20 @@ def parse(argv, parser: argparse.ArgumentParser | None = None, auto: bool = Fals
     """argv -> (ModelConfig, TrainConfig, ParallelConfig, Layout, args); raises
     UsageError / ConfigError (`engine.parallel.validate`'s problems, one line). With `auto`,
     `--layout auto` returns Layout None: the planner chooses it (`engine.plan.auto`)."""
+    from engine.cli import config_file
+
     parser = parser or build_parser()
+    path, argv = config_file.expand(argv, parser)
     args = parser.parse_args(argv)
+    args.config = path
     args.given = given_flags(parser, argv)  # a flag that cannot take effect is refused
     cfg = _model(args)
     tcfg = TrainConfig(batch=args.batch, seq=args.seq, steps=args.steps, lr=args.lr,
-                       warmup=args.warmup, seed=args.seed, schedule_steps=args.schedule_steps)
+                       warmup=args.warmup, seed=args.seed, schedule_steps=args.schedule_steps,
+                       schedule=args.lr_schedule, min_lr_ratio=args.min_lr_ratio,
+                       decay_fraction=args.decay_fraction, weight_decay=args.weight_decay,
+                       b1=args.adam_b1, b2=args.adam_b2, eps=args.adam_eps,
+                       clip_norm=args.clip_norm)
     parallel = ParallelConfig(zero=args.zero, prefetch=args.prefetch, tp_comm=args.tp_comm,
                               cp_comm=args.cp_comm, microbatches=args.microbatches,
                               pp_schedule=args.pp_schedule, pp_virtual=args.pp_virtual,
@@ -366,11 +398,16 @@ def flag_problems(args, cfg, tcfg) -> list[str]:
             problems.append(f"{name}={getattr(args, name)} must be >= 1")
     if not 0 <= args.seed < 2**32:
         problems.append(f"seed={args.seed} must be in [0, 2**32)")
+    problems += optimizer_problems(tcfg)
     if args.peak_flops is not None and not args.peak_flops > 0:
         problems.append(f"peak_flops={args.peak_flops} must be > 0")
     if args.document_positions and args.document_mask == "off":
         problems.append("--document-positions needs the document mask (--document-mask "
                         "auto or on)")
+    if args.tensorboard is not None:
+        from engine.run import tensorboard
+        if not tensorboard.available():
+            problems.append(f"--tensorboard needs tensorboardX: {tensorboard.EXTRA}")
     if args.resume and not args.checkpoint_dir:
         problems.append("--resume needs --checkpoint-dir")
     if args.eval_only and not args.checkpoint_dir:
@@ -418,6 +455,20 @@ def with_documents(cfg, args, eos_id: int | None):
                          f"vocab {cfg.vocab}")
     return dataclasses.replace(cfg, document_eos=int(eos_id),
                                document_positions=bool(args.document_positions))
+
+
+def optimizer_problems(tcfg) -> list[str]:
+    """Optimizer settings outside the range where they mean something (NaN fails all)."""
+    t = tcfg
+    checks = [("weight_decay", t.weight_decay, t.weight_decay >= 0, ">= 0"),
+              ("adam_b1", t.b1, 0 <= t.b1 < 1, "in [0, 1)"),
+              ("adam_b2", t.b2, 0 <= t.b2 < 1, "in [0, 1)"),
+              ("adam_eps", t.eps, t.eps > 0, "> 0"),
+              ("clip_norm", t.clip_norm, t.clip_norm > 0, "> 0"),
+              ("min_lr_ratio", t.min_lr_ratio, 0 <= t.min_lr_ratio <= 1, "in [0, 1]"),
+              ("decay_fraction", t.decay_fraction, 0 < t.decay_fraction <= 1, "in (0, 1]")]
+    return [f"{name}={v} must be {want}" for name, v, ok, want in checks if not ok]
+
 
 
 def keep_freed_memory() -> None:

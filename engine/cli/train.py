@@ -15,6 +15,7 @@ import os
 import sys
 import time
 
+from engine.cli import config_file
 from engine.cli.args import (
     LIMITS,
     UsageError,
@@ -105,7 +106,7 @@ def _open_checkpoints(cfg, args, say=print):
         raise UsageError(f"{directory} already holds checkpoints up to step {found[-1][0]}; "
                          f"pass --resume to continue, or choose another --checkpoint-dir")
     checkpoint.check_writable(directory)
-    ckpt = checkpoint.latest(directory) if args.resume else None
+    ckpt = checkpoint.latest(directory, lazy=True) if args.resume else None
     if args.resume and ckpt is None:
         say(f"no checkpoint in {directory} yet; starting from step 0")
     if ckpt is not None:
@@ -119,7 +120,8 @@ def _settings_changed(ckpt, tcfg, args) -> list[str]:
     now = dict(dataclasses.asdict(tcfg), data=args.data)
     if now["schedule_steps"] is None:  # the checkpoint's horizon: `_schedule_horizon` says so
         del now["schedule_steps"]
-    return [f"{k}={now[k]} (checkpoint: {saved.get(k)})" for k in now if now[k] != saved.get(k)]
+    return [f"{k}={now[k]} (checkpoint: {saved.get(k)})" for k in now
+            if k in saved and now[k] != saved[k]]  # fields added since it was written: no note
 
 
 def schedule_summary(parallel, layout) -> str:
@@ -168,6 +170,7 @@ def setup(cfg, tcfg, parallel, layout, args, data, say):
     trainer = Trainer(cfg, tcfg, layout, mesh, parallel)
     devices = list(mesh.devices.flat)
     peak, peak_src = _peak(cfg, args, devices)
+    say("config: " + config_file.to_toml(config_file.resolved(args)).strip().replace("\n", ", "))
     kernel = (f"{cp_kernel(cfg.attention)} attention over cp ({parallel.cp_comm})"
               if layout.degree("cp") > 1 else
               f"{resolve_attention(cfg.attention, tcfg.seq)} attention")
@@ -329,6 +332,7 @@ def _open_metrics(args):
 def _hooks(cfg, tcfg, parallel, layout, args, data, session, metrics, say) -> list:
     """The loop's hooks, in order, for the flags given."""
     from engine.run.loop import Checkpoints, Evaluate, Log, Rates
+    from engine.run.preempt import Preemption
 
     rates = Rates(cfg, tcfg, session.peak)
     hooks = [rates]
@@ -337,12 +341,17 @@ def _hooks(cfg, tcfg, parallel, layout, args, data, session, metrics, say) -> li
                               data.bytes_per_token))
     if metrics is not None:
         hooks.append(metrics)
+    if args.tensorboard and distributed.is_main():
+        from engine.run.tensorboard import TensorBoard
+
+        hooks.append(TensorBoard(args.tensorboard))
     hooks.append(Log(args.log_every, tcfg.steps, rates, say))
     if args.checkpoint_dir:
         meta = dict(rng=dict(seed=tcfg.seed), model=dataclasses.asdict(cfg),
                     train=dataclasses.asdict(tcfg), parallel=dataclasses.asdict(parallel),
                     layout=str(layout), data=dict(source=args.data, dtype=args.data_dtype,
-                                                  **_tokenizer_meta(data)))
+                                                  **_tokenizer_meta(data)),
+                    config=config_file.resolved(args))
         if args.hf:  # the HF config this model came from: engine.convert to-hf writes it
             meta["hf"] = args.hf
             if args.init_from_hf:
@@ -350,7 +359,8 @@ def _hooks(cfg, tcfg, parallel, layout, args, data, session, metrics, say) -> li
                 copy_tokenizer(args.init_from_hf,
                                os.path.join(args.checkpoint_dir, TOKENIZER_DIR))
         hooks.append(Checkpoints(args.checkpoint_dir, args.checkpoint_every, args.keep,
-                                 tcfg.steps, meta, say))
+                                 tcfg.steps, meta, say, asynchronous=args.async_save,
+                                 preemption=Preemption()))
     if args.profile_steps:
         hooks.append(profile.Profile(args.profile_steps, args.profile_dir, cfg, tcfg, layout,
                                      parallel, say))

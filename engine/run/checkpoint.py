@@ -1,37 +1,44 @@
 """Checkpoints: per saved step, a manifest plus one shard file per process beyond the
 first; every process writes only the shards its devices hold; any process count and any
-layout reads them back, re-sharded into whatever layout the reader runs.
+layout reads them back, each process reading only the pieces its own devices need.
 
-    DIR/step_00000100.ckpt                     the manifest (msgpack map), written last:
-      format, step          "shardwise-checkpoint/3", steps completed
+    DIR/step_00000100.ckpt       process 0's pieces, then the manifest header (msgpack):
+      format, step          "shardwise-checkpoint/4", steps completed
       rng                   {"seed": s}: params init from jax.random.key(s); the batch of
                             step t is drawn from np.random.default_rng([s, t]) (engine.run.data)
       model, train          every ModelConfig and TrainConfig field
+      config                the resolved command-line settings (engine/cli/config_file.py)
       layout, data          the writer's layout string and data source
       versions              python, jax, jaxlib, numpy, optax, ml_dtypes, shardwise
       processes             how many processes wrote it
       arrays                {"params"|"opt_state": {key path: {dtype, shape}}} (global)
       pieces                process 0's pieces: {part: {key path: [piece, ...]}}
-      shards                [{file, size, crc32}] of processes 1.. (empty with one process)
-    DIR/step_00000100.ckpt.shard-00001-of-00002   {format, step, process, pieces}
+      shards                [{file, size, crc32 of its header}] of processes 1..
+    DIR/step_00000100.ckpt.shard-00001-of-00002   pieces, then {format, step, process, pieces}
 
-A piece is one device shard `{index: [[start, stop], ...] per dim, crc32, chunks}`; only
+A piece is one device shard `{index: [[start, stop], ...] per dim, offset, nbytes,
+crc32}`, its bytes raw in the same file (engine/run/pieces.py has the file layout); only
 shards with replica_id 0 are written, so each element is stored exactly once. With one
-process a checkpoint is the manifest alone, one file, as in format 1 (whole arrays, which
-`read` still accepts). Format 3 stores the down projections [.., D, F]; `read` turns the
-[.., F, D] of formats 1 and 2 around (`upgrade`). Key paths are `jax.tree_util.keystr`
-of each leaf (`['blocks']['wq']`, `[0].mu['embed']`); the optimizer state is restored
-into the structure `Trainer.tx.init` gives, so any structure change fails loudly. bf16
-leaves round-trip through ml_dtypes.
+process a checkpoint is one file. Restoring (`open_checkpoint`, `restore`) reads the
+headers, then for each device shard of the target layout only the pieces that overlap
+it, checked against their crc32: no whole array is built on the host. `read` gives
+whole host arrays, and still reads formats 1 to 3 (engine/run/old_formats.py: msgpack
+bins inside the file; formats 1 and 2 stored the down projections [.., F, D], which
+`upgrade` turns around). Key paths are `jax.tree_util.keystr` of each leaf
+(`['blocks']['wq']`, `[0].mu['embed']`); the optimizer state is restored into the
+structure `Trainer.tx.init` gives, so any structure change fails loudly. bf16 leaves
+round-trip through ml_dtypes.
 
-Every file is written as `.NAME.tmp-PID`, fsynced, renamed into place, and the
-directory fsynced. Shard files first; then a barrier (an all-gather of each shard file's
-size and crc32); then process 0 writes the manifest: the checkpoint exists from that
-rename on, and a shard file that is not the one its manifest names (size or crc32
-differs) is refused. A kill at any instant leaves every complete checkpoint intact and
-readers never see a temporary name; process 0 deletes temporary files and shard files
-no kept manifest names. One run per directory; a multi-host run needs a directory all
-hosts share.
+A save is `snapshot` (this process's pieces copied to host memory, between steps) then
+`write` (which may run in a background thread, engine/run/writer.py). Every file is
+written as `.NAME.tmp-PID`, fsynced, renamed into place, and the directory fsynced.
+Processes p > 0 write their shard files and post each file's size and header crc32 to
+jax's coordination service; process 0 writes its pieces, waits for every post, appends
+the manifest header and renames: the checkpoint exists from that rename on, and a shard
+file that is not the one its manifest names (size or header crc32 differs) is refused.
+A kill at any instant leaves every complete checkpoint intact and readers never see a
+temporary name; process 0 deletes temporary files and shard files no kept manifest
+names. One run per directory; a multi-host run needs a directory all hosts share.
 """
 from __future__ import annotations
 
@@ -41,30 +48,24 @@ import os
 import re
 import signal
 import sys
-import zlib
 from importlib import metadata
 
 import jax
-import ml_dtypes
 import msgpack
 import numpy as np
 from jax.sharding import NamedSharding
 
 from engine.parallel.params import param_shapes
+from engine.run import old_formats, pieces
 
-FORMAT = "shardwise-checkpoint/3"
-FORMAT_2 = "shardwise-checkpoint/2"  # the down projections stored [F, D]: still read
-FORMAT_1 = "shardwise-checkpoint/1"  # one file, whole arrays, as format 2: still read
-# params stored [.., F, D] before format 3 and [.., D, F] since (engine/parallel/params.py: wd as
-# wg and wu), with their optimizer state
-DOWN_PROJECTIONS = ("['wd']", "['ws_d']")
-SHARD_FORMAT = "shardwise-checkpoint-shard/2"
+FORMAT = "shardwise-checkpoint/4"
+FORMAT_2 = old_formats.FORMAT_2
+SHARD_FORMAT = "shardwise-checkpoint-shard/3"
 SHAPE_FIELDS = ("d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "mlp_dim", "vocab",
                 "experts", "shared_experts", "vocab_multiple", "tie_embed")
 _NAME = re.compile(r"step_(\d{8})\.ckpt")
+_ANY_NAME = re.compile(r"\.?step_(\d{8})\.ckpt")  # a checkpoint's files, temporary ones too
 _SHARD_NAME = re.compile(r"step_(\d{8})\.ckpt\.shard-\d{5}-of-\d{5}")
-_CHUNK = 1 << 30  # msgpack bin objects hold < 4 GiB; arrays are split into 1 GiB chunks
-_DTYPES = {"bfloat16": np.dtype(ml_dtypes.bfloat16)}
 KILL_HOOK = "SHARDWISE_TEST_KILL_IN_CHECKPOINT_WRITE"  # tests: SIGKILL before the rename
 
 
@@ -139,20 +140,14 @@ def _index(index, shape) -> list[list[int]]:
     return [list(sl.indices(n)[:2]) for sl, n in zip(index, shape)]
 
 
-def _piece(index: list, x_host: np.ndarray) -> dict:
-    data = np.ascontiguousarray(x_host).tobytes()
-    return {"index": index, "crc32": zlib.crc32(data),
-            "chunks": [data[i:i + _CHUNK] for i in range(0, len(data), _CHUNK)] or [b""]}
-
-
-def _pieces(x) -> list[dict]:
-    """This process's share of leaf `x`: one piece per addressable shard whose replica_id
-    is 0, so across all processes every element is written exactly once. A host value
-    (numpy) is one whole-array piece, written by process 0."""
+def _host_pieces(x) -> list[tuple[list, np.ndarray]]:
+    """This process's share of leaf `x` as (index, host copy): one piece per addressable
+    shard whose replica_id is 0, so across all processes every element is written exactly
+    once. A host value (numpy) is one whole-array piece, written by process 0."""
     if not isinstance(x, jax.Array):
         x = np.asarray(x)
-        return [_piece([[0, n] for n in x.shape], x)] if jax.process_index() == 0 else []
-    return [_piece(_index(s.index, x.shape), np.asarray(s.data))
+        return [([[0, n] for n in x.shape], np.array(x))] if jax.process_index() == 0 else []
+    return [(_index(s.index, x.shape), np.array(s.data))
             for s in x.addressable_shards if s.replica_id == 0]
 
 
@@ -169,58 +164,110 @@ def shard_path(path: str, process: int, processes: int) -> str:
     return f"{path}.shard-{process:05d}-of-{processes:05d}"
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class Snapshot:
+    """This process's pieces of (params, opt_state), copied to host memory: what a save
+    writes, taken between steps so that training may go on while it is written.
+    `arrays` describes every global array; `pieces` is {part: {key path: [(index,
+    array)]}}."""
+
+    arrays: dict
+    pieces: dict
+
+
+def snapshot(params, opt_state) -> Snapshot:
+    """Copy this process's pieces of the state to host memory (every process calls it)."""
+    leaves = {part: _flat(tree) for part, tree in (("params", params), ("opt_state", opt_state))}
+    return Snapshot({part: {k: _describe(x) for k, x in flat} for part, flat in leaves.items()},
+                    {part: {k: _host_pieces(x) for k, x in flat}
+                     for part, flat in leaves.items()})
+
+
 def save(directory: str, step: int, params, opt_state, meta: dict, keep: int) -> str:
-    """Write checkpoint `step`; every process calls it. Process p > 0 writes its pieces to
-    a shard file; after a barrier process 0 writes the manifest (its own pieces inline,
-    the shard files' names, sizes and crc32s) atomically: the checkpoint exists from that
-    rename on. Then process 0 deletes all but the newest `keep` checkpoints, shard files
-    no manifest names, and temporary files a killed writer left."""
+    """Write checkpoint `step` of the state (every process calls it): `write` of its
+    `snapshot`."""
+    return write(directory, step, snapshot(params, opt_state), meta, keep)
+
+
+_SAVES = [0]  # saves this process has begun: every process counts the same
+
+
+def write(directory: str, step: int, snap: Snapshot, meta: dict, keep: int) -> str:
+    """Write checkpoint `step` from `snap`; every process calls it, from any thread (it
+    runs no device collective). Process p > 0 writes its pieces to a shard file and
+    posts its size and header checksum to the coordination service; process 0 writes its
+    own pieces, waits for every post, appends the manifest's header and renames it into
+    place: the checkpoint exists from that rename on. Then process 0 deletes all but
+    the newest `keep` checkpoints, shard files no manifest names, and temporary files a
+    killed writer left."""
     path = checkpoint_path(directory, step)
     me, n = jax.process_index(), jax.process_count()
-    leaves = {part: _flat(tree) for part, tree in (("params", params), ("opt_state", opt_state))}
-    pieces = {part: {k: _pieces(x) for k, x in flat} for part, flat in leaves.items()}
-    shard = None
-    try:
-        if me > 0:
-            payload = msgpack.packb({"format": SHARD_FORMAT, "step": step, "process": me,
-                                     "pieces": pieces})
-            shard = shard_path(path, me, n)
-            _write_atomic(shard, payload, step)
-        sizes = _gather_ints([len(payload), zlib.crc32(payload)] if me > 0 else [0, 0])
-    except OSError as e:
-        raise CheckpointError(f"cannot write checkpoint {shard}: {e.strerror or e}") from None
-    if me != 0:
+    _SAVES[0] += 1
+    table, buffers, _ = pieces.layout(snap.pieces)
+    target = path if me == 0 else shard_path(path, me, n)
+    if me > 0:
+        try:
+            tail, crc = pieces.tail({"format": SHARD_FORMAT, "step": step, "process": me,
+                                     "pieces": table})
+            _write_atomic(target, [*buffers, tail], step)
+        except OSError as e:
+            _post(_SAVES[0], f"error {os.path.basename(target)}: {e.strerror or e}")
+            raise CheckpointError(f"cannot write checkpoint {target}: {e.strerror or e}") \
+                from None
+        _post(_SAVES[0], f"{sum(map(len, buffers)) + len(tail)} {crc}")
         return path
-    record = dict(meta, format=FORMAT, step=step, versions=versions(), processes=n,
-                  arrays={part: {k: _describe(x) for k, x in flat}
-                          for part, flat in leaves.items()},
-                  pieces=pieces,
-                  shards=[{"file": os.path.basename(shard_path(path, p, n)), "size": size,
-                           "crc32": crc} for p, (size, crc) in enumerate(sizes) if p > 0])
     try:
-        _write_atomic(path, msgpack.packb(record), step)
-        _prune(directory, keep)
+        def manifest_tail():
+            shards = [{"file": os.path.basename(shard_path(path, p, n)), "size": size,
+                       "crc32": crc} for p, (size, crc) in enumerate(_collect(_SAVES[0]), 1)]
+            record = dict(meta, format=FORMAT, step=step, versions=versions(), processes=n,
+                          arrays=snap.arrays, pieces=table, shards=shards)
+            return pieces.tail(record)[0]
+
+        _write_atomic(path, buffers, step, finish=manifest_tail)
+        _prune(directory, keep, step)
     except OSError as e:
         raise CheckpointError(f"cannot write checkpoint {path}: {e.strerror or e}") from None
     return path
 
 
-def _gather_ints(values: list[int]) -> list[list[int]]:
-    """[[values of process p] for p]; also the barrier after the shard files' renames."""
-    if jax.process_count() == 1:
-        return [values]
-    from jax.experimental import multihost_utils
-    mine = np.asarray(values, np.int64).view(np.int32)  # no x64: carry int64 as 2 int32
-    out = np.asarray(multihost_utils.process_allgather(mine))
-    return [row.view(np.int64).tolist() for row in out.reshape(jax.process_count(), -1)]
+def _client():
+    from jax._src import distributed  # the coordination service jax.distributed started
+    return distributed.global_state.client
 
 
-def _prune(directory: str, keep: int) -> None:
+_WAIT_MS = 3_600_000  # the slowest process's write of its shard file
+
+
+def _post(save: int, value: str) -> None:
+    """Tell process 0 how this process's shard file of save number `save` went."""
+    _client().key_value_set(f"shardwise/checkpoint/{save}/{jax.process_index()}", value)
+
+
+def _collect(save: int) -> list[tuple[int, int]]:
+    """[(size, header crc32)] of the shard files of processes 1.. for save `save`, once
+    each has posted; OSError naming the first that failed."""
+    out = []
+    for p in range(1, jax.process_count()):
+        value = _client().blocking_key_value_get(f"shardwise/checkpoint/{save}/{p}", _WAIT_MS)
+        if value.startswith("error"):
+            raise OSError(errno.EIO, f"process {p} could not write {value[6:]}")
+        out.append(tuple(int(v) for v in value.split()))
+    return out
+
+
+def _prune(directory: str, keep: int, step: int) -> None:
+    """Delete all but the newest `keep` checkpoints, and, up to `step` (the one just
+    written), shard files no kept manifest names and temporary files of killed writers.
+    Files of later steps are left alone: another process may be writing the next save
+    already."""
     complete = list_checkpoints(directory)
     for _, old in complete[:-keep]:
         os.remove(old)
     kept = {os.path.basename(p) for _, p in complete[-keep:]}
     for name in os.listdir(directory):
+        if not (m := _ANY_NAME.match(name)) or int(m.group(1)) > step:
+            continue
         stale_tmp = ".ckpt.tmp-" in name or ".ckpt.shard-" in name and ".tmp-" in name
         if stale_tmp and not name.endswith(f"-{os.getpid()}"):
             os.remove(os.path.join(directory, name))
@@ -228,22 +275,31 @@ def _prune(directory: str, keep: int) -> None:
             os.remove(os.path.join(directory, name))
 
 
-def _write_atomic(path: str, payload: bytes, step: int) -> None:
-    """Write `payload` to a temporary name, fsync, rename to `path`, fsync the directory.
-    A failed write removes its temporary file; out of space, the error says how many
-    bytes the file needs and how many are free."""
+def _write_atomic(path: str, buffers: list, step: int, finish=None) -> None:
+    """Write `buffers` (then the bytes `finish()` returns, if given) to a temporary name,
+    fsync, rename to `path`, fsync the directory. A failed write removes its temporary
+    file; out of space, the error says how many bytes the file needs and how many are
+    free."""
     directory, name = os.path.split(path)
     tmp = os.path.join(directory, f".{name}.tmp-{os.getpid()}")
+    size = sum(len(b) for b in buffers)
     try:
         with open(tmp, "wb") as f:
-            f.write(payload)
+            f.writelines(buffers)
+            if finish is not None:
+                last = finish()
+                size += len(last)
+                f.write(last)
             f.flush()
             os.fsync(f.fileno())
     except OSError as e:
         _remove_quietly(tmp)
         if e.errno == errno.ENOSPC:
             raise OSError(errno.ENOSPC, f"no space left on device: {name} needs "
-                          f"{_mib(len(payload))}, {_mib(_free_bytes(directory))} free") from None
+                          f"{_mib(size)}, {_mib(_free_bytes(directory))} free") from None
+        raise
+    except BaseException:
+        _remove_quietly(tmp)
         raise
     if os.environ.get(KILL_HOOK) == str(step):
         os.kill(os.getpid(), signal.SIGKILL)
@@ -265,101 +321,86 @@ def _mib(n: int) -> str:
 
 
 # -- load ------------------------------------------------------------------------------
-def _decode(key: str, entry: dict) -> np.ndarray:
-    data = b"".join(entry["chunks"])
-    if zlib.crc32(data) != entry["crc32"]:
-        raise ValueError(f"{key}: checksum mismatch")
-    dtype = _DTYPES.get(entry["dtype"]) or np.dtype(entry["dtype"])
-    return np.frombuffer(data, dtype).reshape(entry["shape"])
-
-
-def _assemble(key: str, entry: dict, pieces: list[dict]) -> np.ndarray:
-    """The global array `entry` describes from the pieces every process wrote."""
-    dtype = _DTYPES.get(entry["dtype"]) or np.dtype(entry["dtype"])
-    out = np.empty(entry["shape"], dtype)
-    filled = 0
-    for piece in pieces:
-        data = b"".join(piece["chunks"])
-        if zlib.crc32(data) != piece["crc32"]:
-            raise ValueError(f"{key}: checksum mismatch")
-        region = tuple(slice(start, stop) for start, stop in piece["index"])
-        out[region] = np.frombuffer(data, dtype).reshape(out[region].shape)
-        filled += out[region].size
-    if filled != out.size:
-        raise ValueError(f"{key}: pieces cover {filled} of {out.size} elements")
-    return out
-
-
-def _read_shard(directory: str, entry: dict, step: int) -> dict:
-    """A shard file's pieces, after checking it is the one the manifest names."""
+def _open_shard(directory: str, entry: dict, step: int) -> tuple[pieces.PieceFile, dict]:
+    """A format-4 shard file and its piece table, after checking it is the one the
+    manifest names (its size and its header's crc32)."""
     path = os.path.join(directory, entry["file"])
     try:
-        with open(path, "rb") as f:
-            payload = f.read()
+        header, crc, size = pieces.read_header(path)
     except OSError as e:
         raise ValueError(f"its shard file {path}: {e.strerror or e}") from None
-    if len(payload) != entry["size"] or zlib.crc32(payload) != entry["crc32"]:
+    if size != entry["size"] or crc != entry["crc32"]:
         raise ValueError(f"shard {entry['file']} is not the one the manifest names "
                          f"(size or checksum differs)")
-    shard = msgpack.unpackb(payload)
-    if shard.get("format") != SHARD_FORMAT or shard.get("step") != step:
+    if header.get("format") != SHARD_FORMAT or header.get("step") != step:
         raise ValueError(f"shard {entry['file']} is not a shard of step {step}")
-    return shard["pieces"]
+    return pieces.PieceFile(path), header["pieces"]
 
 
 PARTS = ("params", "opt_state")
 
 
-def upgrade(found: dict, fmt: str) -> dict:
-    """{part: {key path: array}} of a checkpoint of format `fmt`, in this format's
-    layout: before format 3 the down projections' (and their Adam moments') last two
-    axes are swapped."""
-    if fmt == FORMAT:
-        return found
-    return {part: {k: np.swapaxes(x, -1, -2) if k.endswith(DOWN_PROJECTIONS) else x
-                   for k, x in arrays.items()} for part, arrays in found.items()}
+def _open_pieces(path: str, parts: tuple[str, ...]) -> Checkpoint:
+    """A format-4 checkpoint with its arrays unread (`pieces.Stored`): the manifest's
+    header and every shard file's header, checked."""
+    record, _, _ = pieces.read_header(path)
+    if record.get("format") != FORMAT:
+        raise ValueError("not a shardwise checkpoint")
+    step = int(record["step"])
+    arrays, table = record.pop("arrays"), record.pop("pieces")
+    files = [(pieces.PieceFile(path), table)] + [
+        _open_shard(os.path.dirname(path), e, step) for e in record["shards"]]
+    found = {part: {k: pieces.Stored(k, entry, [(f, piece) for f, t in files
+                                                for piece in t[part][k]])
+                    for k, entry in arrays[part].items()}
+             for part in parts}
+    return Checkpoint(path, step, record, found.get("params"), found.get("opt_state"))
+
+
+def _unreadable(path: str, e: Exception) -> CheckpointError:
+    if isinstance(e, OSError):
+        return CheckpointError(f"cannot read checkpoint {path}: {e.strerror or e}")
+    return CheckpointError(f"checkpoint {path} is unreadable or truncated "
+                           f"({str(e).splitlines()[0] if str(e) else type(e).__name__}); "
+                           f"move it aside to resume from an older one")
+
+
+_BAD = (OSError, ValueError, KeyError, TypeError, AttributeError, msgpack.UnpackException)
+
+
+def open_checkpoint(path: str, parts: tuple[str, ...] = PARTS) -> Checkpoint:
+    """One checkpoint with its headers read and checked; in format 4 its arrays are
+    `pieces.Stored`, read by `restore` piece by piece as the devices need them, older
+    formats are read whole. `parts` names what to open (a part left out is None and its
+    pieces are not checked: generation reads only the params)."""
+    try:
+        if pieces.is_format_4(path):
+            return _open_pieces(path, parts)
+        return old_formats.read_whole(path, parts, Checkpoint)
+    except _BAD as e:
+        raise _unreadable(path, e) from None
 
 
 def read(path: str, parts: tuple[str, ...] = PARTS) -> Checkpoint:
     """Read and verify one checkpoint (the manifest, every shard file it names, every
-    piece's checksum, full coverage of every array) into global host arrays. Each reader
-    assembles every whole array: simple, and host memory bounds the model anyway (see
-    the CLI's memory check). Reads format 1 (one file, whole arrays) too. `parts` names
-    what to decode (a part left out is None and its pieces are not checked: generation
-    reads only the params)."""
+    piece's checksum, full coverage of every array) into global host arrays. Reads
+    formats 1 to 3 too."""
+    ckpt = open_checkpoint(path, parts)
     try:
-        with open(path, "rb") as f:
-            record = msgpack.unpackb(f.read())
-        if not isinstance(record, dict) or record.get("format") not in (FORMAT, FORMAT_2,
-                                                                        FORMAT_1):
-            raise ValueError("not a shardwise checkpoint")
-        step = int(record["step"])
-        if record["format"] == FORMAT_1:
-            whole = {part: record.pop(part) for part in PARTS}
-            found = {part: {k: _decode(k, v) for k, v in whole[part].items()}
-                     for part in parts}
-        else:
-            arrays, pieces = record.pop("arrays"), record.pop("pieces")
-            shards = [_read_shard(os.path.dirname(path), e, step) for e in record["shards"]]
-            found = {part: {k: _assemble(k, entry, pieces[part][k] + [
-                                piece for s in shards for piece in s[part][k]])
-                            for k, entry in arrays[part].items()}
-                     for part in parts}
-        found = upgrade(found, record["format"])
-        return Checkpoint(path, step, record, found.get("params"), found.get("opt_state"))
-    except OSError as e:
-        raise CheckpointError(f"cannot read checkpoint {path}: {e.strerror or e}") from None
-    except (ValueError, KeyError, TypeError, AttributeError, msgpack.UnpackException) as e:
-        raise CheckpointError(f"checkpoint {path} is unreadable or truncated "
-                              f"({str(e).splitlines()[0] if str(e) else type(e).__name__}); "
-                              f"move it aside to resume from an older one") from None
+        return dataclasses.replace(ckpt, **{
+            part: {k: x.read() if isinstance(x, pieces.Stored) else x
+                   for k, x in getattr(ckpt, part).items()} for part in parts})
+    except _BAD as e:
+        raise _unreadable(path, e) from None
 
 
-def latest(directory: str, parts: tuple[str, ...] = PARTS) -> Checkpoint | None:
-    """The newest complete checkpoint in `directory`, read (`parts` of it) and verified;
-    None if none."""
+def latest(directory: str, parts: tuple[str, ...] = PARTS, lazy: bool = False):
+    """The newest complete checkpoint in `directory`, read (`parts` of it) and verified,
+    or with `lazy` only opened (`open_checkpoint`); None if none."""
     found = list_checkpoints(directory)
-    return read(found[-1][1], parts) if found else None
+    if not found:
+        return None
+    return (open_checkpoint if lazy else read)(found[-1][1], parts)
 
 
 def check_model(ckpt: Checkpoint, cfg) -> None:
@@ -394,6 +435,18 @@ def restore(ckpt: Checkpoint, trainer) -> tuple:
                    "opt_state", getattr(trainer, "layer_order", None)))
 
 
+def _last_region(x):
+    """x[index], read once for the devices that hold the same region (replicas)."""
+    last = [None, None]
+
+    def region(index):
+        where = [(s.start, s.stop) for s in index]
+        if last[0] != where:
+            last[:] = where, x[index]
+        return last[1]
+    return region
+
+
 def _place(saved: dict, shapes, specs, mesh, path: str, part: str, layer_order=None):
     """`saved` (the model's layer order) placed on `mesh` as `specs`; with a
     `layer_order` (a circular pipeline's, `Trainer.layer_order`) the stacked blocks'
@@ -413,6 +466,9 @@ def _place(saved: dict, shapes, specs, mesh, path: str, part: str, layer_order=N
                                   f"the model needs {want.dtype}{list(want.shape)}")
         if layer_order is not None and "['blocks']" in key:
             x = x[layer_order]
-        out.append(jax.make_array_from_callback(x.shape, NamedSharding(mesh, spec),
-                                                lambda index, x=x: x[index]))
+        try:
+            out.append(jax.make_array_from_callback(x.shape, NamedSharding(mesh, spec),
+                                                    _last_region(x)))
+        except _BAD as e:
+            raise _unreadable(path, e) from None
     return jax.tree.unflatten(treedef, out)

@@ -28,15 +28,39 @@ class Session:
     tcfg: object = None  # the TrainConfig the step runs (its schedule's horizon resolved)
 
 
+class Stop(Exception):
+    """A hook ends the run after this step: `message` is said, `code` returned."""
+
+    def __init__(self, code: int, message: str):
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
 def loop(session: Session, hooks, say) -> int:
     """Run the steps; before the first, hooks with a `begin(session)` method get it;
     after each step, every hook sees (record, session) in order. A record
     starts as {step, loss, grad_norm, step_time_s} and the step's other metrics (the
-    router's with experts; hooks add to it). Returns the exit
-    code: 1 on a non-finite loss, 130 on Ctrl-C (after the hooks close)."""
-    step = session.start
+    router's with experts; hooks add to it). Returns the exit code: 1 on a non-finite
+    loss, 130 on Ctrl-C, a hook's `Stop` code (after the hooks close). Every hook's
+    `close` runs; an error a `close` raises is raised after all of them ran."""
     for hook in hooks:  # a hook that must act before the first step has `begin`
         getattr(hook, "begin", lambda session: None)(session)
+    try:
+        code = _steps(session, hooks, say)
+    finally:
+        errors = []
+        for hook in hooks:
+            try:
+                getattr(hook, "close", lambda: None)()
+            except Exception as e:  # noqa: BLE001 - raised below, once all hooks closed
+                errors.append(e)
+    if errors:
+        raise errors[0]
+    return code
+
+
+def _steps(session: Session, hooks, say) -> int:
+    step = session.start
     try:
         for step in range(session.start, session.steps):
             tokens = session.batch(step)
@@ -56,9 +80,9 @@ def loop(session: Session, hooks, say) -> int:
     except KeyboardInterrupt:
         print(f"interrupted after step {step}", file=sys.stderr)
         return 130
-    finally:
-        for hook in hooks:
-            getattr(hook, "close", lambda: None)()
+    except Stop as stop:
+        say(stop.message)
+        return stop.code
     return 0
 
 
@@ -187,18 +211,51 @@ def router_summary(record) -> str:
 
 
 class Checkpoints:
-    """A checkpoint every `every` steps and at the last, keeping the newest `keep`."""
+    """A checkpoint every `every` steps and at the last, keeping the newest `keep`. With
+    `asynchronous`, the state is copied to host memory and written by a background
+    thread (engine/run/writer.py) while training goes on; a failed write stops the run
+    at the next step. With a `preemption` (engine/run/preempt.py), a SIGTERM saves the
+    step just finished and ends the run with exit code 0."""
 
-    def __init__(self, directory: str, every: int, keep: int, steps: int, meta: dict, say):
+    def __init__(self, directory: str, every: int, keep: int, steps: int, meta: dict, say,
+                 asynchronous: bool = False, preemption=None):
+        from engine.run.writer import Writer
+
         self.directory, self.every, self.keep, self.steps = directory, every, keep, steps
-        self.meta, self.say = meta, say
+        self.meta, self.say, self.preemption = meta, say, preemption
+        self.writer = Writer() if asynchronous else None
 
     def __call__(self, record, session):
         from engine.run import checkpoint
 
+        self._report(self.writer.finished() if self.writer else [])
         done = record["step"]
-        if done % self.every == 0 or done == self.steps:
-            trainer = session.trainer  # saved in the model's layer order
-            path = checkpoint.save(self.directory, done, trainer.unstore(session.params),
-                                   trainer.unstore(session.opt_state), self.meta, self.keep)
+        stop = self.preemption is not None and self.preemption.requested(done)
+        if not (done % self.every == 0 or done == self.steps or stop):
+            return
+        trainer = session.trainer  # saved in the model's layer order
+        snap = checkpoint.snapshot(trainer.unstore(session.params),
+                                   trainer.unstore(session.opt_state))
+        args = (self.directory, done, snap, self.meta, self.keep)
+        if self.writer is not None and not stop:
+            self.writer.submit(checkpoint.write, *args)
+            return
+        if self.writer is not None:
+            self._report(self.writer.wait())
+        path = checkpoint.write(*args)
+        if not stop:
             self.say(f"saved {path}")
+            return
+        raise Stop(0, f"preempted (SIGTERM): saved step {done} to {path}; exiting")
+
+    def _report(self, paths):
+        for path in paths:
+            self.say(f"saved {path}")
+
+    def close(self):
+        try:
+            if self.writer is not None:
+                self._report(self.writer.wait())
+        finally:
+            if self.preemption is not None:
+                self.preemption.close()

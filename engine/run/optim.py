@@ -11,14 +11,49 @@ from engine.config import TrainConfig
 
 def schedule(tcfg: TrainConfig) -> optax.Schedule:
     """Learning rate of update `count` (step count + 1): linear warmup lr * (count + 1) /
-    warmup, so step 1 already trains and step `warmup` runs at the peak `lr`; then cosine
-    decay to `lr * min_lr_ratio` at step `tcfg.horizon` (`--steps`, or
-    `--lr-schedule-steps`), then flat. A function of the count only, which the optimizer
-    state carries, so a resumed run with the same horizon follows the same schedule."""
+    warmup, so step 1 already trains and step `warmup` runs at the peak `lr`; then
+    `tcfg.schedule` (engine.config.LR_SCHEDULES) down to `lr * min_lr_ratio` at step
+    `tcfg.horizon` (`--steps`, or `--lr-schedule-steps`), then flat. A function of the
+    count only, which the optimizer state carries, so a resumed run with the same horizon
+    follows the same schedule."""
     warmup = max(tcfg.warmup, 1)
+    total = max(tcfg.horizon - 1, warmup, 1)  # the count of the horizon's step
+    return SHAPES[tcfg.schedule](tcfg, warmup, total)
+
+
+def _cosine(tcfg: TrainConfig, warmup: int, total: int) -> optax.Schedule:
     return optax.warmup_cosine_decay_schedule(
         init_value=tcfg.lr / warmup, peak_value=tcfg.lr, warmup_steps=warmup - 1,
-        decay_steps=max(tcfg.horizon - 1, warmup, 1), end_value=tcfg.lr * tcfg.min_lr_ratio)
+        decay_steps=total, end_value=tcfg.lr * tcfg.min_lr_ratio)
+
+
+def _after_warmup(tcfg: TrainConfig, warmup: int, after: optax.Schedule) -> optax.Schedule:
+    """Linear warmup to the peak at count warmup - 1, then `after` (counted from there)."""
+    ramp = optax.linear_schedule(tcfg.lr / warmup, tcfg.lr, warmup - 1)
+    return optax.join_schedules([ramp, after], [warmup - 1])
+
+
+def _linear(tcfg: TrainConfig, warmup: int, total: int) -> optax.Schedule:
+    return _after_warmup(tcfg, warmup, optax.linear_schedule(
+        tcfg.lr, tcfg.lr * tcfg.min_lr_ratio, total - (warmup - 1)))
+
+
+def _constant(tcfg: TrainConfig, warmup: int, total: int) -> optax.Schedule:
+    return _after_warmup(tcfg, warmup, optax.constant_schedule(tcfg.lr))
+
+
+def _warmup_stable_decay(tcfg: TrainConfig, warmup: int, total: int) -> optax.Schedule:
+    after = total - (warmup - 1)
+    decay = min(max(round(tcfg.decay_fraction * (total + 1)), 1), after)
+    return _after_warmup(tcfg, warmup, optax.join_schedules(
+        [optax.constant_schedule(tcfg.lr),
+         optax.linear_schedule(tcfg.lr, tcfg.lr * tcfg.min_lr_ratio, decay)],
+        [after - decay]))
+
+
+# the decay after warmup of each of engine.config.LR_SCHEDULES (where their docs are)
+SHAPES = {"cosine": _cosine, "linear": _linear, "constant": _constant,
+          "warmup-stable-decay": _warmup_stable_decay}
 
 
 def make_optimizer(tcfg: TrainConfig) -> optax.GradientTransformation:
@@ -29,8 +64,8 @@ def make_optimizer(tcfg: TrainConfig) -> optax.GradientTransformation:
         return jax.tree_util.tree_map_with_path(
             lambda path, _: not str(path[-1].key).endswith("norm"), params)
 
-    return optax.adamw(schedule(tcfg), b1=tcfg.b1, b2=tcfg.b2, weight_decay=tcfg.weight_decay,
-                       mask=decay_mask)
+    return optax.adamw(schedule(tcfg), b1=tcfg.b1, b2=tcfg.b2, eps=tcfg.eps,
+                       weight_decay=tcfg.weight_decay, mask=decay_mask)
 
 
 def opt_state_specs(tx: optax.GradientTransformation, param_shapes, param_specs):

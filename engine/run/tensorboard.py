@@ -1,0 +1,38 @@
+"""TensorBoard scalars of a run (`--tensorboard DIR`): a loop hook that writes every
+number of each step's record (loss, lr, grad_norm, tokens_per_s, mfu, step_time_s,
+val_loss when evaluated, the router's metrics with experts) as `train/<name>` at that
+step. Written with tensorboardX, the lightest maintained writer: numpy, protobuf and
+packaging, against tensorboard's own writer, which brings grpcio, werkzeug and the
+TensorBoard server. An optional extra: `pip install 'shardwise[tensorboard]'`."""
+from __future__ import annotations
+
+EXTRA = "pip install 'shardwise[tensorboard]' (tensorboardX)"
+
+
+def available() -> bool:
+    try:
+        import tensorboardX  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class TensorBoard:
+    """Process 0's scalars, flushed every `flush_every` steps and at the end."""
+
+    def __init__(self, directory: str, flush_every: int = 10):
+        from tensorboardX import SummaryWriter
+
+        self.writer = SummaryWriter(logdir=directory, flush_secs=3600)
+        self.flush_every = flush_every
+
+    def __call__(self, record, session):
+        step = record["step"]
+        for name, value in record.items():
+            if name != "step" and isinstance(value, (int, float)):
+                self.writer.add_scalar(f"train/{name}", value, step)
+        if step % self.flush_every == 0:
+            self.writer.flush()
+
+    def close(self):
+        self.writer.close()
