@@ -148,7 +148,7 @@ def test_loss_and_grads_match_transformers_sharded(made, family, layout, paralle
     check_loss_and_grads(made, family, layout, parallel)
 
 
-def test_round_trip_train_export_load(made, tmp_path):
+def test_round_trip_train_export_load(made, tmp_path, capsys):
     """Import, 3 training steps on fsdp4xtp2 (engine.train), export (engine.convert):
     transformers loads the export, and its logits are the trained checkpoint's; the
     source's tokenizer file travels along."""
@@ -163,6 +163,8 @@ def test_round_trip_train_export_load(made, tmp_path):
     assert train_main(["--resume", "--checkpoint-dir", ck, "--layout", "fsdp4xtp2",
                        "--steps", "3", "--batch", "8", "--seq", "16", "--dtype", "f32",
                        "--lr", "1e-2", "--warmup", "1", "--log-every", "3"]) == 0
+    # an imported model has no schedule of its own: the run's --steps is its horizon
+    assert "horizon" not in capsys.readouterr().out
     out = str(tmp_path / "out")
     assert convert_main(["to-hf", "--checkpoint-dir", ck, "--out", out, "--dtype", "f32",
                          "--max-shard-size", "200KB"]) == 0

@@ -122,9 +122,9 @@ def test_import_streams_one_param_at_a_time(hf_dir, tmp_path, monkeypatch):
     alive = []
     real = checkpoint_stream._write_piece
 
-    def spy(f, pk, key, x):
-        alive.append(key)
-        real(f, pk, key, x)
+    def spy(f, offset, x):
+        alive.append(x.shape)
+        return real(f, offset, x)
 
     monkeypatch.setattr(checkpoint_stream, "_write_piece", spy)
     produced = []

@@ -92,11 +92,15 @@ def expand(argv: list[str], parser: argparse.ArgumentParser) -> tuple[str | None
     return path, as_flags(load(path), parser, path) + rest
 
 
+# what `engine.cli.args.parse` adds to the parsed flags: not settings a file could give
+DERIVED = ("config", "given", "hf", "model_name")
+
+
 def resolved(args: argparse.Namespace) -> dict:
     """Every setting the run uses, by flag name (unset ones left out): as a `--config`
     file would spell them."""
     return {k.replace("_", "-"): v for k, v in sorted(vars(args).items())
-            if v is not None and k != "config"}
+            if v is not None and k not in DERIVED}
 
 
 def to_toml(settings: dict) -> str:

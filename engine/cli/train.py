@@ -138,8 +138,9 @@ def schedule_summary(parallel, layout) -> str:
 def _schedule_horizon(ckpt, tcfg, say):
     """`tcfg` with the learning-rate schedule's horizon of the checkpoint's run when
     resuming without --lr-schedule-steps: more --steps continue the run at the
-    schedule's floor instead of bending the schedule back up."""
-    if ckpt is None or tcfg.schedule_steps is not None:
+    schedule's floor instead of bending the schedule back up. A checkpoint with no
+    optimizer state (a model imported by engine.convert) has no schedule to keep."""
+    if ckpt is None or tcfg.schedule_steps is not None or ckpt.meta.get("optimizer") == "fresh":
         return tcfg
     saved = ckpt.meta.get("train", {})
     horizon = saved.get("schedule_steps") or saved.get("steps")

@@ -23,7 +23,7 @@ import numpy as np
 
 MAGIC = b"SHWDCKP4"
 _TRAILER = struct.Struct("<Q8s")  # header size, MAGIC
-_ALIGN = 64
+ALIGN = 64  # bytes: every piece starts at a multiple
 _DTYPES = {"bfloat16": np.dtype(ml_dtypes.bfloat16)}
 
 
@@ -46,7 +46,7 @@ def layout(pieces: dict) -> tuple[dict, list, int]:
             table[part][key] = []
             for index, x in found:
                 data = as_bytes(x)
-                if pad := -offset % _ALIGN:
+                if pad := -offset % ALIGN:
                     buffers.append(bytes(pad))
                     offset += pad
                 table[part][key].append({"index": index, "offset": offset,
