@@ -323,13 +323,6 @@ CLI = ["--model", "tiny", "--layout", "single", "--steps", "2", "--batch", "2", 
        "--log-every", "1"]
 
 
-class CorpusWithEos(Corpus):
-    """A token stream whose documents end in EOS (what `load_data` returns for prepared
-    data: an `eos_id`)."""
-
-    eos_id = EOS
-
-
 def flags(mask="auto", positions=False, data="x.bin"):
     return types.SimpleNamespace(document_mask=mask, document_positions=positions, data=data)
 
@@ -361,7 +354,7 @@ def test_training_cli_masks_documents_of_data_with_an_eos(tmp_path, monkeypatch,
     rng = np.random.default_rng(0)
     stream = rng.integers(EOS + 1, CFG.vocab, size=4000).astype(np.uint16)
     stream[rng.integers(0, 4000, size=400)] = EOS  # documents of ~10 tokens
-    data = CorpusWithEos("packed", stream[:3000], stream[3000:])
+    data = Corpus("packed", stream[:3000], stream[3000:], eos_id=EOS)  # as prepared data
     monkeypatch.setattr(train_cli, "load_data", lambda *a, **k: data)
     losses = {}
     for mask in ("auto", "off"):

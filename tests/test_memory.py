@@ -18,7 +18,7 @@ import functools
 import pytest
 
 from engine.config import ParallelConfig, TrainConfig, model_config
-from engine.cost import memory
+from engine.cost import memory, memory_items
 from engine.parallel.layout import Layout
 from engine.run.step import Trainer
 
@@ -141,7 +141,7 @@ def test_remat_none_prices_its_saved_dot_operands_as_the_host_compiler_stacks_th
 
 @pytest.mark.parametrize("layout", ["single", "tp8"])
 def test_peak_within_tolerance_from_4096_rows_a_device(layout):
-    """From `memory.NORM_BROADCAST_ROWS` rows of the residual stream a device, XLA:CPU
+    """From `memory_items.NORM_BROADCAST_ROWS` rows of the residual stream a device, XLA:CPU
     keeps each norm's rsqrt broadcast over D as an f32 buffer in the layer backward, one
     per norm at the peak. `small` at L = 256, batch 16, has 4096 rows on a device with no
     batch axis: counting two per norm put tp8's peak 21% over the compiler's (30% on jax
@@ -151,7 +151,7 @@ def test_peak_within_tolerance_from_4096_rows_a_device(layout):
     tcfg = TrainConfig(batch=16, seq=256)
     lay = Layout.parse(layout)
     trainer = Trainer(cfg, tcfg, lay, lay.mesh(), ParallelConfig())
-    assert tcfg.batch * tcfg.seq >= memory.NORM_BROADCAST_ROWS
+    assert tcfg.batch * tcfg.seq >= memory_items.NORM_BROADCAST_ROWS
     measured = memory.measure(memory.compile_step(trainer, FAST))
     pred = memory.predict(cfg, tcfg, lay, "cpu", trainer=trainer)
     assert pred.arguments == measured["argument"]
