@@ -23,7 +23,8 @@ from jax.sharding import NamedSharding
 from test_tp_comm import random_params
 
 from engine.cli import train as train_cli
-from engine.cli.args import UsageError, with_documents
+from engine.cli.args import UsageError
+from engine.cli.models import with_documents
 from engine.config import ParallelConfig, TrainConfig, model_config
 from engine.parallel.layout import Layout
 from engine.parallel.params import fsdp_dims

@@ -12,6 +12,8 @@ import sys
 
 from collectives.ring import COMMS, TP_COMMS
 from engine.cli.given import given_flags
+from engine.cli.models import model_from_flags
+from engine.cli.oneline import DefaultsFormatter, OneLineParser, UsageError
 from engine.config import (
     GRAD_REDUCES,
     LR_SCHEDULES,
@@ -19,8 +21,6 @@ from engine.config import (
     ConfigError,
     ParallelConfig,
     TrainConfig,
-    model_config,
-    resolve_activations,
 )
 from engine.cost import profile
 from engine.parallel import validate
@@ -35,7 +35,6 @@ from layers import roles
 from layers.block import REMAT
 from layers.config import DTYPES
 from layers.kernels.context import CP_COMMS
-
 
 TRAIN_DESCRIPTION = ("`python -m engine.train --layout fsdp4xtp2`: train a decoder-only "
                      "transformer with explicit FSDP + Megatron TP, one jit(shard_map) per step.")
@@ -60,36 +59,9 @@ def switch_table() -> str:
     return "\n".join(rows)
 
 
-class UsageError(Exception):
-    """Bad input: reported as one line, exit code 2."""
-
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """argparse whose errors raise UsageError (one line, exit 2) instead of printing usage."""
-
-    def error(self, message):
-        raise UsageError(message)
-
-
-
 GROUPS = ("model", "parallel", "batch", "training", "output", "data", "checkpoints",
           "processes")
 DOCUMENT_MASKS = ("auto", "on", "off")
-
-
-
-class DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows "(default: X)" after a flag's help, except when there is no default to show
-    (None, a flag that is off) or the help already says what the default is."""
-
-    def _get_help_string(self, action):
-        text = action.help or ""
-        if (any(action.default is v for v in (None, False, argparse.SUPPRESS))
-                or action.default == [] or "default" in text):
-            return text
-        return super()._get_help_string(action)
-
 
 
 def build_parser(prog: str = "python -m engine.train", description: str | None = None,
@@ -268,7 +240,6 @@ def build_parser(prog: str = "python -m engine.train", description: str | None =
     return p
 
 
-
 def parse(argv, parser: argparse.ArgumentParser | None = None, auto: bool = False) -> tuple:
     """argv -> (ModelConfig, TrainConfig, ParallelConfig, Layout, args); raises
     UsageError / ConfigError (`engine.parallel.validate`'s problems, one line). With `auto`,
@@ -280,7 +251,7 @@ def parse(argv, parser: argparse.ArgumentParser | None = None, auto: bool = Fals
     args = parser.parse_args(argv)
     args.config = path
     args.given = given_flags(parser, argv)  # a flag that cannot take effect is refused
-    cfg = _model(args)
+    cfg = model_from_flags(args)
     tcfg = TrainConfig(batch=args.batch, seq=args.seq, steps=args.steps, lr=args.lr,
                        warmup=args.warmup, seed=args.seed, schedule_steps=args.schedule_steps,
                        schedule=args.lr_schedule, min_lr_ratio=args.min_lr_ratio,
@@ -308,68 +279,6 @@ def parse(argv, parser: argparse.ArgumentParser | None = None, auto: bool = Fals
     return cfg, tcfg, parallel, layout, args
 
 
-
-MODEL_FLAGS = ("d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "mlp_dim", "vocab",
-               "experts", "top_k", "shared_experts", "capacity_factor")
-
-
-def _model(args):
-    """The ModelConfig the flags ask for: a preset with overrides, or the model of
-    --init-from-hf (or of a resumed checkpoint imported from Hugging Face, without
-    --model) with the numerics flags; `args.hf` is then that model's HF record
-    ({config, source}) for the checkpoints, else None."""
-    numerics = dict(dtype=args.dtype, remat=args.remat, attention=args.attention,
-                    activations=resolve_activations(args.activations,
-                                                    getattr(args, "hardware", None)))
-    args.hf, args.model_name = None, args.model or "small"
-    base = None
-    if getattr(args, "init_from_hf", None):
-        from engine.hf import families
-        from engine.hf.io import HFError
-
-        if args.resume:
-            raise UsageError("--init-from-hf starts a run at step 0; --resume continues one "
-                             "(a checkpoint imported by engine.convert resumes without it)")
-        try:
-            hf = families.read_config(args.init_from_hf)
-            base = families.model_config(hf, args.vocab_multiple, **numerics)
-        except HFError as e:
-            raise UsageError(str(e)) from None
-        args.hf, args.model_name = dict(config=hf, source=args.init_from_hf), "from-hf"
-    elif args.resume and args.checkpoint_dir and args.model is None:
-        base = _imported_model(args, numerics)
-    if base is None:
-        return model_config(args.model_name, **{k: getattr(args, k) for k in MODEL_FLAGS},
-                            **numerics)
-    if args.model is not None:
-        raise UsageError(f"--model {args.model} and the model of {args.model_name} "
-                         f"conflict; drop --model")
-    clash = [f"--{k.replace('_', '-')} {getattr(args, k)} (config: {getattr(base, k)})"
-             for k in MODEL_FLAGS if getattr(args, k) is not None
-             and getattr(args, k) != getattr(base, k)]
-    if clash:
-        raise UsageError(f"flags disagree with the model of {args.model_name}: "
-                         + ", ".join(clash))
-    return base
-
-
-def _imported_model(args, numerics):
-    """The model of the newest checkpoint in --checkpoint-dir if it was imported from
-    Hugging Face (its manifest's `hf` entry), else None (the flags' model, checked
-    against the checkpoint when it is read)."""
-    from engine.hf.convert import checkpoint_config
-    from engine.run import checkpoint, checkpoint_stream
-
-    found = checkpoint.list_checkpoints(args.checkpoint_dir)
-    if not found:
-        return None
-    meta = checkpoint_stream.read_meta(found[-1][1])
-    if not meta.get("hf"):
-        return None
-    args.hf, args.model_name = meta["hf"], "hf-checkpoint"
-    return dataclasses.replace(checkpoint_config(meta), **numerics)
-
-
 def parse_or_exit(argv, parser: argparse.ArgumentParser) -> tuple:
     """`parse` for tools sharing the training flags: bad input prints one line and
     exits 2 (SystemExit), like the training CLI."""
@@ -380,11 +289,9 @@ def parse_or_exit(argv, parser: argparse.ArgumentParser) -> tuple:
         raise SystemExit(2) from None
 
 
-
 # Far beyond anything this engine trains; past them a typo, not a plan.
 LIMITS = dict(steps=10**9, batch=2**20, seq=2**20, d_model=2**17, n_layers=2**12,
               n_heads=2**12, n_kv_heads=2**12, head_dim=2**12, mlp_dim=2**20, vocab=2**24)
-
 
 
 def flag_problems(args, cfg, tcfg) -> list[str]:
@@ -416,7 +323,6 @@ def flag_problems(args, cfg, tcfg) -> list[str]:
     return problems
 
 
-
 def check_host_memory(cfg) -> None:
     """Raise UsageError (one line) when training `cfg` cannot fit this host's available
     memory (`engine.run.host.memory_problem`) and jax computes on the host's CPU. For
@@ -438,25 +344,6 @@ def host_memory_or_exit(cfg) -> None:
         raise SystemExit(2) from None
 
 
-def with_documents(cfg, args, eos_id: int | None):
-    """cfg with the document mask `--document-mask` and `--document-positions` ask for,
-    given the data's end-of-document id (None: the data has none). Raises UsageError
-    when the mask is asked for and the data has no such token."""
-    if args.document_mask == "off" or (args.document_mask == "auto" and eos_id is None):
-        if args.document_positions:
-            raise UsageError("--document-positions needs data with an end-of-document "
-                             f"token (--data {args.data} has none)")
-        return dataclasses.replace(cfg, document_eos=None, document_positions=False)
-    if eos_id is None:
-        raise UsageError(f"--document-mask on needs data with an end-of-document token "
-                         f"(--data {args.data} has none)")
-    if not 0 <= eos_id < cfg.vocab:
-        raise UsageError(f"the data's end-of-document id {eos_id} is outside the model's "
-                         f"vocab {cfg.vocab}")
-    return dataclasses.replace(cfg, document_eos=int(eos_id),
-                               document_positions=bool(args.document_positions))
-
-
 def optimizer_problems(tcfg) -> list[str]:
     """Optimizer settings outside the range where they mean something (NaN fails all)."""
     t = tcfg
@@ -470,7 +357,6 @@ def optimizer_problems(tcfg) -> list[str]:
     return [f"{name}={v} must be {want}" for name, v, ok, want in checks if not ok]
 
 
-
 def keep_freed_memory() -> None:
     """On XLA:CPU, keep the step's freed buffers in the process (engine/run/host.py). Changes
     process-wide malloc settings, so tools call it from `main`, not the library."""
@@ -482,14 +368,12 @@ def keep_freed_memory() -> None:
         host.keep_freed_memory()
 
 
-
 def force_host_devices(n: int) -> None:
     """Ask XLA's CPU backend for n devices unless the user already chose a count.
     Must run before jax is imported; harmless on accelerators (only the host backend)."""
     flags = os.environ.get("XLA_FLAGS", "")
     if n > 1 and "xla_force_host_platform_device_count" not in flags:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
-
 
 
 def check_output_file(path: str, flag: str) -> None:
@@ -502,7 +386,6 @@ def check_output_file(path: str, flag: str) -> None:
         raise UsageError(f"{flag} {path}: cannot write it ({e.strerror or e})") from None
     if not existed:
         os.remove(path)
-
 
 
 def check_apart(inputs: dict, outputs: dict) -> None:

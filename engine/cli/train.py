@@ -25,9 +25,9 @@ from engine.cli.args import (
     force_host_devices,
     keep_freed_memory,
     parse,
-    with_documents,
 )
 from engine.cli.given import auto_pins
+from engine.cli.models import with_documents
 from engine.config import ConfigError
 from engine.cost import profile
 from engine.run import distributed

@@ -70,7 +70,6 @@ def classify(hlo_text: str, axes_by_groups: dict) -> dict[str, OpInfo]:
     named = inherited_op_names(module, first_op_name, has_dot)
     info = {}
     for ins in module.instructions():
-        callee = ins.callee
         phase, scope = _phase_scope(named.get(ins.name, ""))
         kind = ins.opcode.removesuffix("-start")
         if ins.opcode in CONTAINERS:
