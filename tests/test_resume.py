@@ -43,7 +43,9 @@ def assert_overlap_identical(rows: list[dict]):
             assert row.get(key) == old.get(key), (row["step"], key, row.get(key), old.get(key))
 
 
-@pytest.mark.parametrize("mode", ["--no-async-save", "--async-save"])
+# the default (async) in the default suite; the blocking writer kills alike (slow)
+@pytest.mark.parametrize("mode", [pytest.param("--no-async-save", marks=pytest.mark.slow),
+                                  "--async-save"])
 def test_sigkill_inside_a_checkpoint_write_then_resume(tmp_path, mode):
     """Synchronous, the kill comes inside step 4's save; asynchronous, inside the
     background write of step 4's state, while steps 5 and 6 may already run."""
