@@ -44,22 +44,17 @@ def config_problems(cfg: ModelConfig, tcfg: TrainConfig,
         problems.append(f"head_dim={cfg.head_dim} must be even (RoPE rotates pairs)")
     if cfg.n_kv_heads >= 1 and cfg.n_heads % cfg.n_kv_heads:
         problems.append(f"heads={cfg.n_heads} not divisible by kv_heads={cfg.n_kv_heads}")
-    if cfg.dtype not in DTYPES:
-        problems.append(f"dtype={cfg.dtype!r} not one of {sorted(DTYPES)}")
-    if cfg.remat not in REMAT:
-        problems.append(f"remat={cfg.remat!r} not one of {list(REMAT)}")
-    if cfg.attention not in ATTENTIONS:
-        problems.append(f"attention={cfg.attention!r} not one of {list(ATTENTIONS)}")
-    if parallel.tp_comm not in COMMS:
-        problems.append(f"tp_comm={parallel.tp_comm!r} not one of {list(COMMS)}")
-    if parallel.cp_comm not in CP_COMMS:
-        problems.append(f"cp_comm={parallel.cp_comm!r} not one of {list(CP_COMMS)}")
-    if parallel.pp_schedule not in SCHEDULES:
-        problems.append(f"pp_schedule={parallel.pp_schedule!r} not one of {list(SCHEDULES)}")
-    if parallel.grad_reduce not in GRAD_REDUCES:
-        problems.append(f"grad_reduce={parallel.grad_reduce!r} not one of {list(GRAD_REDUCES)}")
-    if parallel.zero not in ZERO:
-        problems.append(f"zero={parallel.zero} not one of {list(ZERO)}")
+    # each setting named by a registry: its value must be one of the registry's names
+    for name, value, allowed in (
+            ("dtype", cfg.dtype, sorted(DTYPES)), ("remat", cfg.remat, list(REMAT)),
+            ("attention", cfg.attention, list(ATTENTIONS)),
+            ("tp_comm", parallel.tp_comm, list(COMMS)),
+            ("cp_comm", parallel.cp_comm, list(CP_COMMS)),
+            ("pp_schedule", parallel.pp_schedule, list(SCHEDULES)),
+            ("grad_reduce", parallel.grad_reduce, list(GRAD_REDUCES)),
+            ("zero", parallel.zero, list(ZERO))):
+        if value not in allowed:
+            problems.append(f"{name}={value!r} not one of {allowed}")
     if parallel.prefetch and parallel.zero != 3:
         problems.append(f"--prefetch needs --zero 3 (zero {parallel.zero} keeps params "
                         f"replicated)")
