@@ -120,13 +120,13 @@ def test_import_streams_one_param_at_a_time(hf_dir, tmp_path, monkeypatch):
     from engine.run import checkpoint_stream
 
     alive = []
-    real = checkpoint_stream._write_piece
+    real = checkpoint_stream.pieces.layout
 
-    def spy(f, offset, x):
-        alive.append(x.shape)
-        return real(f, offset, x)
+    def spy(found, start=0):
+        alive.append(start)
+        return real(found, start)
 
-    monkeypatch.setattr(checkpoint_stream, "_write_piece", spy)
+    monkeypatch.setattr(checkpoint_stream.pieces, "layout", spy)
     produced = []
     real_import = convert.weights.import_param
 

@@ -275,28 +275,30 @@ def _prune(directory: str, keep: int, step: int) -> None:
             os.remove(os.path.join(directory, name))
 
 
-def _write_atomic(path: str, buffers: list, step: int, finish=None) -> None:
+def _write_atomic(path: str, buffers, step: int, finish=None) -> None:
     """Write `buffers` (then the bytes `finish()` returns, if given) to a temporary name,
-    fsync, rename to `path`, fsync the directory. A failed write removes its temporary
-    file; out of space, the error says how many bytes the file needs and how many are
-    free."""
+    fsync, rename to `path`, fsync the directory. `buffers` is a list, or an iterator
+    whose buffers are made as the file is written (a converter's arrays one at a time). A
+    failed write removes its temporary file; out of space, the error says how many bytes
+    the file needs (when `buffers` is a list) and how many are free."""
     directory, name = os.path.split(path)
     tmp = os.path.join(directory, f".{name}.tmp-{os.getpid()}")
-    size = sum(len(b) for b in buffers)
+    size = sum(len(b) for b in buffers) if isinstance(buffers, list) else None
     try:
         with open(tmp, "wb") as f:
             f.writelines(buffers)
             if finish is not None:
                 last = finish()
-                size += len(last)
+                size = None if size is None else size + len(last)
                 f.write(last)
             f.flush()
             os.fsync(f.fileno())
     except OSError as e:
         _remove_quietly(tmp)
         if e.errno == errno.ENOSPC:
-            raise OSError(errno.ENOSPC, f"no space left on device: {name} needs "
-                          f"{_mib(size)}, {_mib(_free_bytes(directory))} free") from None
+            needs = "" if size is None else f" needs {_mib(size)},"
+            raise OSError(errno.ENOSPC, f"no space left on device: {name}{needs} "
+                          f"{_mib(_free_bytes(directory))} free") from None
         raise
     except BaseException:
         _remove_quietly(tmp)

@@ -10,14 +10,11 @@ fields without any array.
 """
 from __future__ import annotations
 
-import os
-import zlib
 from collections.abc import Callable, Iterator
 
 import numpy as np
 
-from engine.run import checkpoint as ck
-from engine.run import pieces
+from engine.run import checkpoint as ck, pieces
 
 FRESH = "fresh"  # manifest["optimizer"]: no optimizer state stored; restore starts one
 
@@ -26,46 +23,33 @@ def save_params(directory: str, step: int, arrays: list[tuple[str, tuple, np.dty
                 produce: Callable[[str], np.ndarray], meta: dict) -> str:
     """Write checkpoint `step` of params only: `arrays` [(key path, shape, dtype)] in
     order, `produce(key)` making each array when its turn comes (freed after it is
-    written). Written to a temporary name, fsynced and renamed into place, as
-    `checkpoint.write` does."""
+    written), each laid out as `pieces.layout` lays a piece and written as
+    `checkpoint.write` writes a file (`ck._write_atomic`: temporary name, fsync, rename)."""
+    table = {}
+
+    def each_array():
+        offset = 0
+        for key, shape, dtype in arrays:
+            x = np.ascontiguousarray(produce(key), dtype=dtype)
+            if x.shape != tuple(shape):
+                raise ValueError(f"{key}: made {x.shape}, the manifest says {shape}")
+            laid, buffers, offset = pieces.layout(
+                {"params": {key: [([[0, n] for n in x.shape], x)]}}, start=offset)
+            table.update(laid["params"])
+            yield from buffers
+            del x, buffers
+
+    def header() -> bytes:
+        record = dict(meta, format=ck.FORMAT, step=step, versions=ck.versions(), processes=1,
+                      optimizer=FRESH, shards=[],
+                      arrays={"params": {k: {"dtype": str(np.dtype(d)), "shape": list(s)}
+                                         for k, s, d in arrays}, "opt_state": {}},
+                      pieces={"params": table, "opt_state": {}})
+        return pieces.tail(record)[0]
+
     path = ck.checkpoint_path(directory, step)
-    tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp-{os.getpid()}")
-    table, offset = {}, 0
-    try:
-        with open(tmp, "wb") as f:
-            for key, shape, dtype in arrays:
-                x = np.ascontiguousarray(produce(key), dtype=dtype)
-                if x.shape != tuple(shape):
-                    raise ValueError(f"{key}: made {x.shape}, the manifest says {shape}")
-                piece, offset = _write_piece(f, offset, x)
-                table[key] = [piece]
-                del x
-            record = dict(meta, format=ck.FORMAT, step=step, versions=ck.versions(),
-                          processes=1, optimizer=FRESH, shards=[],
-                          arrays={"params": {k: {"dtype": str(np.dtype(d)), "shape": list(s)}
-                                             for k, s, d in arrays}, "opt_state": {}},
-                          pieces={"params": table, "opt_state": {}})
-            f.write(pieces.tail(record)[0])
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        ck._remove_quietly(tmp)
-        raise
+    ck._write_atomic(path, each_array(), step, finish=header)
     return path
-
-
-def _write_piece(f, offset: int, x: np.ndarray) -> tuple[dict, int]:
-    """Write the whole array x as one piece at the first aligned offset from `offset`
-    (its bytes straight from its buffer); (the piece's header entry, the offset after
-    it)."""
-    data = pieces.as_bytes(x)
-    pad = -offset % pieces.ALIGN
-    f.write(bytes(pad))
-    f.write(data)
-    piece = {"index": [[0, n] for n in x.shape], "offset": offset + pad,
-             "nbytes": len(data), "crc32": zlib.crc32(data)}
-    return piece, offset + pad + len(data)
 
 
 def read_meta(path: str) -> dict:

@@ -36,10 +36,11 @@ def as_bytes(x: np.ndarray) -> memoryview:
     return memoryview(np.ascontiguousarray(x).reshape(-1).view(np.uint8))
 
 
-def layout(pieces: dict) -> tuple[dict, list, int]:
+def layout(pieces: dict, start: int = 0) -> tuple[dict, list, int]:
     """{part: {key: [(index, host array)]}} -> (the header's piece table with offsets and
-    checksums, the buffers to write in order (padding included), the data size)."""
-    table, buffers, offset = {}, [], 0
+    checksums, the buffers to write in order (padding included), the offset they end at),
+    laid out from byte `start` of the file."""
+    table, buffers, offset = {}, [], start
     for part, arrays in pieces.items():
         table[part] = {}
         for key, found in arrays.items():
