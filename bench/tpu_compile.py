@@ -49,10 +49,21 @@ GiB = 2 ** 30
 # v5p are 3-D tori, wrapped once every side is 4 chips or more; v5e is a 2-D mesh, its
 # 256-chip pod wrapped along both sides); each v4 / v5p chip is one "megacore" device
 CUBES = {4: (2, 2, 1), 8: (2, 2, 2), 16: (2, 2, 4), 32: (2, 4, 4), 64: (4, 4, 4),
-         128: (4, 4, 8), 256: (4, 8, 8), 512: (8, 8, 8), 1024: (8, 8, 16)}
+         128: (4, 4, 8), 256: (4, 8, 8), 512: (8, 8, 8), 1024: (8, 8, 16),
+         2048: (8, 16, 16)}
 PLANES = {4: (2, 2), 8: (2, 4), 16: (4, 4), 32: (4, 8), 64: (8, 8), 128: (8, 16),
           256: (16, 16)}
 PREFIX = {"v4": "v4", "v5p": "v5", "v5e": "v5e"}
+
+
+def one_slice(run) -> bool:
+    """A published run on one slice whose topology `topology` knows (runs across slices
+    add a DCN data-parallel axis, which a compile-only topology of one slice lacks)."""
+    try:
+        topology(run.hardware, run.chips)
+    except ValueError:
+        return False
+    return not run.layout.startswith("dp")
 
 
 def topology(hardware: str, chips: int) -> dict:
@@ -262,14 +273,15 @@ def main(argv=None) -> int:
         steps = [(f"{layout} on {layout.size}x{args.hardware}", args.hardware,
                   (cfg, tcfg, parallel, layout))]
     else:
-        from bench.published import RUNS
+        from bench.published import HELD_OUT, RUNS, argv as run_argv, source_settings
 
-        runs = [r for r in RUNS if r.hardware in PREFIX
+        runs = [r for r in RUNS + HELD_OUT if r.hardware in PREFIX and one_slice(r)
                 and (args.only is None or args.only.lower() in r.name.lower())]
         if not runs:
             print(f"error: no published TPU run matches {args.only!r}", file=sys.stderr)
             return 2
-        steps = [(r.name, r.hardware, parse_or_exit(r.argv(), train_parser())[:4])
+        steps = [(r.name, r.hardware,
+                  parse_or_exit(run_argv(r, source_settings(r)), train_parser())[:4])
                  for r in runs]
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the host backend; the TPU is compile-only
     # libtpu holds a lock file for the one process that may drive the chips; a
