@@ -32,7 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.published import RUNS, profile  # noqa: E402
+from bench.published import RUNS, argv, profile, source_settings  # noqa: E402
 
 DATA_AXES = ("dp", "fsdp")
 
@@ -42,7 +42,7 @@ def published_candidate(run):
     from engine.cli.args import build_parser, parse_or_exit
     from engine.planner import search as plan
 
-    cfg, tcfg, parallel, layout, _ = parse_or_exit(run.argv(), build_parser())
+    cfg, tcfg, parallel, layout, _ = parse_or_exit(argv(run, source_settings(run)), build_parser())
     return plan.Candidate(layout, parallel, cfg), tcfg
 
 
@@ -129,7 +129,9 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     bad = [f"{k}={getattr(args, k)} must be >= {m}" for k, m in
            (("max_tp", 1), ("rounds", 0), ("workers", 1)) if getattr(args, k) < m]
-    runs = [r for r in RUNS if args.only is None or args.only.lower() in r.name.lower()]
+    # the pipelined rows are left out: the restricted search places no pp axis
+    runs = [r for r in RUNS if r.pp == 1
+            and (args.only is None or args.only.lower() in r.name.lower())]
     if not runs:
         bad.append(f"no run matches {args.only!r}")
     if bad:
