@@ -328,7 +328,7 @@ _H100_FA1 = dict(attention_rates=flash_rates(H100_SXM_BF16, H100_FA1))
 FLASH_ATTENTION_TRITON = {"h100": _H100_FA1, "h100-gt": _H100_FA1,
                           "a100": dict(attention_eff=0.0, attention_rates=flash_rates(
                               A100_SXM_BF16, A100_FA_TRITON))}
-# a published run's attention kernel (bench/published.py `Run.kernel`) -> its fields
+# a framework's attention kernel (bench/published.py `FRAMEWORKS`) -> its fields
 KERNELS = {"flash2": FLASH_ATTENTION_2, "triton": FLASH_ATTENTION_TRITON}
 
 # H100 as torchtitan's benchmark pages describe their Grand Teton hosts: "96GB HBM2e with
