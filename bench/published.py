@@ -26,7 +26,9 @@ Rules, fact -> setting:
   calls Pallas splash on TPU and cuDNN's fused attention through XLA on GPU
   (`attention=cudnn_flash_te`), each the profile's own kernel; Megatron 2021 predates
   FlashAttention and forms the [s, s] scores (`--attention reference`); a source that
-  names no kernel gets the profile's. torchtitan's TP plan is Megatron sequence
+  names no kernel gets the profile's. Composer's MPT loss is flash-attn's fused
+  cross-entropy (its `loss_fn` default, `fused_crossentropy`), which holds the logits and
+  their grad in bf16 (`hardware.FUSED_CROSS_ENTROPY`; memory only). torchtitan's TP plan is Megatron sequence
   parallelism (`--tp-comm sequence`), Megatron 2021's all-reduces (`allreduce`).
 - tp collectives overlapped with compute (MaxText's `xla_tpu_overlap_compute_collective_tc`,
   torchtitan's Async TP) -> `--tp-comm ring`.
@@ -72,9 +74,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.published_runs import HELD_OUT, PEAK, RUNS, Run  # noqa: E402
 
 # framework -> (attention kernel: "" the profile's, "flash2", "triton"; --attention;
-# elementwise ops fused; --tp-comm without overlap)
+# elementwise ops fused; --tp-comm without overlap; loss: "xentropy" a fused
+# cross-entropy kernel, `hardware.FUSED_CROSS_ENTROPY`, else the engine's f32 loss)
 FRAMEWORKS = {
-    "composer": dict(kernel="triton", attention="auto", fused=False, tp_comm="allreduce"),
+    "composer": dict(kernel="triton", attention="auto", fused=False, tp_comm="allreduce",
+                     loss="xentropy"),
     "torchtitan-compile": dict(kernel="flash2", attention="auto", fused=True,
                                tp_comm="sequence"),
     "torchtitan-eager": dict(kernel="flash2", attention="auto", fused=False,
@@ -94,6 +98,7 @@ class Settings:
     flags: tuple
     kernel: str = ""
     fused: bool = True
+    loss: str = ""
 
 
 def stated(r: Run, fact: str) -> bool:
@@ -127,7 +132,7 @@ def source_settings(r: Run) -> Settings:
         if interleaved:
             flags += ["--pp-virtual", str(r.virtual)]
     return Settings(tuple(flags + (["--prefetch"] if prefetch else [])), fw["kernel"],
-                    fw["fused"])
+                    fw["fused"], fw.get("loss", ""))
 
 
 def engine_settings(r: Run) -> Settings:
@@ -179,6 +184,8 @@ def profile(r: Run, s: Settings | None = None):
     hw = hardware.get(r.hardware)
     if s.kernel:
         hw = dataclasses.replace(hw, **hardware.KERNELS[s.kernel][r.hardware])
+    if s.loss:
+        hw = dataclasses.replace(hw, **hardware.FUSED_CROSS_ENTROPY)
     return hw if s.fused else dataclasses.replace(hw, fusion=False)
 
 

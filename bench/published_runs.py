@@ -116,7 +116,8 @@ def _mpt(size, hw, chips, micro, ckpt, tps, mfu, strategy="FULL_SHARD", mp="DEFA
               ("layout", f"Sharding Strategy {strategy}"), ("precision", f"Precision {precision}"),
               ("grad_reduce", f"MP Mode {mp}"), ("remat", f"Activation Checkpointing {ckpt}"),
               ("framework", "composer train/train.py (submit_benchmarks.py), no compile "
-                            "setting; attn_impl triton"),
+                            "setting; attn_impl triton; MPT loss_fn default "
+                            "fused_crossentropy"),
               ("microbatches", f"GradAccum {accum}" if accum else "GradAccum (per microbatch)"))
     return Run(f"llm-foundry MPT-{size} {chips}x{hw}", hw, chips, layers, d, heads, heads,
                d // heads, gelu_match(d), 50368, 2048, micro * chips, f"fsdp{chips}",

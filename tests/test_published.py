@@ -370,3 +370,27 @@ def test_one_rule_per_framework_whatever_the_row():
         assert ("--prefetch" in s.flags) == ("fsdp" in r.layout and _flag(s, "--zero") == "3")
         assert profile(r).fusion == fw["fused"]
     assert not FRAMEWORKS["composer"]["fused"] and not FRAMEWORKS["torchtitan-eager"]["fused"]
+
+
+def test_a_fused_cross_entropy_holds_the_logits_and_their_grad_in_the_compute_dtype():
+    """llm-foundry's MPT loss (flash-attn's xentropy kernel) saves the bf16 logits and
+    writes bf16 dlogits; the engine's loss on a GPU holds two f32 [B, L, V]. Only
+    Composer's rows are priced with it."""
+    from bench.published import RUNS, profile
+    from engine.cost.memory_items import XENTROPY
+
+    cfg = model_config("tiny", d_model=256, vocab=32000, dtype="bf16", activations="bf16",
+                       remat="full", attention="blocked")
+    tcfg = TrainConfig(seq=2048, batch=32)
+    gpu, xent = (memory.predict(cfg, tcfg, Layout.parse("fsdp4"), platform=p,
+                                parallel=ParallelConfig()) for p in ("accelerator", XENTROPY))
+    logits = 8 * 2048 * 32000  # B = 32 / 4 per device
+    assert xent.items["transient: logits saved and dlogits (compute dtype, fused "
+                      "cross-entropy)"] \
+        == 2 * logits * 2
+    assert "transient: dlogits and a relayout" in gpu.items
+    assert not any("relayout" in k for k in xent.items)
+    assert gpu.phase == xent.phase == "loss"
+    assert gpu.peak - xent.peak == 2 * logits * 4 - 2 * logits * 2
+    for r in RUNS:
+        assert (profile(r).memory_platform == XENTROPY) == (r.framework == "composer"), r.name

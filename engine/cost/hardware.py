@@ -106,8 +106,10 @@ class Hardware:
     hbm_capacity: float = 0.0
     cold_hbm: float = 0.0
     # the memory model's platform for a chip (engine/cost/memory.py): "accelerator" (a
-    # GPU, whose FlashAttention backward accumulates dq in an f32 HBM buffer) or "tpu"
-    # (Pallas kernels, accumulating in VMEM); a shared host is "cpu" whatever this says
+    # GPU, whose FlashAttention backward accumulates dq in an f32 HBM buffer),
+    # "accelerator-xentropy" (the same with a fused cross-entropy loss,
+    # `FUSED_CROSS_ENTROPY`) or "tpu" (Pallas kernels, accumulating in VMEM); a shared
+    # host is "cpu" whatever this says
     memory_platform: str = "accelerator"
     # the MFU denominator per operand dtype, when it is not `peak_flops`: on the CPU,
     # `peak_flops` is the rate the step's own matmul shapes reach (what pricing uses)
@@ -328,6 +330,13 @@ _H100_FA1 = dict(attention_rates=flash_rates(H100_SXM_BF16, H100_FA1))
 FLASH_ATTENTION_TRITON = {"h100": _H100_FA1, "h100-gt": _H100_FA1,
                           "a100": dict(attention_eff=0.0, attention_rates=flash_rates(
                               A100_SXM_BF16, A100_FA_TRITON))}
+# A GPU run whose loss is flash-attn's fused softmax cross-entropy (its CrossEntropyLoss,
+# the xentropy CUDA kernel: llm-foundry's MPT `loss_fn` default, `fused_crossentropy`,
+# llmfoundry/models/mpt/modeling_mpt.py): its forward saves the logits as they come (bf16
+# under autocast) and its backward writes dlogits with `torch.empty_like(logits)`, so the
+# loss holds two compute-dtype [B, L, V] buffers where an f32 loss holds f32 ones
+# (engine/cost/memory_items.py `loss_items`).
+FUSED_CROSS_ENTROPY = dict(memory_platform="accelerator-xentropy")
 # a framework's attention kernel (bench/published.py `FRAMEWORKS`) -> its fields
 KERNELS = {"flash2": FLASH_ATTENTION_2, "triton": FLASH_ATTENTION_TRITON}
 

@@ -335,11 +335,23 @@ def saved_by_remat(d: Dims, cfg: ModelConfig, par, trans_full: dict,
 
 
 
+# the memory platform of a GPU whose loss is a fused softmax cross-entropy kernel
+# (flash-attn's xentropy, `hardware.FUSED_CROSS_ENTROPY`)
+XENTROPY = "accelerator-xentropy"
+
+
 def loss_items(d: Dims) -> dict:
-    """The loss phase: dlogits, the unembed and the embed grad."""
-    dlogits = ({"dlogits (XLA:TPU's one f32 [B, L, V_tp])": d.B * d.L * d.Vtp * F32}
-               if d.platform == "tpu"
-               else {"dlogits and a relayout": 2 * d.B * d.L * d.Vtp * F32})
+    """The loss phase: dlogits, the unembed and the embed grad. A fused cross-entropy
+    kernel (`XENTROPY`) saves the logits as they come, in the compute dtype, and writes
+    dlogits in that dtype beside them (flash-attn's CrossEntropyLoss backward:
+    `torch.empty_like(logits)`)."""
+    if d.platform == "tpu":
+        dlogits = {"dlogits (XLA:TPU's one f32 [B, L, V_tp])": d.B * d.L * d.Vtp * F32}
+    elif d.platform == XENTROPY:
+        dlogits = {"logits saved and dlogits (compute dtype, fused cross-entropy)":
+                   2 * d.B * d.L * d.Vtp * d.c}
+    else:
+        dlogits = {"dlogits and a relayout": 2 * d.B * d.L * d.Vtp * F32}
     return {**dlogits,
             "unembed gathered and its f32 grad": d.D * d.Vtp * (d.c + F32),
             "embed grad, whole over fsdp": d.Vtp * d.D * F32}
