@@ -28,8 +28,9 @@ Rules, fact -> setting:
   FlashAttention and forms the [s, s] scores (`--attention reference`); a source that
   names no kernel gets the profile's. Composer's MPT loss is flash-attn's fused
   cross-entropy (its `loss_fn` default, `fused_crossentropy`), which holds the logits and
-  their grad in bf16 (`hardware.FUSED_CROSS_ENTROPY`; memory only). torchtitan's TP plan is Megatron sequence
-  parallelism (`--tp-comm sequence`), Megatron 2021's all-reduces (`allreduce`).
+  their grad in bf16 (`hardware.FUSED_CROSS_ENTROPY`; memory only). torchtitan's TP plan
+  is Megatron sequence parallelism (`--tp-comm sequence`), Megatron 2021's all-reduces
+  (`allreduce`).
 - tp collectives overlapped with compute (MaxText's `xla_tpu_overlap_compute_collective_tc`,
   torchtitan's Async TP) -> `--tp-comm ring`.
 - FSDP with its weights gathered per layer (zero 3) -> `--prefetch`: every source's

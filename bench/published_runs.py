@@ -115,9 +115,9 @@ def _mpt(size, hw, chips, micro, ckpt, tps, mfu, strategy="FULL_SHARD", mp="DEFA
               ("seq", "SeqLen (T) 2048"), ("batch", f"MicroBatchSize {micro}"),
               ("layout", f"Sharding Strategy {strategy}"), ("precision", f"Precision {precision}"),
               ("grad_reduce", f"MP Mode {mp}"), ("remat", f"Activation Checkpointing {ckpt}"),
-              ("framework", "composer train/train.py (submit_benchmarks.py), no compile "
-                            "setting; attn_impl triton; MPT loss_fn default "
-                            "fused_crossentropy"),
+              ("framework", ("composer train/train.py (submit_benchmarks.py), no compile "
+                             "setting; attn_impl triton; MPT loss_fn default "
+                             "fused_crossentropy")),
               ("microbatches", f"GradAccum {accum}" if accum else "GradAccum (per microbatch)"))
     return Run(f"llm-foundry MPT-{size} {chips}x{hw}", hw, chips, layers, d, heads, heads,
                d // heads, gelu_match(d), 50368, 2048, micro * chips, f"fsdp{chips}",
@@ -249,8 +249,8 @@ def _llama3(gpus, cp, dp, seq, per_dp, tflops, mfu):
     quotes = (("hardware", "H100 GPUs, 80GB HBM3, 700W TDP"), ("chips", f"GPUs {gpus}"),
               ("seq", f"Seq. Len. {seq}"), ("batch", f"Batch size/DP {per_dp}"),
               ("layout", f"TP 8, CP {cp}, PP 16, DP {dp}"), ("precision", "BF16 MFU"),
-              ("zero", "FSDP ... shards the optimizer states and gradients ... we do not "
-                       "reshard after forward computation"),
+              ("zero", ("FSDP ... shards the optimizer states and gradients ... we do not "
+                        "reshard after forward computation")),
               ("framework", "Meta's 4D-parallel training stack"))
     return Run(f"Llama 3 405B {layout} {gpus}xh100", "h100", gpus, 128, 16384, 128, 8, 128,
                53248, 128256, seq, per_dp * dp, layout, "full", 2, tflops, "engine_tflops",
