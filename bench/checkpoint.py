@@ -76,6 +76,10 @@ def worker(args) -> dict:
     import numpy as np
     from jax.sharding import NamedSharding
 
+    from engine.cli.args import keep_freed_memory
+
+    keep_freed_memory()  # glibc's malloc settings of an engine.train run (engine/run/host.py)
+
     from engine.config import TrainConfig, model_config
     from engine.parallel.layout import Layout
     from engine.run import checkpoint, distributed
