@@ -201,6 +201,52 @@ def test_tensorboard_event_file_holds_every_scalar_of_every_step(run, tmp_path):
     assert got == want
 
 
+def test_predicted_step_time_beside_the_measured_one(run, tmp_path):
+    """With the cost model on, every record (so TensorBoard and W&B) holds the step the
+    cost model predicts for this layout, priced as --profile-steps prices it (the traced
+    step's ledger, the compiled step's mapped temporaries), and measured / predicted."""
+    pytest.importorskip("tensorboardX")
+    from engine.cost import hardware, memory
+    from engine.cost.ledger import step_ledger
+    from engine.cost.pipeline import predict_step
+    from engine.run.host import mapped_each_step
+    from engine.run.predicted import StepPrediction
+    from engine.run.tensorboard import TensorBoard
+
+    cfg, tcfg, parallel, layout, _ = parse(FLAGS)
+    session = restart(run, run["start"], 0)
+    rows = Rows()
+    hooks = [Rates(cfg, tcfg, session.peak), StepPrediction(cfg, layout, parallel, print),
+             rows, TensorBoard(str(tmp_path))]
+    assert loop(session, hooks, print) == 0
+    try:
+        hw = hardware.get("cpu")
+    except hardware.ProfileError:
+        hw = hardware.cpu_defaults()
+    mapped = mapped_each_step(memory.measure(session.step_fn)["temp"])
+    want = predict_step(step_ledger(cfg, tcfg, layout, parallel), hw, layout, parallel,
+                        mapped)[0].step_s
+    assert len(rows.rows) == STEPS and want > 0
+    for r in rows.rows:
+        assert r["predicted_step_s"] == want
+        assert r["step_time_ratio"] == r["step_time_s"] / want
+    got = tensorboard_scalars(tmp_path)
+    assert {got["train/predicted_step_s", r["step"]] for r in rows.rows} == {np.float32(want)}
+
+
+@pytest.mark.parametrize("flags, on", [([], False), (["--profile-steps", "2:3"], True),
+                                       (["--layout", "auto"], True)])
+def test_the_cost_model_prices_the_step_only_when_on(run, flags, on):
+    from engine.cli.train import _hooks
+    from engine.run.predicted import StepPrediction
+
+    cfg, tcfg, parallel, layout, args = parse([*FLAGS, *flags], auto=True)
+    layout = layout or parse(FLAGS)[3]  # auto: what the planner would choose
+    hooks = _hooks(cfg, tcfg, parallel, layout, args, load_data("synthetic", cfg.vocab),
+                   run["session"], None, print)
+    assert any(isinstance(h, StepPrediction) for h in hooks) == on
+
+
 def wandb_records(directory) -> list:
     """The protobuf records (wandb's own `Record`) of the offline runs under `directory`.
     wandb has no offline reader of its own, so the file's framing is read here: a 7-byte
