@@ -56,8 +56,8 @@ class StepPrediction:
         pred = predict_run_step(self.cfg, session.tcfg, self.layout, self.parallel,
                                 session.step_fn, hw)
         self.step_s = pred.step_s
-        self.say(f"cost model: predicted step {self.step_s:.4g} s on the {hw.name} profile "
-                 f"({hw.source})")
+        self.say(f"cost model: predicted step {self.step_s:.4g} s on the {hw.name} profile, "
+                 f"{hw.source}")
 
     def __call__(self, record, session):
         if self.step_s:
