@@ -4,6 +4,7 @@ another layout in 1 process.
 
     python bench/checkpoint.py                      # d_model 1024, 12 layers: 2.3 GiB
     python bench/checkpoint.py --d-model 256 --layers 2   # a quick look
+    python bench/checkpoint.py --dir D --phases restore,relayout   # D's newest checkpoint
 
 Three phases, each in fresh processes (so each peak RSS is that phase's own):
   save     2 processes, fsdp8: a normal step (median of 3); a blocking save (every
@@ -11,8 +12,13 @@ Three phases, each in fresh processes (so each peak RSS is that phase's own):
            waits for: the snapshot; then the next step, which overlaps the background
            write, and the write's own time); then 2 more steps, whose losses are kept.
   restore  2 processes, fsdp8: restore by pieces; seconds and each process's peak RSS
-           (getrusage) against its own share of the state (the bytes its devices hold)
-           and against the RSS before the restore began.
+           (getrusage's ru_maxrss, the whole process's high-water mark) over its own
+           share of the state (the bytes its devices hold, a replicated region once a
+           device; also printed counting it once, as restored replicas share one host
+           buffer on the CPU until a step writes new ones), and what
+           the restore added: that peak less the RSS just before the restore began
+           (Python, jax, the XLA client, the Trainer: about 200 MiB), over the share.
+           Every worker sets glibc's malloc as engine.train does (engine/run/host.py).
   relayout 1 process x 8 devices, fsdp2xtp4: restore by pieces; every restored array is
            compared bit for bit with the checkpoint; the 2 steps after it are compared
            with the saving run's (another layout sums in another order: relative
