@@ -128,3 +128,28 @@ def test_restored_device_buffers_are_the_host_arrays_read_not_copies(
                for s in x.addressable_shards]
     assert jax.default_backend() == "cpu" and len(devices) > len(jax.tree.leaves(params))
     assert set(devices) <= host
+
+
+def test_restore_by_pieces_into_a_circular_pipeline_takes_its_layer_order(tmp_path):
+    """A circular schedule stores its blocks in another order (`Trainer.layer_order`):
+    restored by pieces from a checkpoint of the model's order, its state unstored is the
+    saved state, bit for bit."""
+    import dataclasses
+
+    from test_checkpoint import CFG, TCFG
+
+    from engine.config import ParallelConfig
+    from engine.parallel.layout import Layout
+    from engine.run.step import Trainer
+
+    cfg = dataclasses.replace(CFG, n_layers=8)
+    plain, lay = trainer("fsdp8", cfg), Layout.parse("pp2xfsdp4")
+    inter = Trainer(cfg, TCFG, lay, lay.mesh(), ParallelConfig(
+        microbatches=2, pp_schedule="interleaved", pp_virtual=2))
+    assert inter.layer_order is not None
+    state = host_state(plain, 5)
+    path = checkpoint.save(str(tmp_path), 1, *checkpoint.restore(state, plain),
+                           meta(cfg, layout="fsdp8"), 1)
+    params, opt_state = checkpoint.restore(checkpoint.open_checkpoint(path), inter)
+    assert_same(flat_host(inter.unstore(params)), state.params)
+    assert_same(flat_host(inter.unstore(opt_state)), state.opt_state)
