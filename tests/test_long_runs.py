@@ -210,19 +210,16 @@ def test_predicted_step_time_beside_the_measured_one(run, tmp_path):
     from engine.cost.ledger import step_ledger
     from engine.cost.pipeline import predict_step
     from engine.run.host import mapped_each_step
-    from engine.run.predicted import StepPrediction
+    from engine.cost.predicted import StepPrediction
     from engine.run.tensorboard import TensorBoard
 
     cfg, tcfg, parallel, layout, _ = parse(FLAGS)
     session = restart(run, run["start"], 0)
+    hw = hardware.get("cpu")
     rows = Rows()
-    hooks = [Rates(cfg, tcfg, session.peak), StepPrediction(cfg, layout, parallel, print),
+    hooks = [Rates(cfg, tcfg, session.peak), StepPrediction(cfg, layout, parallel, hw, print),
              rows, TensorBoard(str(tmp_path))]
     assert loop(session, hooks, print) == 0
-    try:
-        hw = hardware.get("cpu")
-    except hardware.ProfileError:
-        hw = hardware.cpu_defaults()
     mapped = mapped_each_step(memory.measure(session.step_fn)["temp"])
     want = predict_step(step_ledger(cfg, tcfg, layout, parallel), hw, layout, parallel,
                         mapped)[0].step_s
@@ -238,7 +235,7 @@ def test_predicted_step_time_beside_the_measured_one(run, tmp_path):
                                        (["--layout", "auto"], True)])
 def test_the_cost_model_prices_the_step_only_when_on(run, flags, on):
     from engine.cli.train import _hooks
-    from engine.run.predicted import StepPrediction
+    from engine.cost.predicted import StepPrediction
 
     cfg, tcfg, parallel, layout, args = parse([*FLAGS, *flags], auto=True)
     layout = layout or parse(FLAGS)[3]  # auto: what the planner would choose

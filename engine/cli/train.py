@@ -338,9 +338,7 @@ def _hooks(cfg, tcfg, parallel, layout, args, data, session, metrics, say) -> li
     rates = Rates(cfg, tcfg, session.peak)
     hooks = [rates]
     if args.layout == "auto" or args.profile_steps:  # the cost model is on
-        from engine.run.predicted import StepPrediction
-
-        hooks.append(StepPrediction(cfg, layout, parallel, say))
+        hooks += _step_prediction(cfg, layout, parallel, session, say)
     if args.eval_every:
         hooks.append(Evaluate(args.eval_every, args.eval_batches, tcfg.steps,
                               data.bytes_per_token))
@@ -372,6 +370,22 @@ def _hooks(cfg, tcfg, parallel, layout, args, data, session, metrics, say) -> li
         hooks.append(profile.Profile(args.profile_steps, args.profile_dir, cfg, tcfg, layout,
                                      parallel, say))
     return hooks
+
+
+def _step_prediction(cfg, layout, parallel, session, say) -> list:
+    """The hook that puts the cost model's step time in every record
+    (engine/cost/predicted.py), priced on the profile of the run's devices; none, with a
+    note, for an accelerator the cost model has no profile of."""
+    from engine.cost.predicted import StepPrediction
+    from engine.planner.search import device_profile
+
+    devices = list(session.trainer.mesh.devices.flat)
+    hw = device_profile(devices, lambda *a, **k: None)  # the hook's line names its source
+    if hw is None:
+        say(f"note: the cost model has no profile of {devices[0].device_kind!r}: no "
+            f"predicted step time")
+        return []
+    return [StepPrediction(cfg, layout, parallel, hw, say)]
 
 
 def _wandb(args) -> list:
