@@ -307,6 +307,20 @@ def test_wandb_offline_run_holds_the_scalars_tensorboard_gets(run, tmp_path, mon
             if not i.key.startswith("_")} == {"layout": "fsdp2xtp2", "steps": STEPS}
 
 
+def test_a_wandb_run_that_cannot_start_is_one_line(monkeypatch, one_line_error):
+    """Online without a login, wandb.init raises: the run stops before its first step."""
+    wandb = pytest.importorskip("wandb")
+    from engine.cli.train import main
+
+    def no_login(**kwargs):
+        raise wandb.errors.UsageError("api_key not configured (no-tty). call "
+                                      "wandb.login(key=[your_api_key])\nmore")
+
+    monkeypatch.setattr(wandb, "init", no_login)
+    one_line_error(main, [*FLAGS, "--layout", "single", "--wandb", "proj"],
+                   "--wandb proj: api_key not configured", table="| loss")
+
+
 def test_wandb_missing_is_one_line(monkeypatch, one_line_error):
     from engine.cli.train import main
     from engine.run import wandb_log
