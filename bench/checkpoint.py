@@ -195,7 +195,7 @@ def main() -> None:
     os.makedirs(args.dir, exist_ok=True)
     phases = args.phases.split(",")
     if unknown := set(phases) - {"save", "restore", "relayout"}:
-        sys.exit(f"unknown phase {sorted(unknown)[0]}: choose from save, restore, relayout")
+        sys.exit(f"unknown phase {min(unknown)}: choose from save, restore, relayout")
     save = run_phase(args, "save", 2) if "save" in phases else []
     restore = run_phase(args, "restore", 2) if "restore" in phases else []
     relayout = run_phase(args, "relayout", 1) if "relayout" in phases else []

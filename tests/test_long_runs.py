@@ -209,8 +209,8 @@ def test_predicted_step_time_beside_the_measured_one(run, tmp_path):
     from engine.cost import hardware, memory
     from engine.cost.ledger import step_ledger
     from engine.cost.pipeline import predict_step
-    from engine.run.host import mapped_each_step
     from engine.cost.predicted import StepPrediction
+    from engine.run.host import mapped_each_step
     from engine.run.tensorboard import TensorBoard
 
     cfg, tcfg, parallel, layout, _ = parse(FLAGS)
@@ -258,7 +258,8 @@ def wandb_records(directory) -> list:
     block, head = 32768, 7
     out = []
     for path in glob.glob(os.path.join(directory, "wandb", "offline-run-*", "run-*.wandb")):
-        data = open(path, "rb").read()
+        with open(path, "rb") as f:
+            data = f.read()
         assert struct.unpack("<4sHB", data[:head])[:2] == (b":W&B", 0xBEE1)
         at, parts = head, b""
         while at + head <= len(data):
