@@ -4,6 +4,7 @@ another layout in 1 process.
 
     python bench/checkpoint.py                      # d_model 1024, 12 layers: 2.3 GiB
     python bench/checkpoint.py --d-model 256 --layers 2   # a quick look
+    python bench/checkpoint.py --dir D --phases restore,relayout   # D's newest checkpoint
 
 Three phases, each in fresh processes (so each peak RSS is that phase's own):
   save     2 processes, fsdp8: a normal step (median of 3); a blocking save (every
@@ -11,8 +12,13 @@ Three phases, each in fresh processes (so each peak RSS is that phase's own):
            waits for: the snapshot; then the next step, which overlaps the background
            write, and the write's own time); then 2 more steps, whose losses are kept.
   restore  2 processes, fsdp8: restore by pieces; seconds and each process's peak RSS
-           (getrusage) against its own share of the state (the bytes its devices hold)
-           and against the RSS before the restore began.
+           (getrusage's ru_maxrss, the whole process's high-water mark) over its own
+           share of the state (the bytes its devices hold, a replicated region once a
+           device; also printed counting it once, as restored replicas share one host
+           buffer on the CPU until a step writes new ones), and what
+           the restore added: that peak less the RSS just before the restore began
+           (Python, jax, the XLA client, the Trainer: about 200 MiB), over the share.
+           Every worker sets glibc's malloc as engine.train does (engine/run/host.py).
   relayout 1 process x 8 devices, fsdp2xtp4: restore by pieces; every restored array is
            compared bit for bit with the checkpoint; the 2 steps after it are compared
            with the saving run's (another layout sums in another order: relative
@@ -43,6 +49,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=32)
     p.add_argument("--dir", default=None, help="checkpoint directory (default: a temp dir)")
+    p.add_argument("--phases", default="save,restore,relayout",
+                   help="which phases to run, comma-separated; restore and relayout alone "
+                        "read the newest checkpoint a save phase left in --dir")
     p.add_argument("--phase", default=None, help=argparse.SUPPRESS)  # a worker
     p.add_argument("--process-id", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--processes", type=int, default=1, help=argparse.SUPPRESS)
@@ -73,6 +82,10 @@ def worker(args) -> dict:
     import numpy as np
     from jax.sharding import NamedSharding
 
+    from engine.cli.args import keep_freed_memory
+
+    keep_freed_memory()  # glibc's malloc settings of an engine.train run (engine/run/host.py)
+
     from engine.config import TrainConfig, model_config
     from engine.parallel.layout import Layout
     from engine.run import checkpoint, distributed
@@ -97,8 +110,13 @@ def worker(args) -> dict:
         loss = distributed.host_value(m["loss"])
         return params, opt, loss, time.perf_counter() - t0
 
-    def share(tree) -> int:
-        return sum(s.data.nbytes for x in jax.tree.leaves(tree) for s in x.addressable_shards)
+    def share(tree, replicas: bool = True) -> int:
+        """Bytes this process's devices hold; with `replicas` False, a region several of
+        them hold (a replicated array) once."""
+        held = {(i, str(s.index)): s.data.nbytes for i, x in enumerate(jax.tree.leaves(tree))
+                for s in x.addressable_shards}
+        return sum(s.data.nbytes for x in jax.tree.leaves(tree)
+                   for s in x.addressable_shards) if replicas else sum(held.values())
 
     meta = {"model": {f: getattr(cfg, f) for f in checkpoint.SHAPE_FIELDS}}
     out = {"process": args.process_id}
@@ -133,7 +151,9 @@ def worker(args) -> dict:
     params, opt = checkpoint.restore(ckpt, trainer)
     jax.block_until_ready((params, opt))
     out.update(restore_s=time.perf_counter() - t0, rss_before_mib=before,
-               peak_rss_mib=rss_mib(), share_mib=share((params, opt)) / 2**20, step=ckpt.step)
+               peak_rss_mib=rss_mib(), rss_after_mib=current_rss_mib(),
+               share_mib=share((params, opt)) / 2**20, step=ckpt.step,
+               unique_mib=share((params, opt), replicas=False) / 2**20)
     if args.phase == "relayout":
         whole = checkpoint.read(ckpt.path)
         saved = {**whole.params, **{f"opt{k}": v for k, v in whole.opt_state.items()}}
@@ -173,9 +193,18 @@ def main() -> None:
         return
     args.dir = args.dir or tempfile.mkdtemp(prefix="bench-checkpoint-")
     os.makedirs(args.dir, exist_ok=True)
-    save = run_phase(args, "save", 2)
-    restore = run_phase(args, "restore", 2)
-    relayout = run_phase(args, "relayout", 1)
+    phases = args.phases.split(",")
+    if unknown := set(phases) - {"save", "restore", "relayout"}:
+        sys.exit(f"unknown phase {min(unknown)}: choose from save, restore, relayout")
+    save = run_phase(args, "save", 2) if "save" in phases else []
+    restore = run_phase(args, "restore", 2) if "restore" in phases else []
+    relayout = run_phase(args, "relayout", 1) if "relayout" in phases else []
+    if save:
+        report_save(args, save)
+    report_restore(restore, relayout, save)
+
+
+def report_save(args, save: list[dict]) -> None:
     print(f"state (params + Adam moments, f32): {save[0]['state_gib']:.2f} GiB; "
           f"checkpoint dir {args.dir}")
     print(f"normal step: {max(r['step_s'] for r in save):.2f} s")
@@ -185,19 +214,29 @@ def main() -> None:
           f"the save began; the overlapped step {max(r['overlapped_step_s'] for r in save):.2f}"
           f" s = {max(r['overlapped_step_s'] for r in save) / max(r['step_s'] for r in save):.2f}"
           f"x a normal step")
+
+
+def report_restore(restore: list[dict], relayout: list[dict], save: list[dict]) -> None:
     for name, rows in (("restore fsdp8, 2 processes", restore),
                        ("restore fsdp2xtp4, 1 process", relayout)):
         for r in rows:
             print(f"{name}, process {r['process']}: {r['restore_s']:.2f} s; peak RSS "
                   f"{r['peak_rss_mib']:.0f} MiB = {r['peak_rss_mib'] / r['share_mib']:.2f}x "
-                  f"its share of the state ({r['share_mib']:.0f} MiB); RSS before the "
+                  f"its share of the state ({r['share_mib']:.0f} MiB, {r['unique_mib']:.0f} "
+                  f"MiB counting a replicated region once); RSS before the "
                   f"restore {r['rss_before_mib']:.0f} MiB, so the restore added "
-                  f"{(r['peak_rss_mib'] - r['rss_before_mib']) / r['share_mib']:.2f}x")
+                  f"{(r['peak_rss_mib'] - r['rss_before_mib']) / r['share_mib']:.2f}x; "
+                  f"RSS after it {r['rss_after_mib']:.0f} MiB")
+    if not relayout:
+        return
     r = relayout[0]
-    diffs = [abs(a - b) / abs(b) for a, b in zip(r["next_losses"], save[0]["next_losses"])]
     print(f"fsdp8 x 2 processes -> fsdp2xtp4 x 1 process: restored state bit-identical: "
-          f"{r['bitwise_equal']}; next 2 losses {r['next_losses']} vs the saving run's "
-          f"{save[0]['next_losses']} (relative difference max {max(diffs):.1e})")
+          f"{r['bitwise_equal']}; next 2 losses {r['next_losses']}", end="")
+    if save:
+        diffs = [abs(a - b) / abs(b) for a, b in zip(r["next_losses"], save[0]["next_losses"])]
+        print(f" vs the saving run's {save[0]['next_losses']} (relative difference max "
+              f"{max(diffs):.1e})", end="")
+    print()
 
 
 if __name__ == "__main__":

@@ -201,6 +201,136 @@ def test_tensorboard_event_file_holds_every_scalar_of_every_step(run, tmp_path):
     assert got == want
 
 
+def test_predicted_step_time_beside_the_measured_one(run, tmp_path):
+    """With the cost model on, every record (so TensorBoard and W&B) holds the step the
+    cost model predicts for this layout, priced as --profile-steps prices it (the traced
+    step's ledger, the compiled step's mapped temporaries), and measured / predicted."""
+    pytest.importorskip("tensorboardX")
+    from engine.cost import hardware, memory
+    from engine.cost.ledger import step_ledger
+    from engine.cost.pipeline import predict_step
+    from engine.cost.predicted import StepPrediction
+    from engine.run.host import mapped_each_step
+    from engine.run.tensorboard import TensorBoard
+
+    cfg, tcfg, parallel, layout, _ = parse(FLAGS)
+    session = restart(run, run["start"], 0)
+    hw = hardware.get("cpu")
+    rows = Rows()
+    hooks = [Rates(cfg, tcfg, session.peak), StepPrediction(cfg, layout, parallel, hw, print),
+             rows, TensorBoard(str(tmp_path))]
+    assert loop(session, hooks, print) == 0
+    mapped = mapped_each_step(memory.measure(session.step_fn)["temp"])
+    want = predict_step(step_ledger(cfg, tcfg, layout, parallel), hw, layout, parallel,
+                        mapped)[0].step_s
+    assert len(rows.rows) == STEPS and want > 0
+    for r in rows.rows:
+        assert r["predicted_step_s"] == want
+        assert r["step_time_ratio"] == r["step_time_s"] / want
+    got = tensorboard_scalars(tmp_path)
+    assert {got["train/predicted_step_s", r["step"]] for r in rows.rows} == {np.float32(want)}
+
+
+@pytest.mark.parametrize("flags, on", [([], False), (["--profile-steps", "2:3"], True),
+                                       (["--layout", "auto"], True)])
+def test_the_cost_model_prices_the_step_only_when_on(run, flags, on):
+    from engine.cli.train import _hooks
+    from engine.cost.predicted import StepPrediction
+
+    cfg, tcfg, parallel, layout, args = parse([*FLAGS, *flags], auto=True)
+    layout = layout or parse(FLAGS)[3]  # auto: what the planner would choose
+    hooks = _hooks(cfg, tcfg, parallel, layout, args, load_data("synthetic", cfg.vocab),
+                   run["session"], None, print)
+    assert any(isinstance(h, StepPrediction) for h in hooks) == on
+
+
+def wandb_records(directory) -> list:
+    """The protobuf records (wandb's own `Record`) of the offline runs under `directory`.
+    wandb has no offline reader of its own, so the file's framing is read here: a 7-byte
+    header (":W&B", 0xBEE1, version), then LevelDB's log format, 32 KiB blocks of chunks
+    (crc32c, u16 length, type: 1 full, 2 first, 3 middle, 4 last), a block's tail of
+    under 7 bytes left as padding."""
+    import glob
+    import struct
+
+    from wandb.proto.wandb_internal_pb2 import Record
+
+    block, head = 32768, 7
+    out = []
+    for path in glob.glob(os.path.join(directory, "wandb", "offline-run-*", "run-*.wandb")):
+        with open(path, "rb") as f:
+            data = f.read()
+        assert struct.unpack("<4sHB", data[:head])[:2] == (b":W&B", 0xBEE1)
+        at, parts = head, b""
+        while at + head <= len(data):
+            if (left := block - at % block) < head:
+                at += left
+                continue
+            _, n, kind = struct.unpack("<IHB", data[at:at + head])
+            if kind == 0:  # zeros: the rest of the block is padding
+                at += left
+                continue
+            parts += data[at + head:at + head + n]
+            at += head + n
+            if kind in (1, 4):
+                out.append(Record.FromString(parts))
+                parts = b""
+    return out
+
+
+def test_wandb_offline_run_holds_the_scalars_tensorboard_gets(run, tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    import json
+
+    from engine.run.loop import scalars
+    from engine.run.wandb_log import WandB
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    session = restart(run, run["start"], 0)
+    rows = Rows()
+    hooks = [Rates(run["cfg"], run["tcfg"], session.peak), rows,
+             WandB("shardwise-test", {"layout": "fsdp2xtp2", "steps": STEPS})]
+    assert loop(session, hooks, print) == 0
+    records = wandb_records(tmp_path)
+    items = [(item.key or "/".join(item.nested_key), r.history.step.num, item.value_json)
+             for r in records if r.WhichOneof("record_type") == "history"
+             for item in r.history.item]
+    got = {(key, step): json.loads(value) for key, step, value in items
+           if not key.startswith("_")}  # wandb's own: _step, _runtime, _timestamp
+    want = {(tag, r["step"]): v for r in rows.rows for tag, v in scalars(r).items()}
+    assert {"train/loss", "train/lr", "train/grad_norm", "train/tokens_per_s",
+            "train/mfu"} <= {tag for tag, _ in want}
+    assert got == want
+    config = next(r.run.config for r in records if r.WhichOneof("record_type") == "run")
+    assert {i.key: json.loads(i.value_json) for i in config.update
+            if not i.key.startswith("_")} == {"layout": "fsdp2xtp2", "steps": STEPS}
+
+
+def test_a_wandb_run_that_cannot_start_is_one_line(monkeypatch, one_line_error):
+    """Online without a login, wandb.init raises: the run stops before its first step."""
+    wandb = pytest.importorskip("wandb")
+    from engine.cli.train import main
+
+    def no_login(**kwargs):
+        raise wandb.errors.UsageError("api_key not configured (no-tty). call "
+                                      "wandb.login(key=[your_api_key])\nmore")
+
+    monkeypatch.setattr(wandb, "init", no_login)
+    one_line_error(main, [*FLAGS, "--layout", "single", "--wandb", "proj"],
+                   "--wandb proj: api_key not configured", table="| loss")
+
+
+def test_wandb_missing_is_one_line(monkeypatch, one_line_error):
+    from engine.cli.train import main
+    from engine.run import wandb_log
+
+    monkeypatch.setattr(wandb_log, "available", lambda: False)
+    one_line_error(main, [*FLAGS, "--wandb", "proj"], "--wandb needs wandb",
+                   "shardwise[wandb]", table="step")
+
+
 @pytest.mark.slow
 def test_sigterm_to_the_launcher_saves_one_step_on_every_process(tmp_path):
     """2 processes (engine.launch forwards SIGTERM to both): jax's preemption sync point

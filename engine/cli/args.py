@@ -188,6 +188,10 @@ def build_parser(prog: str = "python -m engine.train", description: str | None =
     o.add_argument("--tensorboard", default=None, metavar="DIR",
                    help="TensorBoard scalars of every step into DIR (needs the tensorboard "
                         "extra; engine/run/tensorboard.py)")
+    o.add_argument("--wandb", default=None, metavar="PROJECT",
+                   help="the same scalars to Weights & Biases project PROJECT (needs the "
+                        "wandb extra; WANDB_MODE=offline keeps the run local; "
+                        "engine/run/wandb_log.py)")
     g = group("data", "data (see engine/run/data.py)")
     g.add_argument("--data", default="synthetic",
                    help="synthetic, python-stdlib, or a PATH.txt / PATH.jsonl (bytes as "
@@ -315,6 +319,10 @@ def flag_problems(args, cfg, tcfg) -> list[str]:
         from engine.run import tensorboard
         if not tensorboard.available():
             problems.append(f"--tensorboard needs tensorboardX: {tensorboard.EXTRA}")
+    if args.wandb is not None:
+        from engine.run import wandb_log
+        if not wandb_log.available():
+            problems.append(f"--wandb needs wandb: {wandb_log.EXTRA}")
     if args.resume and not args.checkpoint_dir:
         problems.append("--resume needs --checkpoint-dir")
     if args.eval_only and not args.checkpoint_dir:

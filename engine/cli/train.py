@@ -337,6 +337,8 @@ def _hooks(cfg, tcfg, parallel, layout, args, data, session, metrics, say) -> li
 
     rates = Rates(cfg, tcfg, session.peak)
     hooks = [rates]
+    if args.layout == "auto" or args.profile_steps:  # the cost model is on
+        hooks += _step_prediction(cfg, layout, parallel, session, say)
     if args.eval_every:
         hooks.append(Evaluate(args.eval_every, args.eval_batches, tcfg.steps,
                               data.bytes_per_token))
@@ -346,6 +348,8 @@ def _hooks(cfg, tcfg, parallel, layout, args, data, session, metrics, say) -> li
         from engine.run.tensorboard import TensorBoard
 
         hooks.append(TensorBoard(args.tensorboard))
+    if args.wandb:
+        hooks += _wandb(args)
     hooks.append(Log(args.log_every, tcfg.steps, rates, say))
     if args.checkpoint_dir:
         meta = dict(rng=dict(seed=tcfg.seed), model=dataclasses.asdict(cfg),
@@ -366,6 +370,38 @@ def _hooks(cfg, tcfg, parallel, layout, args, data, session, metrics, say) -> li
         hooks.append(profile.Profile(args.profile_steps, args.profile_dir, cfg, tcfg, layout,
                                      parallel, say))
     return hooks
+
+
+def _step_prediction(cfg, layout, parallel, session, say) -> list:
+    """The hook that puts the cost model's step time in every record
+    (engine/cost/predicted.py), priced on the profile of the run's devices; none, with a
+    note, for an accelerator the cost model has no profile of."""
+    from engine.cost.predicted import StepPrediction
+    from engine.planner.search import device_profile
+
+    devices = list(session.trainer.mesh.devices.flat)
+    hw = device_profile(devices, lambda *a, **k: None)  # the hook's line names its source
+    if hw is None:
+        say(f"note: the cost model has no profile of {devices[0].device_kind!r}: no "
+            f"predicted step time")
+        return []
+    return [StepPrediction(cfg, layout, parallel, hw, say)]
+
+
+def _wandb(args) -> list:
+    """Process 0's W&B hook (engine/run/wandb_log.py); every process learns whether it
+    started, so all stop together (one line, exit 2) when it did not."""
+    from engine.run.wandb_log import WandB, WandbError
+
+    hook, problem = [], None
+    if distributed.is_main():
+        try:
+            hook.append(WandB(args.wandb, config_file.resolved(args)))
+        except WandbError as e:
+            problem = str(e)
+    if not distributed.agree(problem is None):
+        raise UsageError(problem or f"process 0 could not start the W&B run {args.wandb}")
+    return hook
 
 
 def run_paths(args) -> tuple[dict, dict]:

@@ -130,11 +130,9 @@ class Profile:
         (engine/cost/report.py) of the traced steps: measured (attributed from the
         trace) vs predicted (the cpu profile); last, the `TOP_OPS` compiled ops that took
         the most of the measured time."""
-        from engine.cost import hardware, memory, report, trace
+        from engine.cost import hardware, report, trace
         from engine.cost.audit import axes_by_groups
-        from engine.cost.ledger import step_ledger
-        from engine.cost.pipeline import predict_step
-        from engine.run.host import mapped_each_step
+        from engine.cost.predicted import predict_run_step
 
         step_s = statistics.median(self.times)
         events = trace.op_events(self.trace_dir)
@@ -148,10 +146,10 @@ class Profile:
         except hardware.ProfileError as e:
             self.say(f"note: {e}; predicting with the built-in cpu defaults")
             hw = hardware.cpu_defaults()
-        rows = step_ledger(self.cfg, self.tcfg, self.layout, self.parallel)
-        # the compiled step's temporaries mapped anew each step: their page faults
-        mapped = mapped_each_step(memory.measure(self.session.step_fn)["temp"])
-        pred, _ = predict_step(rows, hw, self.layout, self.parallel, mapped)  # pp: along the table
+        # pp: along the schedule; the compiled step's temporaries mapped anew each step:
+        # their page faults
+        pred = predict_run_step(self.cfg, self.tcfg, self.layout, self.parallel,
+                                self.session.step_fn, hw)
         srows = report.scope_table(pred, measured, hw)
         crows = report.collective_table(pred, measured, self.layout.mesh_axes())
         head = (f"measured: median traced step {step_s:.4g} s split by op time; predicted: "

@@ -404,6 +404,15 @@ DEVICE_KINDS = {"h100": "h100", "a100": "a100", "v5 lite": "v5e", "v5e": "v5e", 
                 "v4": "v4"}
 
 
+def device_profile(devices, say=print):
+    """The cost model's profile of `devices`: the cpu profile on the host (`hardware_profile`),
+    else the profile of the accelerator's kind; None when that kind has none."""
+    kind = devices[0].device_kind.lower()
+    name = "cpu" if devices[0].platform == "cpu" else next(
+        (p for k, p in DEVICE_KINDS.items() if k in kind), None)
+    return None if name is None else hardware_profile(name, None, say)
+
+
 def auto(cfg: ModelConfig, tcfg: TrainConfig, say=print,
          base: ParallelConfig = ParallelConfig(), pinned: dict | None = None):
     """`--layout auto`: plan for every device jax finds (the cpu profile on the host,
@@ -414,14 +423,11 @@ def auto(cfg: ModelConfig, tcfg: TrainConfig, say=print,
     import jax
 
     devices = jax.devices()
-    kind = devices[0].device_kind.lower()
-    name = "cpu" if devices[0].platform == "cpu" else next(
-        (p for k, p in DEVICE_KINDS.items() if k in kind), None)
-    if name is None:
+    hw = device_profile(devices, say)
+    if hw is None:
         raise ConfigError(f"--layout auto: no hardware profile for {devices[0].device_kind!r} "
                           f"(known: cpu, {', '.join(sorted(set(DEVICE_KINDS.values())))}); "
                           f"name a layout")
-    hw = hardware_profile(name, None, say)
     result = plan(cfg, tcfg, len(devices), hw, pinned=pinned, workers=os.cpu_count() or 1,
                   progress=progress_line(say), devices=devices, say=say, base=base)
     if not result.ranked:

@@ -21,7 +21,9 @@ crc32}`, its bytes raw in the same file (engine/run/pieces.py has the file layou
 shards with replica_id 0 are written, so each element is stored exactly once. With one
 process a checkpoint is one file. Restoring (`open_checkpoint`, `restore`) reads the
 headers, then for each device shard of the target layout only the pieces that overlap
-it, checked against their crc32: no whole array is built on the host. `read` gives
+it, checked against their crc32: no whole array is built on the host, and on CPU the
+host arrays read become the device buffers (`_regions`), so a process's restore peaks at
+its share of the state plus one chunk (bench/checkpoint.py). `read` gives
 whole host arrays, and still reads formats 1 to 3 (engine/run/old_formats.py: msgpack
 bins inside the file; formats 1 and 2 stored the down projections [.., F, D], which
 `upgrade` turns around). Key paths are `jax.tree_util.keystr` of each leaf
@@ -437,8 +439,19 @@ def restore(ckpt: Checkpoint, trainer) -> tuple:
                    "opt_state", getattr(trainer, "layer_order", None)))
 
 
-def _last_region(x):
-    """x[index], read once for the devices that hold the same region (replicas)."""
+def _regions(x, sharding):
+    """The callback `jax.make_array_from_callback` calls for each device of `sharding`:
+    its region of `x`. A `pieces.Stored` array reads every region this process's devices
+    hold at once (each piece read once, a chunk at a time) into aligned host arrays,
+    which jax's CPU client takes as the device buffers without a copy, so a restore
+    holds the state once plus a chunk; devices holding the same region (replicas) share
+    one array. A host array (an older format) is sliced, once for a run of replicas."""
+    if isinstance(x, pieces.Stored):
+        wanted = {}
+        for index in sharding.addressable_devices_indices_map(x.shape).values():
+            wanted.setdefault(tuple(map(tuple, _index(index, x.shape))), None)
+        found = dict(zip(wanted, x.regions([list(map(list, k)) for k in wanted])))
+        return lambda index: found[tuple(map(tuple, _index(index, x.shape)))]
     last = [None, None]
 
     def region(index):
@@ -468,9 +481,9 @@ def _place(saved: dict, shapes, specs, mesh, path: str, part: str, layer_order=N
                                   f"the model needs {want.dtype}{list(want.shape)}")
         if layer_order is not None and "['blocks']" in key:
             x = x[layer_order]
+        sharding = NamedSharding(mesh, spec)
         try:
-            out.append(jax.make_array_from_callback(x.shape, NamedSharding(mesh, spec),
-                                                    _last_region(x)))
+            out.append(jax.make_array_from_callback(x.shape, sharding, _regions(x, sharding)))
         except _BAD as e:
             raise _unreadable(path, e) from None
     return jax.tree.unflatten(treedef, out)

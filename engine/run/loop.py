@@ -86,6 +86,13 @@ def _steps(session: Session, hooks, say) -> int:
     return 0
 
 
+def scalars(record) -> dict:
+    """{`train/<name>`: value} of every number of a step's record but the step itself: what
+    the TensorBoard and W&B hooks log at that step."""
+    return {f"train/{name}": value for name, value in record.items()
+            if name != "step" and isinstance(value, (int, float))}
+
+
 def per_second(x: float) -> str:
     """A rate for a log line: thousands separated from 100 up, else 3 significant digits
     (a slow run's 0.25 tok/s must not print as 0)."""

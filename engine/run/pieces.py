@@ -8,11 +8,13 @@ The header lists each piece as `{index: [[start, stop], ...] per dim, offset, nb
 crc32}` (offset from the start of the file). Writing the data first lets process 0 write
 its own pieces while the other processes write theirs, and append the manifest's header
 once it knows their files. A reader reads the header from the end of the file and then
-only the byte ranges of the pieces that overlap the region it asks for (`Stored`): a
-process restoring its devices' shards never holds a whole array on the host.
+only the byte ranges of the pieces that overlap the regions it asks for (`Stored`), each
+piece once and a CHUNK at a time, straight into the regions' arrays: a process restoring
+its devices' shards holds those shards and one chunk, never a whole piece or array more.
 """
 from __future__ import annotations
 
+import math
 import os
 import struct
 import zlib
@@ -94,36 +96,58 @@ def read_header(path: str) -> tuple[dict, int, int]:
     return header, zlib.crc32(packed), size
 
 
+def aligned_empty(shape, dtype) -> np.ndarray:
+    """An uninitialised C-order host array whose data starts at an ALIGN-byte boundary:
+    jax's CPU client takes such an array as a device buffer without copying it."""
+    dtype = np.dtype(dtype)
+    nbytes = math.prod(shape) * dtype.itemsize
+    raw = np.empty(nbytes + ALIGN, np.uint8)
+    start = -raw.ctypes.data % ALIGN
+    return raw[start:start + nbytes].view(dtype).reshape(shape)
+
+
+CHUNK = 8 << 20  # bytes of a piece read at a time (at least one row of its first dim)
+
+
 class PieceFile:
-    """Reads whole pieces of one file by byte range, checks their crc32, and keeps the
-    last piece read (a region read row by row asks for the same piece again)."""
+    """Reads pieces of one file by byte range, a few rows at a time, checking their
+    crc32."""
 
     def __init__(self, path: str):
-        self.path, self._last = path, (None, None)
+        self.path = path
 
-    def read(self, key: str, piece: dict, dtype: np.dtype) -> np.ndarray:
-        where = (key, piece["offset"])
-        if self._last[0] == where:
-            return self._last[1]
-        buf = np.empty(piece["nbytes"], np.uint8)
+    def chunks(self, key: str, piece: dict, dtype: np.dtype):
+        """Yield (first row, rows) of the piece in order: blocks of its rows along dim 0
+        (a 0-d piece: one block, row 0), each at most CHUNK bytes unless one row is
+        larger, read into one reused buffer (copy what you keep before the next). The
+        piece's crc32 is checked once the last block is read: a ValueError then."""
+        shape = [stop - start for start, stop in piece["index"]]
+        rows, inner = (shape[0], shape[1:]) if shape else (1, [])
+        row_bytes = dtype.itemsize * math.prod(inner)
+        if rows * row_bytes != piece["nbytes"]:
+            raise ValueError(f"{key}: a piece of {piece['nbytes']} bytes for {shape}")
+        per = max(1, CHUNK // max(row_bytes, 1))
+        buf = np.empty(min(per, rows) * row_bytes, np.uint8)
+        first = piece["index"][0][0] if shape else 0
+        crc = 0
         with open(self.path, "rb") as f:
             f.seek(piece["offset"])
-            got = f.readinto(memoryview(buf))
-        if got != piece["nbytes"]:
-            raise ValueError(f"{key}: {os.path.basename(self.path)} is truncated")
-        if zlib.crc32(buf) != piece["crc32"]:
+            for r0 in range(0, rows, per):
+                view = buf[:min(per, rows - r0) * row_bytes]
+                if f.readinto(memoryview(view)) != view.size:
+                    raise ValueError(f"{key}: {os.path.basename(self.path)} is truncated")
+                crc = zlib.crc32(view, crc)
+                yield first + r0, view.view(dtype).reshape([-1, *inner] if shape else [])
+        if crc != piece["crc32"]:
             raise ValueError(f"{key}: checksum mismatch")
-        shape = [stop - start for start, stop in piece["index"]]
-        x = buf.view(dtype).reshape(shape)
-        self._last = (where, x)
-        return x
 
 
 class Stored:
     """One global array of a format-4 checkpoint, not read yet: `shape`, `dtype`, and
     `x[index]` (a tuple of slices) reads only the pieces that overlap `index` into a new
-    host array of the region's shape. `x[order]` (an integer array) is the array with its
-    rows taken in `order`, still unread (a circular pipeline's layer order)."""
+    host array of the region's shape; `regions` reads several regions at once. `x[order]`
+    (an integer array) is the array with its rows taken in `order`, still unread (a
+    circular pipeline's layer order)."""
 
     def __init__(self, key: str, entry: dict, pieces: list[tuple[PieceFile, dict]],
                  rows: np.ndarray | None = None):
@@ -138,30 +162,64 @@ class Stored:
             return Stored(self.key, self.entry, self.pieces, rows)
         index = index if isinstance(index, tuple) else (index,)
         index = index + (slice(None),) * (self.ndim - len(index))
-        region = [list(sl.indices(n)[:2]) for sl, n in zip(index, self.shape)]
-        if self.rows is None or not self.ndim:
-            return self._read(region)
-        out = np.empty([stop - start for start, stop in region], self.dtype)
-        for i, row in enumerate(self.rows[region[0][0]:region[0][1]]):
-            out[i:i + 1] = self._read([[int(row), int(row) + 1]] + region[1:])
-        return out
+        return self.regions([[list(sl.indices(n)[:2]) for sl, n in zip(index, self.shape)]])[0]
 
     def read(self) -> np.ndarray:
         """The whole array."""
         return self[()]
 
-    def _read(self, region: list[list[int]]) -> np.ndarray:
-        out = np.empty([stop - start for start, stop in region], self.dtype)
-        filled = 0
+    def regions(self, regions: list[list[list[int]]]) -> list[np.ndarray]:
+        """The host arrays of `regions` ([[start, stop] per dim] each), each new and
+        ALIGN-byte aligned. Every piece that overlaps any of them is read once, a CHUNK
+        at a time, and its rows copied where they go: the host holds the regions and one
+        chunk, never a whole piece or array beyond them."""
+        outs = [aligned_empty([stop - start for start, stop in r], self.dtype)
+                for r in regions]
+        wants = [self._source_rows(r) for r in regions]  # dim 0: the stored row of each
+        filled = [0] * len(outs)
         for file, piece in self.pieces:
-            both = [[max(a, c), min(b, d)] for (a, b), (c, d) in zip(region, piece["index"])]
-            if any(start >= stop for start, stop in both):
+            span = piece["index"]
+            hits = [i for i, r in enumerate(regions) if _overlaps(r, wants[i], span)]
+            if not hits:
                 continue
-            data = file.read(self.key, piece, self.dtype)
-            src = tuple(slice(a - c, b - c) for (a, b), (c, _) in zip(both, piece["index"]))
-            dst = tuple(slice(a - c, b - c) for (a, b), (c, _) in zip(both, region))
-            out[dst] = data[src]
-            filled += out[dst].size
-        if filled != out.size:
-            raise ValueError(f"{self.key}: pieces cover {filled} of {out.size} elements")
-        return out
+            for first, block in file.chunks(self.key, piece, self.dtype):
+                for i in hits:
+                    filled[i] += _copy(outs[i], regions[i], wants[i], block, first, span)
+        for out, n in zip(outs, filled):
+            if n != out.size:
+                raise ValueError(f"{self.key}: pieces cover {n} of {out.size} elements")
+        return outs
+
+    def _source_rows(self, region) -> np.ndarray | None:
+        if not self.ndim:
+            return None
+        start, stop = region[0]
+        return np.arange(start, stop) if self.rows is None else self.rows[start:stop]
+
+
+def _overlaps(region, want, span) -> bool:
+    if want is None:  # 0-d
+        return True
+    rest = all(max(a, c) < min(b, d) for (a, b), (c, d) in zip(region[1:], span[1:]))
+    return rest and bool(np.any((want >= span[0][0]) & (want < span[0][1])))
+
+
+def _copy(out, region, want, block, first, span) -> int:
+    """Copy the part of `block` (rows `first`.. of the piece at `span`) that `out` (the
+    array of `region`, whose dim-0 rows are the stored rows `want`) holds; the number
+    of elements copied."""
+    if want is None:
+        out[()] = block
+        return 1
+    at = np.flatnonzero((want >= first) & (want < first + block.shape[0]))
+    if not at.size:
+        return 0
+    both = [(max(a, c), min(b, d)) for (a, b), (c, d) in zip(region[1:], span[1:])]
+    src = tuple(slice(a - c, b - c) for (a, b), (c, _) in zip(both, span[1:]))
+    dst = tuple(slice(a - c, b - c) for (a, b), (c, _) in zip(both, region[1:]))
+    rows = want[at] - first
+    if at[-1] - at[0] + 1 == at.size and np.all(np.diff(rows) == 1):  # a run: views
+        out[(slice(at[0], at[-1] + 1), *dst)] = block[(slice(rows[0], rows[-1] + 1), *src)]
+    else:
+        out[(at, *dst)] = block[(rows, *src)]
+    return at.size * math.prod(b - a for a, b in both)

@@ -1,10 +1,13 @@
 """TensorBoard scalars of a run (`--tensorboard DIR`): a loop hook that writes every
 number of each step's record (loss, lr, grad_norm, tokens_per_s, mfu, step_time_s,
-val_loss when evaluated, the router's metrics with experts) as `train/<name>` at that
-step. Written with tensorboardX, the lightest maintained writer: numpy, protobuf and
-packaging, against tensorboard's own writer, which brings grpcio, werkzeug and the
-TensorBoard server. An optional extra: `pip install 'shardwise[tensorboard]'`."""
+val_loss when evaluated, the router's metrics with experts, predicted_step_s when the
+cost model is on) as `train/<name>` at that step (`loop.scalars`). Written with
+tensorboardX, the lightest maintained writer: numpy, protobuf and packaging, against
+tensorboard's own writer, which brings grpcio, werkzeug and the TensorBoard server. An
+optional extra: `pip install 'shardwise[tensorboard]'`."""
 from __future__ import annotations
+
+from engine.run.loop import scalars
 
 EXTRA = "pip install 'shardwise[tensorboard]' (tensorboardX)"
 
@@ -28,9 +31,8 @@ class TensorBoard:
 
     def __call__(self, record, session):
         step = record["step"]
-        for name, value in record.items():
-            if name != "step" and isinstance(value, (int, float)):
-                self.writer.add_scalar(f"train/{name}", value, step)
+        for tag, value in scalars(record).items():
+            self.writer.add_scalar(tag, value, step)
         if step % self.flush_every == 0:
             self.writer.flush()
 
