@@ -153,10 +153,12 @@ def main(argv=None) -> int:
     print(f"hardware {hw.name} ({hw.source}); model {mine.model}, seq {tcfg.seq}, batch "
           f"{tcfg.batch}; {mine.devices} devices, {gib(result.capacity)} per device{space}"
           f"{grads}")
+    traced = result.programs - result.cached - result.derived
     print(f"priced {total} candidates ({result.programs} distinct programs: "
-          f"{result.programs - result.cached} traced with {result.workers} worker(s), "
-          f"{result.cached} from the ledger cache) in {result.seconds:.1f} s; {len(result.refused)} "
-          f"refused by engine.parallel.validate, {len(result.over)} over memory")
+          f"{traced} traced with {result.workers} worker(s), {result.derived} derived from "
+          f"their structure's shapes, {result.cached} from the ledger cache) in "
+          f"{result.seconds:.1f} s; {len(result.refused)} refused by "
+          f"engine.parallel.validate, {len(result.over)} over memory")
     if result.refined:
         print(f"the first {result.refined} priced again with their matmuls timed on "
               f"{mine.devices} host devices (those predicted within {mine.refine:.0%} of the "
@@ -172,6 +174,7 @@ def main(argv=None) -> int:
                        "hardware_source": hw.source, "capacity_bytes": result.capacity,
                        "priced": total, "programs": result.programs,
                        "programs_cached": result.cached,
+                       "programs_derived": result.derived,
                        "refused": len(result.refused), "over_memory": len(result.over),
                        "refined": result.refined, "grad_reduce": mine.grad_reduce,
                        "seconds": result.seconds, "axes": list(names), "max": limits,

@@ -16,8 +16,10 @@ it walks a traced one, so FLOPs, bytes, the fusion model and collective sizes co
 the same code.
 
 A number that is not a monomial (a pipeline's 2(M + pp - 1) ticks, a block size capped
-at a constant) shows as a non-integer exponent or a non-integer value: `Structure` then
-refuses (`NotDerivable`) and the caller traces. `Structure.check` compares a derived
+at a constant) shows as a non-integer exponent or a non-integer value, and sizes that
+make a dimension 1 that is more in the traced program may change the program (jax and
+XLA:CPU treat dimensions of 1 apart): `Structure` then refuses (`NotDerivable`) and the
+caller traces. `Structure.check` compares a derived
 ledger with a traced one row by row (the planner checks one per structure).
 """
 from __future__ import annotations
@@ -149,7 +151,7 @@ class Structure:
         marks = values[0] < 0
         if (values[:, marks] != values[0, marks]).any():
             raise NotDerivable("the traced programs differ in their equations")
-        with np.errstate(divide="ignore"):
+        with np.errstate(divide="ignore", invalid="ignore"):
             ratios = np.log2(values[1:, ~marks]) - np.log2(values[0, ~marks])
         zero = values[:, ~marks] == 0
         if zero.any(axis=0).any() and not (zero.all(axis=0) | ~zero.any(axis=0)).all():
@@ -173,8 +175,20 @@ class Structure:
         vals = self.base[~self.marks] * np.exp2(scale @ self.exps)
         if not np.allclose(vals, np.round(vals), rtol=0, atol=1e-6) or (vals < 0).any():
             raise NotDerivable(f"sizes {sizes} give a fractional array size")
+        if ((np.round(vals) <= 1) & (self.base[~self.marks] > 1)).any():
+            # a dimension of 1 (or 0) where the traced program has more: jax and XLA
+            # treat those apart (broadcasts, free relayouts), so the program may differ
+            raise NotDerivable(f"sizes {sizes} make a dimension 1")
         out[~self.marks] = np.round(vals)
         return out
+
+    def derivable(self, sizes: tuple) -> bool:
+        """Whether `numbers` derives the program at `sizes`."""
+        try:
+            self.numbers(sizes)
+        except NotDerivable:
+            return False
+        return True
 
     def jaxpr(self, sizes: tuple) -> jcore.ClosedJaxpr:
         """The traced jaxpr rebuilt with every shape and scan length at `sizes`."""
