@@ -42,6 +42,7 @@ from engine.planner.space import (  # noqa: F401  (the candidate space, as the p
     Switch,
     accumulated,
     candidates,
+    considered,
     degree,
     factorisations,
     layouts,
@@ -98,6 +99,8 @@ class Plan:
     hw: object = None
     refined: int = 0
     derived: int = 0  # programs whose ledger was derived from shapes (engine/planner/ledgers.py)
+    axes: tuple = ()  # the roles laid out
+    left_out: dict = dataclasses.field(default_factory=dict)  # {role: why not laid out}
 
 
 def predict_candidate(cand: Candidate, tcfg: TrainConfig, hw, mapped_bytes: int = 0):
@@ -401,6 +404,7 @@ def plan(cfg: ModelConfig, tcfg: TrainConfig, n: int, hw, hbm_bytes: float | Non
     from engine.cost import fit
 
     t0 = time.perf_counter()
+    names, left_out = considered(cfg, names)
     ok, refused = candidates(cfg, tcfg, n, pinned, names, limits, base)
     capacity = fit.capacity(hw, n, hbm_bytes)
     grow = "microbatches" not in (pinned or {})  # pinned microbatches stay as given
@@ -415,7 +419,7 @@ def plan(cfg: ModelConfig, tcfg: TrainConfig, n: int, hw, hbm_bytes: float | Non
                 f"{within:.0%} of the first on {n} host devices")
         ranked, hw, refined = refine(ranked, tcfg, hw, n, devices, within)
     return Plan(ranked, refused, over, capacity, programs, cached, workers,
-                time.perf_counter() - t0, hw, refined, counts["derived"])
+                time.perf_counter() - t0, hw, refined, counts["derived"], names, left_out)
 
 
 def gib(x) -> str:
@@ -440,7 +444,8 @@ def no_plan_message(result: Plan, n: int) -> str:
         return (f"no layout of {n} devices fits {gib(result.capacity)} per device: "
                 f"{len(result.over)} candidates predicted over it (the smallest peak is "
                 f"{gib(least)}); {len(result.refused)} refused by engine.parallel.validate")
-    reason = result.refused[0][1] if result.refused else "no candidates"
+    reason = result.refused[0][1] if result.refused else "no candidates" + "".join(
+        f"; {r} left out: {w}" for r, w in result.left_out.items())
     return (f"no layout of {n} devices can run this model ({len(result.refused)} "
             f"refused; first: {reason})")
 
