@@ -1,6 +1,15 @@
-"""Where a first (uncached) plan spends its time: CPU seconds per program of each phase.
+"""Where a first (uncached) plan spends its time: CPU seconds per program of each phase;
+with --plan, the whole plan's wall clock from an empty ledger cache.
 
     python bench/plan_speed.py --devices 8 --model small [--sample 30]
+    python bench/plan_speed.py --devices 8 --model small --plan --compare
+
+With --plan it runs `engine.planner.search.plan` with an empty ledger cache (a fresh
+directory) and prints the candidates ranked, the wall clock, the candidates per second
+and how many ledgers were traced and how many derived from their structure's shapes
+(engine/planner/ledgers.py); --compare plans again, cold, tracing every program, and says
+whether the top 10 (layout, switches, predicted step) are identical. --axes and --max
+restrict the space as `python -m engine.plan`'s do.
 
 Enumerates the plan's candidates (engine/planner/search.py) and, in this one process without
 the ledger cache, runs every `len(programs) / --sample`-th program through the phases a
@@ -20,6 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from engine.parallel.layout import AXIS_ROLES  # noqa: E402
 from engine.cli.args import (
     build_parser as train_parser,  # noqa: E402
     parse_or_exit,  # noqa: E402
@@ -36,7 +46,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--hardware", default="cpu", help="profile to price with")
     g.add_argument("--sample", type=int, default=30, help="programs to run")
     g.add_argument("--workers", type=int, default=os.cpu_count() or 1,
-                   help="cores the estimate of the whole plan divides by")
+                   help="cores the estimate of the whole plan divides by; --plan's workers")
+    g.add_argument("--plan", action="store_true",
+                   help="time the whole plan from an empty ledger cache")
+    g.add_argument("--compare", action="store_true",
+                   help="with --plan: plan again tracing every program; compare the top 10")
+    g.add_argument("--axes", default=",".join(AXIS_ROLES), help="as engine.plan's")
+    g.add_argument("--max", default="", help="as engine.plan's")
     p = train_parser(prog="python bench/plan_speed.py", description=__doc__.split("\n\n")[0],
                      parents=[own], groups=("model", "batch", "training"))
     p.set_defaults(remat=None)
@@ -50,6 +66,8 @@ def main(argv=None) -> int:
     if bad:
         print(f"error: {'; '.join(bad)}", file=sys.stderr)
         return 2
+    if mine.plan:
+        return whole_plan(cfg, tcfg, mine)
     os.environ["SHARDWISE_LEDGER_CACHE"] = "off"
     import subprocess
 
@@ -97,6 +115,40 @@ def main(argv=None) -> int:
           + f" = {total:.3f} CPU-s ({100 * per['trace'] / total:.0f}% tracing)")
     print(f"all {len(groups)} programs: {total * len(groups):.0f} CPU-s, "
           f"{total * len(groups) / mine.workers:.0f} s on {mine.workers} free core(s)")
+    return 0
+
+
+def _cold_plan(cfg, tcfg, mine, shapes: bool):
+    """(Plan, wall seconds) of a plan from an empty ledger cache."""
+    import tempfile
+
+    from engine.cli.plan import search_space
+    from engine.cost import hardware
+    from engine.planner import search
+
+    names, limits, _ = search_space(mine)
+    with tempfile.TemporaryDirectory() as where:
+        os.environ["SHARDWISE_LEDGER_CACHE"] = where
+        t = time.perf_counter()
+        got = search.plan(cfg, tcfg, mine.devices, hardware.get(mine.hardware),
+                          pinned={"remat": mine.remat} if mine.remat else {},
+                          workers=mine.workers, names=names, limits=limits, shapes=shapes)
+        return got, time.perf_counter() - t
+
+
+def whole_plan(cfg, tcfg, mine) -> int:
+    top = {}
+    for shapes in (True, False) if mine.compare else (True,):
+        got, wall = _cold_plan(cfg, tcfg, mine, shapes)
+        traced = got.programs - got.cached - got.derived
+        how = "derived where a structure allows" if shapes else "every program traced"
+        print(f"{how}: {len(got.ranked)} candidates ranked in {wall:.1f} s "
+              f"({len(got.ranked) / wall:.1f} a second); {got.programs} programs: {traced} "
+              f"traced, {got.derived} derived; {len(got.refused)} refused, {len(got.over)} "
+              f"over memory; load average {os.getloadavg()[0]:.1f}")
+        top[shapes] = [(p.candidate.describe(), p.step_s) for p in got.ranked[:10]]
+    if mine.compare:
+        print(f"top 10 identical to the traced ranking: {top[True] == top[False]}")
     return 0
 
 
