@@ -19,10 +19,12 @@ engine/cost/pipeline.py).
 
 Speed: a step's ledger depends on the axis sizes and the switches, not on the order of
 the axes (the order only picks, in pricing, the link tier a collective runs over), so
-each distinct program (`Candidate.program`) is traced once on an AbstractMesh, in a pool
-of worker processes (`Pool`), and priced there for every order. `price` takes any
-candidate list, so a restricted search (`layouts` over some roles, `neighbours`) reuses
-it.
+each distinct program (`Candidate.program`) gets its ledger once, in a pool of worker
+processes (`Pool`), and is priced there for every order. Programs that differ only in
+axis sizes (a structure) go to one worker, which derives what it can of their ledgers
+from a few traces (engine/planner/ledgers.py) and traces the rest on an AbstractMesh.
+`price` takes any candidate list, so a restricted search (`layouts` over some roles,
+`neighbours`) reuses it.
 """
 from __future__ import annotations
 
