@@ -37,14 +37,17 @@ def structures(n: int, names: tuple) -> dict:
 
 
 def derived_and_traced(roles, par, cfg, by: dict):
-    """(the Structure fitted on k of `by`'s programs, [(candidate, derived rows, traced
-    rows)] for the others)."""
-    sizes = list(by)
+    """(the Structure fitted on k of `by`'s programs, the most even sizes first as the
+    planner picks them, [(candidate, derived rows, traced rows)] for the others it
+    derives); NotDerivable where the planner would trace them all."""
+    sizes = sorted(by, key=lambda s: -min(s))
     picked = derive.independent(sizes, len(roles))
+    if picked is None:
+        raise derive.NotDerivable("no k programs span the sizes")
     st = derive.Structure(roles, [(sizes[i], trace_step(cfg, TCFG, by[sizes[i]].layout, par))
                                   for i in picked])
     out = []
-    for s in (s for j, s in enumerate(sizes) if j not in picked):
+    for s in (s for j, s in enumerate(sizes) if j not in picked and st.derivable(s)):
         lay = by[s].layout
         out.append((by[s], st.ledger(lay), ledger(trace_step(cfg, TCFG, lay, par), lay)))
     return st, out
@@ -103,11 +106,18 @@ def test_a_non_monomial_number_is_refused():
 @pytest.mark.slow
 def test_derived_ledgers_equal_traced_on_a_sample():
     """A sample of structures of 16 devices over every role but pp (whose tick counts
-    the planner does not derive): every derived ledger equals the traced one."""
+    are not monomials): every ledger the fit derives equals the traced one."""
     names = tuple(r for r in AXIS_ROLES if r != "pp")
     found = [(k, v) for k, v in structures(16, names).items() if len(v) > len(k[0])]
     rng = random.Random(0)
     hw = hardware.get("h100")
+    compared = 0
     for (roles, par, cfg), by in rng.sample(found, min(12, len(found))):
-        for cand, got, want in derived_and_traced(roles, par, cfg, by)[1]:
+        try:
+            pairs = derived_and_traced(roles, par, cfg, by)[1]
+        except derive.NotDerivable:
+            continue  # the planner traces these
+        for cand, got, want in pairs:
             check_equal(cand, got, want, hw)
+            compared += 1
+    assert compared >= 6
