@@ -84,10 +84,18 @@ def main(argv=None) -> int:
         env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}).stdout)
 
     hw = hardware.get(mine.hardware)
-    ok, _ = plan.candidates(cfg, tcfg, mine.devices, {"remat": mine.remat} if mine.remat else {})
+    from engine.cli.plan import search_space
+
+    names, limits, _ = search_space(mine)
+    names, _ = plan.considered(cfg, names)
+    t = time.process_time()
+    ok, _ = plan.candidates(cfg, tcfg, mine.devices,
+                            {"remat": mine.remat} if mine.remat else {}, names, limits)
+    enumerate_s = time.process_time() - t
     groups: dict[tuple, list] = {}
     for c in ok:
         groups.setdefault(c.program, []).append(c)
+    structures = {plan.structure(cands[0]) for cands in groups.values()}
     every = max(1, len(groups) // mine.sample)
     picked = list(groups.values())[::every][:mine.sample]
     phases = dict(memory=0.0, trace=0.0, ledger=0.0, price=0.0)
@@ -108,8 +116,9 @@ def main(argv=None) -> int:
     n = len(picked)
     per = {k: v / n for k, v in phases.items()}
     total = sum(per.values())
-    print(f"{len(ok)} candidates, {len(groups)} programs; {n} sampled (every {every}th); "
-          f"load average {os.getloadavg()[0]:.1f}")
+    print(f"{len(ok)} candidates (enumerated and validated in {enumerate_s:.1f} CPU-s), "
+          f"{len(groups)} programs of {len(structures)} structures; {n} sampled (every "
+          f"{every}th); load average {os.getloadavg()[0]:.1f}")
     print(f"imports of a fresh worker {imports:.2f} CPU-s; per program: "
           + ", ".join(f"{k} {v:.3f}" for k, v in per.items())
           + f" = {total:.3f} CPU-s ({100 * per['trace'] / total:.0f}% tracing)")
