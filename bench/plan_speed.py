@@ -29,11 +29,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.parallel.layout import AXIS_ROLES  # noqa: E402
 from engine.cli.args import (
     build_parser as train_parser,  # noqa: E402
     parse_or_exit,  # noqa: E402
 )
+from engine.parallel.layout import AXIS_ROLES  # noqa: E402
 
 WORKER_IMPORTS = ("engine.planner.search", "engine.cost.cache", "engine.cost.ledger", "engine.cost.price",
                   "engine.cost.fit", "engine.cost.memory", "engine.run.step")

@@ -51,7 +51,6 @@ from engine.planner.space import (  # noqa: F401  (the candidate space, as the p
     neighbours,
     switch_settings,
 )
-from engine.planner.ledgers import HOW, structure
 from layers.config import ModelConfig
 
 
@@ -165,21 +164,15 @@ def _priced(rows: list, cands: list, peaks: list, mem_of: dict, hw, capacity) ->
     return out
 
 
-def _price_program(job) -> tuple[list, str, list, list]:
-    """One program: `_fitting`, then, if any candidate fits `capacity`, the program's
-    ledger (engine/cost/cache.py's, else traced on its first candidate) priced for every
-    candidate that fits (`_priced`), here in the worker, so the pool never waits on a
-    round of retries. Returns (`_priced`'s list, how the ledger came: "cached",
-    "traced" or "none" (all over memory), [peak bytes] per candidate, the candidates
-    priced)."""
-    return _price_structure(([job[0]], *job[1:]), shapes=False)[0]
-
-
 def _price_structure(job, shapes: bool | None = None) -> list:
     """The programs of one structure (engine/planner/ledgers.py: they differ only in
     axis sizes): `_fitting` each, the ledgers of those that fit from the cache, derived
-    from shapes or traced (`ledgers.program_ledgers`), each priced (`_priced`). Returns
-    one `_price_program` result per program. shapes: the job's, unless given."""
+    from shapes or traced (`ledgers.program_ledgers`), each priced (`_priced`), here in
+    the worker, so the pool never waits on a round of microbatch retries. Returns per
+    program (`_priced`'s list, how its ledger came: one of ledgers.HOW, or "none" when
+    every candidate is over memory, [peak bytes] per candidate, the candidates priced:
+    the job's, or the microbatched ones they grew into). shapes: the job's, unless
+    given."""
     from engine.planner.ledgers import program_ledgers
 
     groups, tcfg, hw, capacity, grow, *rest = job
@@ -234,8 +227,8 @@ def chunks(n: int, workers: int, longest: int = LONGEST_RUN) -> list[range]:
 
 
 def _run(jobs: list, workers: int, executor=None, progress=None) -> list:
-    """`_price_structure` over jobs, its results one list: in `executor` (a `Pool`) if given, else in a `Pool` of
-    `workers` (here when 1). Jobs go out in their order (programs of one layout's sizes
+    """`_price_structure` over jobs, its results one list: in `executor` (a `Pool`) if
+    given, else in a `Pool` of `workers` (here when 1). Jobs go out in their order (programs of one layout's sizes
     next to each other), in `chunks` of consecutive ones, largest first: a worker tracing
     programs of the same shapes in a row reuses jax's tracing caches (a longest-first
     order without chunks measured ~20% slower on the 8-device plan of `small`), and the
@@ -295,6 +288,7 @@ def price(cands: list, tcfg: TrainConfig, hw, n: int, capacity: float | None,
     bytes)] over `capacity`, programs, programs whose ledger came from the cache,
     workers used)."""
     from engine.cost.price import mfu
+    from engine.planner.ledgers import HOW, structure
 
     groups: dict[tuple, list] = {}
     for c in cands:
