@@ -228,8 +228,8 @@ def chunks(n: int, workers: int, longest: int = LONGEST_RUN) -> list[range]:
 
 def _run(jobs: list, workers: int, executor=None, progress=None) -> list:
     """`_price_structure` over jobs, its results one list: in `executor` (a `Pool`) if
-    given, else in a `Pool` of `workers` (here when 1). Jobs go out in their order (programs of one layout's sizes
-    next to each other), in `chunks` of consecutive ones, largest first: a worker tracing
+    given, else in a `Pool` of `workers` (here when 1). Jobs (one structure each) go out
+    in their order, in `chunks` of consecutive ones, largest first: a worker tracing
     programs of the same shapes in a row reuses jax's tracing caches (a longest-first
     order without chunks measured ~20% slower on the 8-device plan of `small`), and the
     single jobs at the end keep every worker busy to the last. `progress(done, total)` is
