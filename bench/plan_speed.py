@@ -3,6 +3,8 @@ with --plan, the whole plan's wall clock from an empty ledger cache.
 
     python bench/plan_speed.py --devices 8 --model small [--sample 30]
     python bench/plan_speed.py --devices 8 --model small --plan --compare
+    python bench/plan_speed.py --devices 64 --hardware h100 --model small --batch 64 \
+        --axes fsdp,cp --remat full --derive --sample 8
 
 With --plan it runs `engine.planner.search.plan` with an empty ledger cache (a fresh
 directory) and prints the candidates ranked, the wall clock, the candidates per second
@@ -51,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="time the whole plan from an empty ledger cache")
     g.add_argument("--compare", action="store_true",
                    help="with --plan: plan again tracing every program; compare the top 10")
+    g.add_argument("--derive", action="store_true",
+                   help="CPU seconds of a derived ledger against a traced one, over the "
+                        "derivable programs of up to --sample structures")
     g.add_argument("--axes", default=",".join(AXIS_ROLES), help="as engine.plan's")
     g.add_argument("--max", default="", help="as engine.plan's")
     p = train_parser(prog="python bench/plan_speed.py", description=__doc__.split("\n\n")[0],
@@ -68,6 +73,8 @@ def main(argv=None) -> int:
         return 2
     if mine.plan:
         return whole_plan(cfg, tcfg, mine)
+    if mine.derive:
+        return derive_cost(cfg, tcfg, mine)
     os.environ["SHARDWISE_LEDGER_CACHE"] = "off"
     import subprocess
 
@@ -143,6 +150,49 @@ def _cold_plan(cfg, tcfg, mine, shapes: bool):
                           pinned={"remat": mine.remat} if mine.remat else {},
                           workers=mine.workers, names=names, limits=limits, shapes=shapes)
         return got, time.perf_counter() - t
+
+
+def derive_cost(cfg, tcfg, mine) -> int:
+    """Per program of the plan's derivable structures: the derived ledger's CPU time
+    and the trace and walk's, the two ledgers compared row by row."""
+    from engine.cli.plan import search_space
+    from engine.cost import derive
+    from engine.cost.ledger import ledger, trace_step
+    from engine.planner import ledgers, search
+
+    names, limits, _ = search_space(mine)
+    ok, _ = search.candidates(cfg, tcfg, mine.devices,
+                              {"remat": mine.remat} if mine.remat else {},
+                              search.considered(cfg, names)[0], limits)
+    by: dict = {}
+    for c in ok:
+        roles = ledgers.structure(c)[0]
+        by.setdefault(ledgers.structure(c), {}).setdefault(ledgers.sizes(c, roles), c)
+    cost, n, refused = {"derived": 0.0, "traced": 0.0}, 0, 0
+    big = [(k, v) for k, v in by.items() if len(k[0]) >= 2 and len(v) >= len(k[0]) + 2]
+    for (roles, par, model), progs in big[:mine.sample]:
+        sizes = sorted(progs, key=lambda s: -min(s))
+        picked = [sizes[i] for i in derive.independent(sizes, len(roles)) or []]
+        try:
+            st = derive.Structure(roles, [(s, trace_step(model, tcfg, progs[s].layout, par))
+                                          for s in picked])
+        except derive.NotDerivable:
+            refused += 1
+            continue
+        for s in (s for s in sizes if s not in picked and st.derivable(s)):
+            lay = progs[s].layout
+            t = time.process_time()
+            got = st.ledger(lay)
+            mid = time.process_time()
+            want = ledger(trace_step(model, tcfg, lay, par), lay)
+            cost["derived"] += mid - t
+            cost["traced"] += time.process_time() - mid
+            n += 1
+            assert not derive.differences(got, want), progs[s].describe()
+    print(f"{n} programs of {min(len(big), mine.sample)} structures ({refused} not "
+          f"derivable): derived {cost['derived'] / max(n, 1):.3f} CPU-s each, traced and "
+          f"walked {cost['traced'] / max(n, 1):.3f} CPU-s each; every ledger equal")
+    return 0
 
 
 def whole_plan(cfg, tcfg, mine) -> int:
