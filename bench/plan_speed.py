@@ -1,6 +1,17 @@
-"""Where a first (uncached) plan spends its time: CPU seconds per program of each phase.
+"""Where a first (uncached) plan spends its time: CPU seconds per program of each phase;
+with --plan, the whole plan's wall clock from an empty ledger cache.
 
     python bench/plan_speed.py --devices 8 --model small [--sample 30]
+    python bench/plan_speed.py --devices 8 --model small --plan --compare
+    python bench/plan_speed.py --devices 64 --hardware h100 --model small --batch 64 \
+        --axes fsdp,cp --remat full --derive --sample 8
+
+With --plan it runs `engine.planner.search.plan` with an empty ledger cache (a fresh
+directory) and prints the candidates ranked, the wall clock, the candidates per second
+and how many ledgers were traced and how many derived from their structure's shapes
+(engine/planner/ledgers.py); --compare plans again, cold, tracing every program, and says
+whether the top 10 (layout, switches, predicted step) are identical. --axes and --max
+restrict the space as `python -m engine.plan`'s do.
 
 Enumerates the plan's candidates (engine/planner/search.py) and, in this one process without
 the ledger cache, runs every `len(programs) / --sample`-th program through the phases a
@@ -24,6 +35,7 @@ from engine.cli.args import (
     build_parser as train_parser,  # noqa: E402
     parse_or_exit,  # noqa: E402
 )
+from engine.parallel.layout import AXIS_ROLES  # noqa: E402
 
 WORKER_IMPORTS = ("engine.planner.search", "engine.cost.cache", "engine.cost.ledger", "engine.cost.price",
                   "engine.cost.fit", "engine.cost.memory", "engine.run.step")
@@ -36,7 +48,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--hardware", default="cpu", help="profile to price with")
     g.add_argument("--sample", type=int, default=30, help="programs to run")
     g.add_argument("--workers", type=int, default=os.cpu_count() or 1,
-                   help="cores the estimate of the whole plan divides by")
+                   help="cores the estimate of the whole plan divides by; --plan's workers")
+    g.add_argument("--plan", action="store_true",
+                   help="time the whole plan from an empty ledger cache")
+    g.add_argument("--compare", action="store_true",
+                   help="with --plan: plan again tracing every program; compare the top 10")
+    g.add_argument("--derive", action="store_true",
+                   help="CPU seconds of a derived ledger against a traced one, over the "
+                        "derivable programs of up to --sample structures")
+    g.add_argument("--axes", default=",".join(AXIS_ROLES), help="as engine.plan's")
+    g.add_argument("--max", default="", help="as engine.plan's")
     p = train_parser(prog="python bench/plan_speed.py", description=__doc__.split("\n\n")[0],
                      parents=[own], groups=("model", "batch", "training"))
     p.set_defaults(remat=None)
@@ -50,6 +71,10 @@ def main(argv=None) -> int:
     if bad:
         print(f"error: {'; '.join(bad)}", file=sys.stderr)
         return 2
+    if mine.plan:
+        return whole_plan(cfg, tcfg, mine)
+    if mine.derive:
+        return derive_cost(cfg, tcfg, mine)
     os.environ["SHARDWISE_LEDGER_CACHE"] = "off"
     import subprocess
 
@@ -66,10 +91,18 @@ def main(argv=None) -> int:
         env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}).stdout)
 
     hw = hardware.get(mine.hardware)
-    ok, _ = plan.candidates(cfg, tcfg, mine.devices, {"remat": mine.remat} if mine.remat else {})
+    from engine.cli.plan import search_space
+
+    names, limits, _ = search_space(mine)
+    names, _ = plan.considered(cfg, names)
+    t = time.process_time()
+    ok, _ = plan.candidates(cfg, tcfg, mine.devices,
+                            {"remat": mine.remat} if mine.remat else {}, names, limits)
+    enumerate_s = time.process_time() - t
     groups: dict[tuple, list] = {}
     for c in ok:
         groups.setdefault(c.program, []).append(c)
+    structures = {plan.structure(cands[0]) for cands in groups.values()}
     every = max(1, len(groups) // mine.sample)
     picked = list(groups.values())[::every][:mine.sample]
     phases = dict(memory=0.0, trace=0.0, ledger=0.0, price=0.0)
@@ -90,13 +123,91 @@ def main(argv=None) -> int:
     n = len(picked)
     per = {k: v / n for k, v in phases.items()}
     total = sum(per.values())
-    print(f"{len(ok)} candidates, {len(groups)} programs; {n} sampled (every {every}th); "
-          f"load average {os.getloadavg()[0]:.1f}")
+    print(f"{len(ok)} candidates (enumerated and validated in {enumerate_s:.1f} CPU-s), "
+          f"{len(groups)} programs of {len(structures)} structures; {n} sampled (every "
+          f"{every}th); load average {os.getloadavg()[0]:.1f}")
     print(f"imports of a fresh worker {imports:.2f} CPU-s; per program: "
           + ", ".join(f"{k} {v:.3f}" for k, v in per.items())
           + f" = {total:.3f} CPU-s ({100 * per['trace'] / total:.0f}% tracing)")
     print(f"all {len(groups)} programs: {total * len(groups):.0f} CPU-s, "
           f"{total * len(groups) / mine.workers:.0f} s on {mine.workers} free core(s)")
+    return 0
+
+
+def _cold_plan(cfg, tcfg, mine, shapes: bool):
+    """(Plan, wall seconds) of a plan from an empty ledger cache."""
+    import tempfile
+
+    from engine.cli.plan import search_space
+    from engine.cost import hardware
+    from engine.planner import search
+
+    names, limits, _ = search_space(mine)
+    with tempfile.TemporaryDirectory() as where:
+        os.environ["SHARDWISE_LEDGER_CACHE"] = where
+        t = time.perf_counter()
+        got = search.plan(cfg, tcfg, mine.devices, hardware.get(mine.hardware),
+                          pinned={"remat": mine.remat} if mine.remat else {},
+                          workers=mine.workers, names=names, limits=limits, shapes=shapes)
+        return got, time.perf_counter() - t
+
+
+def derive_cost(cfg, tcfg, mine) -> int:
+    """Per program of the plan's derivable structures: the derived ledger's CPU time
+    and the trace and walk's, the two ledgers compared row by row."""
+    from engine.cli.plan import search_space
+    from engine.cost import derive
+    from engine.cost.ledger import ledger, trace_step
+    from engine.planner import ledgers, search
+
+    names, limits, _ = search_space(mine)
+    ok, _ = search.candidates(cfg, tcfg, mine.devices,
+                              {"remat": mine.remat} if mine.remat else {},
+                              search.considered(cfg, names)[0], limits)
+    by: dict = {}
+    for c in ok:
+        roles = ledgers.structure(c)[0]
+        by.setdefault(ledgers.structure(c), {}).setdefault(ledgers.sizes(c, roles), c)
+    cost, n, refused = {"derived": 0.0, "traced": 0.0}, 0, 0
+    big = [(k, v) for k, v in by.items() if len(k[0]) >= 2 and len(v) >= len(k[0]) + 2]
+    for (roles, par, model), progs in big[:mine.sample]:
+        sizes = sorted(progs, key=lambda s: -min(s))
+        picked = [sizes[i] for i in derive.independent(sizes, len(roles)) or []]
+        try:
+            st = derive.Structure(roles, [(s, trace_step(model, tcfg, progs[s].layout, par))
+                                          for s in picked])
+        except derive.NotDerivable:
+            refused += 1
+            continue
+        for s in (s for s in sizes if s not in picked and st.derivable(s)):
+            lay = progs[s].layout
+            t = time.process_time()
+            got = st.ledger(lay)
+            mid = time.process_time()
+            want = ledger(trace_step(model, tcfg, lay, par), lay)
+            cost["derived"] += mid - t
+            cost["traced"] += time.process_time() - mid
+            n += 1
+            assert not derive.differences(got, want), progs[s].describe()
+    print(f"{n} programs of {min(len(big), mine.sample)} structures ({refused} not "
+          f"derivable): derived {cost['derived'] / max(n, 1):.3f} CPU-s each, traced and "
+          f"walked {cost['traced'] / max(n, 1):.3f} CPU-s each; every ledger equal")
+    return 0
+
+
+def whole_plan(cfg, tcfg, mine) -> int:
+    top = {}
+    for shapes in (True, False) if mine.compare else (True,):
+        got, wall = _cold_plan(cfg, tcfg, mine, shapes)
+        traced = got.programs - got.cached - got.derived
+        how = "derived where a structure allows" if shapes else "every program traced"
+        print(f"{how}: {len(got.ranked)} candidates ranked in {wall:.1f} s "
+              f"({len(got.ranked) / wall:.1f} a second); {got.programs} programs: {traced} "
+              f"traced, {got.derived} derived; {len(got.refused)} refused, {len(got.over)} "
+              f"over memory; load average {os.getloadavg()[0]:.1f}")
+        top[shapes] = [(p.candidate.describe(), p.step_s) for p in got.ranked[:10]]
+    if mine.compare:
+        print(f"top 10 identical to the traced ranking: {top[True] == top[False]}")
     return 0
 
 

@@ -430,3 +430,26 @@ def test_ledger_cache_hits_across_run_length_flags(tmp_path, monkeypatch):
     assert step_ledger(cfg, run, lay, par) == rows
     _, hit = cache.step_ledger(cfg, dataclasses.replace(run, batch=8), lay, par)
     assert not hit
+
+
+def test_auto_after_a_plan_at_another_run_length_prices_from_the_cache():
+    """`python -m engine.plan` (its run length the default 50 steps) then `python -m
+    engine.train --layout auto --steps 20`: the configs each CLI builds key the same
+    ledgers, so the second plan traces nothing."""
+    from engine.cli.args import parse_or_exit
+    from engine.cli.given import auto_pins
+    from engine.cli.plan import build_parser
+    from engine.cli.train import parse
+
+    common = ["--model", "tiny", "--batch", "4", "--seq", "32"]
+    cfg, tcfg, _, _, _ = parse_or_exit(["--devices", "2", "--hardware", "cpu", *common],
+                                       build_parser())
+    hw = hardware.get("cpu")  # what `--layout auto` plans with on this host
+    first = plan.plan(cfg, tcfg, 2, hw, names=("fsdp",))
+    assert first.cached == 0 and first.programs > 0
+    cfg2, tcfg2, par2, _, args = parse(["--layout", "auto", *common, "--steps", "20"],
+                                       auto=True)
+    pinned, base = auto_pins(cfg2, par2, args.given)
+    second = plan.plan(cfg2, tcfg2, 2, hw, names=("fsdp",), pinned=pinned, base=base)
+    assert second.cached == second.programs == first.programs
+    assert [p.step_s for p in second.ranked] == [p.step_s for p in first.ranked]

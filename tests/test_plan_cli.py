@@ -155,3 +155,14 @@ def test_help_shows_only_what_the_planner_reads(capsys, refused):
     for flag in ("--layout", "--steps", "--lr", "--warmup", "--seed", "--metrics-file"):
         assert flag not in out, flag
     refused([*SMALL_PLAN, "--steps", "20"], "unrecognized arguments: --steps 20")
+
+
+def test_the_output_names_the_axes_considered_and_what_was_pruned(planned, capsys):
+    """The roles laid out, those left out and why, and the refusals counted by reason
+    (tiny's 2 layers cannot be 2 stages of 2 virtual ones; it has no experts)."""
+    assert plan_cli.main(SMALL_PLAN + ["--axes", "dp,pp,ep", "--batch", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "axes considered: dp, pp (schedules " in out
+    assert "; ep left out: the model has no experts" in out
+    assert "pruned before pricing: 1 refused by engine.parallel.validate (most: 1 " \
+           "layers=N not divisible by pp x pp_virtual = N x N), 0 over memory" in out

@@ -118,6 +118,22 @@ def host_devices(mine, say) -> list | None:
     return devices
 
 
+def searched(result) -> str:
+    """What the plan searched and what it dropped before pricing, with why: the roles
+    laid out (pp with its schedules), those left out, the commonest refusals."""
+    from engine.parallel.pipeline import SCHEDULES
+    from engine.planner.space import reasons
+
+    axes = ", ".join(f"{r} (schedules {', '.join(SCHEDULES)}; 4·pp microbatches; "
+                     f"interleaved over 2 virtual stages)" if r == "pp" else r
+                     for r in result.axes)
+    left = "".join(f"; {r} left out: {w}" for r, w in result.left_out.items())
+    why = "; ".join(f"{k} {r}" for k, r in reasons(result.refused))
+    return (f"axes considered: {axes}{left}\npruned before pricing: {len(result.refused)} "
+            f"refused by engine.parallel.validate" + (f" (most: {why})" if why else "")
+            + f", {len(result.over)} over memory (the memory model, before any ledger)")
+
+
 def main(argv=None) -> int:
     from engine.cli.args import UsageError, check_apart, check_output_file, parse_or_exit
 
@@ -153,10 +169,13 @@ def main(argv=None) -> int:
     print(f"hardware {hw.name} ({hw.source}); model {mine.model}, seq {tcfg.seq}, batch "
           f"{tcfg.batch}; {mine.devices} devices, {gib(result.capacity)} per device{space}"
           f"{grads}")
+    traced = result.programs - result.cached - result.derived
     print(f"priced {total} candidates ({result.programs} distinct programs: "
-          f"{result.programs - result.cached} traced with {result.workers} worker(s), "
-          f"{result.cached} from the ledger cache) in {result.seconds:.1f} s; {len(result.refused)} "
-          f"refused by engine.parallel.validate, {len(result.over)} over memory")
+          f"{traced} traced with {result.workers} worker(s), {result.derived} derived from "
+          f"their structure's shapes, {result.cached} from the ledger cache) in "
+          f"{result.seconds:.1f} s; {len(result.refused)} refused by "
+          f"engine.parallel.validate, {len(result.over)} over memory")
+    print(searched(result))
     if result.refined:
         print(f"the first {result.refined} priced again with their matmuls timed on "
               f"{mine.devices} host devices (those predicted within {mine.refine:.0%} of the "
@@ -172,9 +191,11 @@ def main(argv=None) -> int:
                        "hardware_source": hw.source, "capacity_bytes": result.capacity,
                        "priced": total, "programs": result.programs,
                        "programs_cached": result.cached,
+                       "programs_derived": result.derived,
                        "refused": len(result.refused), "over_memory": len(result.over),
                        "refined": result.refined, "grad_reduce": mine.grad_reduce,
                        "seconds": result.seconds, "axes": list(names), "max": limits,
+                       "left_out": result.left_out,
                        "candidates": [p.record() for p in result.ranked]}, f, indent=1)
     return 0
 

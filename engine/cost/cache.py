@@ -114,29 +114,50 @@ def key(cfg, tcfg, parallel, layout, pack=None) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
+def _path(cfg, tcfg, layout, parallel, pack) -> Path | None:
+    """The file of the step's ledger (None: no cache); pack None is keyed as the
+    Trainer packs on an AbstractMesh (`collectives.widens_2byte`), so both spellings
+    share one entry."""
+    from collectives import widens_2byte
+
+    pack = widens_2byte(layout.abstract_mesh()) if pack is None else pack
+    where = directory()
+    return where / f"{key(cfg, tcfg, parallel, layout, pack)}.pkl.z" if where else None
+
+
+def lookup(cfg, tcfg, layout, parallel, pack=None) -> list | None:
+    """The cached ledger of the step, or None (not cached, or unreadable)."""
+    path = _path(cfg, tcfg, layout, parallel, pack)
+    if path is not None and path.is_file():
+        try:
+            return pickle.loads(zlib.decompress(path.read_bytes()))
+        except (OSError, zlib.error, pickle.UnpicklingError, EOFError):
+            pass
+    return None
+
+
+def store(rows: list, cfg, tcfg, layout, parallel, pack=None) -> None:
+    """Keep `rows` as the step's ledger (an unwritable cache is skipped)."""
+    path = _path(cfg, tcfg, layout, parallel, pack)
+    if path is None:
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path.parent, delete=False) as f:
+            f.write(zlib.compress(pickle.dumps(rows, protocol=5), 1))
+        os.replace(f.name, path)
+    except OSError:
+        pass
+
+
 def step_ledger(cfg, tcfg, layout, parallel, pack=None) -> tuple[list, bool]:
     """(the ledger of the step, whether it came from the cache); traces and stores it
     on a miss. An unreadable or unwritable cache only costs the trace."""
-    from collectives import widens_2byte
     from engine.cost.ledger import step_ledger as trace
 
-    # None traces as the Trainer packs on an AbstractMesh (`collectives.widens_2byte`):
-    # keyed as that value, so both spellings share one entry
-    pack = widens_2byte(layout.abstract_mesh()) if pack is None else pack
-    where = directory()
-    path = where / f"{key(cfg, tcfg, parallel, layout, pack)}.pkl.z" if where else None
-    if path is not None and path.is_file():
-        try:
-            return pickle.loads(zlib.decompress(path.read_bytes())), True
-        except (OSError, zlib.error, pickle.UnpicklingError, EOFError):
-            pass
+    rows = lookup(cfg, tcfg, layout, parallel, pack)
+    if rows is not None:
+        return rows, True
     rows = trace(cfg, tcfg, layout, parallel, pack)
-    if path is not None:
-        try:
-            where.mkdir(parents=True, exist_ok=True)
-            with tempfile.NamedTemporaryFile(dir=where, delete=False) as f:
-                f.write(zlib.compress(pickle.dumps(rows, protocol=5), 1))
-            os.replace(f.name, path)
-        except OSError:
-            pass
+    store(rows, cfg, tcfg, layout, parallel, pack)
     return rows, False

@@ -19,10 +19,12 @@ engine/cost/pipeline.py).
 
 Speed: a step's ledger depends on the axis sizes and the switches, not on the order of
 the axes (the order only picks, in pricing, the link tier a collective runs over), so
-each distinct program (`Candidate.program`) is traced once on an AbstractMesh, in a pool
-of worker processes (`Pool`), and priced there for every order. `price` takes any
-candidate list, so a restricted search (`layouts` over some roles, `neighbours`) reuses
-it.
+each distinct program (`Candidate.program`) gets its ledger once, in a pool of worker
+processes (`Pool`), and is priced there for every order. Programs that differ only in
+axis sizes (a structure) go to one worker, which derives what it can of their ledgers
+from a few traces (engine/planner/ledgers.py) and traces the rest on an AbstractMesh.
+`price` takes any candidate list, so a restricted search (`layouts` over some roles,
+`neighbours`) reuses it.
 """
 from __future__ import annotations
 
@@ -42,6 +44,7 @@ from engine.planner.space import (  # noqa: F401  (the candidate space, as the p
     Switch,
     accumulated,
     candidates,
+    considered,
     degree,
     factorisations,
     layouts,
@@ -96,6 +99,9 @@ class Plan:
     seconds: float
     hw: object = None
     refined: int = 0
+    derived: int = 0  # programs whose ledger was derived from shapes (engine/planner/ledgers.py)
+    axes: tuple = ()  # the roles laid out
+    left_out: dict = dataclasses.field(default_factory=dict)  # {role: why not laid out}
 
 
 def predict_candidate(cand: Candidate, tcfg: TrainConfig, hw, mapped_bytes: int = 0):
@@ -109,23 +115,15 @@ def predict_candidate(cand: Candidate, tcfg: TrainConfig, hw, mapped_bytes: int 
     return predict_step(rows, hw, cand.layout, cand.parallel, mapped_bytes)[0]
 
 
-def _price_program(job) -> tuple[list, bool, list, list]:
-    """One program: each candidate's peak memory (engine/cost/fit.py); if any fits
-    `capacity`, the program's ledger (traced on its first candidate, unless
-    engine/cost/cache.py holds it) priced for every candidate that fits. With `grow`, a
-    step without pp over memory is retried with 2, 4, ... microbatches (`accumulated`,
-    the program of the next M) while they divide its batch, here in the worker, so the
-    pool never waits on a round of retries. On a shared host a step also pays the page
-    faults of the temporaries it maps anew (`fit.mapped_bytes` of its memory
-    prediction). Returns ([(step, compute, comm, exposed comm, mapped bytes), or None
-    when over memory] per candidate, whether the ledger came from the cache, [peak
-    bytes] per candidate, the candidates priced: the job's, or the microbatched ones
-    they grew into)."""
-    from engine.cost import cache, fit
-    from engine.cost.pipeline import predict_step
+def _fitting(cands: list, tcfg, hw, capacity, grow: bool) -> tuple[list, list, dict, bool]:
+    """The memory phase of one program: each candidate's peak memory
+    (engine/cost/fit.py). With `grow`, a step without pp over memory is retried with 2,
+    4, ... microbatches (`accumulated`, the program of the next M) while they divide its
+    batch. Returns (the candidates: the given, or the microbatched ones they grew into,
+    [peak bytes] per candidate, {parallel: memory prediction}, whether every one is over
+    `capacity`)."""
+    from engine.cost import fit
 
-    cands, tcfg, hw, capacity, grow = job
-    first = cands[0]
     mem_of: dict = {}  # memory depends on the sizes and switches, not the axis order
     for c in cands:
         if c.parallel not in mem_of:
@@ -135,13 +133,22 @@ def _price_program(job) -> tuple[list, bool, list, list]:
         # engine.parallel.validate reads axis sizes, not their order: a program grows as a whole
         grown = [accumulated(c, tcfg) for c in cands] if grow else [None]
         if all(g is not None for g in grown):
-            return _price_program((grown, tcfg, hw, capacity, grow))
-        return [None] * len(cands), False, peaks, cands
-    rows, cached = cache.step_ledger(first.cfg, tcfg, first.layout, first.parallel,
-                                     hw.bf16_collectives_in_f32)
+            return _fitting(grown, tcfg, hw, capacity, grow)
+        return cands, peaks, mem_of, True
+    return cands, peaks, mem_of, False
+
+
+def _priced(rows: list, cands: list, peaks: list, mem_of: dict, hw, capacity) -> list:
+    """[(step, compute, comm, exposed comm, mapped bytes), or None when over memory] of
+    each candidate of one program priced from its ledger `rows`. On a shared host a step
+    also pays the page faults of the temporaries it maps anew (`fit.mapped_bytes` of its
+    memory prediction)."""
+    from engine.cost import fit
+    from engine.cost.pipeline import predict_step
+
     # within one fast domain every axis is on the fast links whatever its place
     # (price.link_for), so the orders of the axes price alike: once per switch setting
-    one_domain = first.layout.size <= hw.fast_domain
+    one_domain = cands[0].layout.size <= hw.fast_domain
     out, seen = [], {}
     for c, peak in zip(cands, peaks):
         if capacity is not None and peak is not None and peak > capacity:
@@ -154,7 +161,33 @@ def _price_program(job) -> tuple[list, bool, list, list]:
             p = predict_step(rows, hw, c.layout, c.parallel, mapped)[0]
             seen[key] = (p.step_s, p.compute_s, p.comm_s, p.exposed_comm_s, mapped)
         out.append(seen[key])
-    return out, cached, peaks, cands
+    return out
+
+
+def _price_structure(job, shapes: bool | None = None) -> list:
+    """The programs of one structure (engine/planner/ledgers.py: they differ only in
+    axis sizes): `_fitting` each, the ledgers of those that fit from the cache, derived
+    from shapes or traced (`ledgers.program_ledgers`), each priced (`_priced`), here in
+    the worker, so the pool never waits on a round of microbatch retries. Returns per
+    program (`_priced`'s list, how its ledger came: one of ledgers.HOW, or "none" when
+    every candidate is over memory, [peak bytes] per candidate, the candidates priced:
+    the job's, or the microbatched ones they grew into). shapes: the job's, unless
+    given."""
+    from engine.planner.ledgers import program_ledgers
+
+    groups, tcfg, hw, capacity, grow, *rest = job
+    shapes = (rest[0] if rest else True) if shapes is None else shapes
+    fitted = [_fitting(g, tcfg, hw, capacity, grow) for g in groups]
+    need = [cands[0] for cands, _, _, over in fitted if not over]
+    got = iter(program_ledgers(need, tcfg, hw.bf16_collectives_in_f32, shapes))
+    out = []
+    for cands, peaks, mem_of, over in fitted:
+        if over:
+            out.append(([None] * len(cands), "none", peaks, cands))
+            continue
+        rows, how = next(got)
+        out.append((_priced(rows, cands, peaks, mem_of, hw, capacity), how, peaks, cands))
+    return out
 
 
 class Pool(ProcessPoolExecutor):
@@ -168,9 +201,10 @@ class Pool(ProcessPoolExecutor):
         self.workers = workers
 
 
-def _price_programs(jobs: list) -> list:
-    """`_price_program` of each job in turn (one chunk, in one worker)."""
-    return [_price_program(j) for j in jobs]
+def _price_structures(jobs: list) -> list:
+    """`_price_structure` of each job in turn (one chunk, in one worker), its results
+    one list."""
+    return [r for j in jobs for r in _price_structure(j)]
 
 
 # the longest run of programs one worker takes at a time: a run's results (and the
@@ -193,27 +227,28 @@ def chunks(n: int, workers: int, longest: int = LONGEST_RUN) -> list[range]:
 
 
 def _run(jobs: list, workers: int, executor=None, progress=None) -> list:
-    """`_price_program` over jobs: in `executor` (a `Pool`) if given, else in a `Pool` of
-    `workers` (here when 1). Jobs go out in their order (programs of one layout's sizes
-    next to each other), in `chunks` of consecutive ones, largest first: a worker tracing
+    """`_price_structure` over jobs, its results one list: in `executor` (a `Pool`) if
+    given, else in a `Pool` of `workers` (here when 1). Jobs (one structure each) go out
+    in their order, in `chunks` of consecutive ones, largest first: a worker tracing
     programs of the same shapes in a row reuses jax's tracing caches (a longest-first
     order without chunks measured ~20% slower on the 8-device plan of `small`), and the
     single jobs at the end keep every worker busy to the last. `progress(done, total)` is
     called as results come in."""
     progress = progress or (lambda done, total: None)
+    total = sum(len(j[0]) for j in jobs)  # programs
 
     def collect(batches):  # lists of results, as they come in
         out = []
         for batch in batches:
             out.extend(batch)
-            progress(len(out), len(jobs))
+            progress(len(out), total)
         return out
 
     if executor is None and workers <= 1:
-        return collect([_price_program(j)] for j in jobs)
+        return collect(_price_structure(j) for j in jobs)
 
     def submit(ex: Pool):
-        return [ex.submit(_price_programs, jobs[r.start:r.stop])
+        return [ex.submit(_price_structures, jobs[r.start:r.stop])
                 for r in chunks(len(jobs), ex.workers)]
 
     if executor is None:
@@ -241,28 +276,38 @@ def progress_line(say, every_s: float = 15.0, clock=time.perf_counter):
 
 def price(cands: list, tcfg: TrainConfig, hw, n: int, capacity: float | None,
           workers: int = 1, executor=None, progress=None,
-          grow: bool = False) -> tuple[list, list, int, int, int]:
-    """Price candidates of n devices: grouped by program, each program's memory checked
-    and its ledger traced once (`_run`), every candidate priced; with `grow`, a step
-    without pp over memory is priced at the fewest microbatches (2, 4, ...) that fit
-    (`_price_program`). Returns (ranked: [Priced] fastest first, over: [(candidate, peak
+          grow: bool = False, counts: dict | None = None,
+          shapes: bool = True) -> tuple[list, list, int, int, int]:
+    """Price candidates of n devices: grouped by program, and programs by structure
+    (engine/planner/ledgers.py), each program's memory checked and its ledger read from
+    the cache, derived from shapes or traced once (`_run`), every candidate priced; with
+    `grow`, a step without pp over memory is priced at the fewest microbatches (2, 4,
+    ...) that fit (`_fitting`). counts: filled with how many ledgers came each way
+    ("cached", "traced", "derived"); shapes False: trace every program not cached.
+    Returns (ranked: [Priced] fastest first, over: [(candidate, peak
     bytes)] over `capacity`, programs, programs whose ledger came from the cache,
     workers used)."""
     from engine.cost.price import mfu
+    from engine.planner.ledgers import HOW, structure
 
     groups: dict[tuple, list] = {}
     for c in cands:
         groups.setdefault(c.program, []).append(c)
-    jobs = [(group, tcfg, hw, capacity, grow) for group in groups.values()]
+    structures: dict[tuple, list] = {}
+    for group in groups.values():
+        structures.setdefault(structure(group[0]), []).append(group)
+    jobs = [(gs, tcfg, hw, capacity, grow, shapes) for gs in structures.values()]
     if executor is None:
-        workers = min(workers, max(1, len(jobs) // 8))  # a worker costs a jax import
-    ranked, over, programs, cached = [], [], 0, 0
-    for priced, hit, peaks, group in _run(jobs, workers, executor, progress):
+        workers = min(workers, max(1, len(groups) // 8))  # a worker costs a jax import
+    ranked, over, programs = [], [], 0
+    counts = {} if counts is None else counts
+    counts.update({h: 0 for h in HOW})
+    for priced, how, peaks, group in _run(jobs, workers, executor, progress):
         if all(p is None for p in priced):
             over.extend(zip(group, peaks))
             continue
         programs += 1
-        cached += hit
+        counts[how] += 1
         for c, got, peak in zip(group, priced, peaks):
             if got is None:
                 over.append((c, peak))
@@ -271,7 +316,7 @@ def price(cands: list, tcfg: TrainConfig, hw, n: int, capacity: float | None,
             ranked.append(Priced(c, step, compute, comm, exposed,
                                  mfu(c.cfg, tcfg, hw, n, step), peak, mapped_bytes=mapped))
     ranked.sort(key=_rank)
-    return ranked, over, programs, cached, workers
+    return ranked, over, programs, counts["cached"], workers
 
 
 def _rank(p: Priced) -> tuple:
@@ -343,22 +388,26 @@ def plan(cfg: ModelConfig, tcfg: TrainConfig, n: int, hw, hbm_bytes: float | Non
          pinned: dict | None = None, workers: int = 1, names: tuple[str, ...] = AXIS_ROLES,
          limits: dict | None = None, executor=None, progress=None, devices=None,
          within: float = REFINE_WITHIN, say=None,
-         base: ParallelConfig = ParallelConfig()) -> Plan:
+         base: ParallelConfig = ParallelConfig(), shapes: bool = True) -> Plan:
     """Enumerate (`candidates`), validate, check memory, trace and price each program
     once (`price`), rank by predicted step. A candidate without pp over memory is
     priced at the fewest of 2, 4, ... microbatches that fit while they divide its batch
     (`price`'s `grow`). On a shared host (the cpu profile) with `devices` (at least n
     of them), the candidates within `within` of the first are priced again with their
     matmuls timed on those devices (`refine`; `say` gets one line before it). `base`:
-    the ParallelConfig fields that are not the plan's switches (grad_reduce)."""
+    the ParallelConfig fields that are not the plan's switches (grad_reduce). shapes:
+    derive ledgers from their structure's shapes (False: trace every program)."""
     from engine.cost import fit
 
     t0 = time.perf_counter()
+    names, left_out = considered(cfg, names)
     ok, refused = candidates(cfg, tcfg, n, pinned, names, limits, base)
     capacity = fit.capacity(hw, n, hbm_bytes)
     grow = "microbatches" not in (pinned or {})  # pinned microbatches stay as given
+    counts: dict = {}
     ranked, over, programs, cached, workers = price(ok, tcfg, hw, n, capacity, workers,
-                                                    executor, progress, grow=grow)
+                                                    executor, progress, grow=grow,
+                                                    counts=counts, shapes=shapes)
     refined = 0
     if ranked and hw.shared_host and devices is not None and len(devices) >= n and within > 0:
         if say is not None:
@@ -366,7 +415,7 @@ def plan(cfg: ModelConfig, tcfg: TrainConfig, n: int, hw, hbm_bytes: float | Non
                 f"{within:.0%} of the first on {n} host devices")
         ranked, hw, refined = refine(ranked, tcfg, hw, n, devices, within)
     return Plan(ranked, refused, over, capacity, programs, cached, workers,
-                time.perf_counter() - t0, hw, refined)
+                time.perf_counter() - t0, hw, refined, counts["derived"], names, left_out)
 
 
 def gib(x) -> str:
@@ -391,7 +440,8 @@ def no_plan_message(result: Plan, n: int) -> str:
         return (f"no layout of {n} devices fits {gib(result.capacity)} per device: "
                 f"{len(result.over)} candidates predicted over it (the smallest peak is "
                 f"{gib(least)}); {len(result.refused)} refused by engine.parallel.validate")
-    reason = result.refused[0][1] if result.refused else "no candidates"
+    reason = result.refused[0][1] if result.refused else "no candidates" + "".join(
+        f"; {r} left out: {w}" for r, w in result.left_out.items())
     return (f"no layout of {n} devices can run this model ({len(result.refused)} "
             f"refused; first: {reason})")
 

@@ -173,6 +173,32 @@ class Candidate:
         return " ".join([str(self.layout), *shown])
 
 
+def considered(cfg: ModelConfig, names: tuple[str, ...]) -> tuple[tuple[str, ...], dict]:
+    """(the roles of `names` the plan lays out, {role: why it is left out}): roles that
+    `engine.parallel.validate` refuses for the model whatever their size (ep without
+    experts, pp with them, pp over one layer) are left out before the space is
+    enumerated, not enumerated and refused one layout at a time."""
+    why = {}
+    if not cfg.moe:
+        why["ep"] = "the model has no experts"
+    else:
+        why["pp"] = "the pipeline's stages do not carry the router's losses"
+    if cfg.n_layers < 2:
+        why["pp"] = "the model has one layer"
+    left = {r: w for r, w in why.items() if r in names}
+    return tuple(r for r in names if r not in left), left
+
+
+def reasons(refused: list, top: int = 3) -> list[tuple[int, str]]:
+    """[(count, reason)] of the `top` commonest first reasons of `refused` [(candidate,
+    reason)], sizes written N so layouts of one kind count together."""
+    import collections
+    import re
+
+    counts = collections.Counter(re.sub(r"\d+", "N", r.split("; ")[0]) for _, r in refused)
+    return [(k, r) for r, k in counts.most_common(top)]
+
+
 def factorisations(n: int, names: tuple[str, ...] = AXIS_ROLES) -> list[dict]:
     """Every {role: size > 1} over `names` whose sizes multiply to n ({} for n = 1)."""
     if not names:
