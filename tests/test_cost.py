@@ -171,6 +171,8 @@ def test_predict_only_512_devices():
     assert math.isfinite(pred.step_s)
 
 
+# ~20 s of microbenchmarks; tests/test_roofline_cli.py checks in-run rates by default
+@pytest.mark.slow
 def test_in_run_rates_price_every_dot_and_collective_by_its_measurement():
     """The in-run profile times each distinct dot and each distinct collective of the
     ledger on all devices at once; pricing then charges each matmul and collective row

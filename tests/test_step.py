@@ -91,9 +91,11 @@ def test_single_matches_plain_reference_model(single):
 
 
 # fsdp2xtp4 (tp4 > G = 2: kv heads replicated over tp) runs in test_tp_comm.py under
-# sequence and ring, and its decoding in test_generate.py; allreduce here with -m slow
+# sequence and ring, and its decoding in test_generate.py; allreduce here with -m slow.
+# dp8's grad all-reduce runs by default inside dp2xfsdp2xtp2; dp8 alone with -m slow.
 @pytest.mark.parametrize("layout", [pytest.param(lay, marks=pytest.mark.slow)
-                                    if lay == "fsdp2xtp4" else lay for lay in LAYOUTS])
+                                    if lay in ("fsdp2xtp4", "dp8") else lay
+                                    for lay in LAYOUTS])
 def test_layout_matches_single(layout, single):
     got = run(layout)
     for a, b in zip(jax.tree.leaves(got["init"]), jax.tree.leaves(single["init"])):
