@@ -233,8 +233,8 @@ def test_uniform_plans_only_for_ring_comms_and_their_phases_cover_the_units():
 
 
 REMAT_CASES = [  # (layout, parallel): the default suite keeps the first three
-    ("pp2xfsdp4", dict(pp_schedule="1f1b", microbatches=4)),
-    ("pp2xtp4", dict(pp_schedule="gpipe", microbatches=2)),
+    ("pp2xtp4", dict(pp_schedule="1f1b", microbatches=4)),
+    ("pp2xfsdp4", dict(pp_schedule="gpipe", microbatches=2)),
     ("pp2xfsdp4", dict(pp_schedule="interleaved", pp_virtual=2, microbatches=2)),
     ("pp4xtp2", dict(pp_schedule="1f1b", microbatches=8)),
     ("pp2xfsdp2xtp2", dict(pp_schedule="1f1b", microbatches=2, tp_comm="sequence")),
@@ -487,8 +487,7 @@ def test_traced_pipeline_price_follows_the_bubble(layout):
 @pytest.mark.parametrize("layout", ["pp2xfsdp4", "pp4xfsdp2"])
 def test_memory_gpipe_stashes_m_and_1f1b_fewer(layout):
     """The memory model: under remat full GPipe's peak exceeds 1F1B's by its more
-    stashed stage inputs, M - min(M, 2p - 1) (each held twice, [B/M, L, D] f32 on this
-    device); under none and dots the stash holds a unit's residuals per slot, so the
+    stashed stage inputs, M - min(M, 2p - 1) (each [B/M, L, D] f32 on this device); under none and dots the stash holds a unit's residuals per slot, so the
     gap is as many slots of those, and both policies stash more than full."""
     from engine.cost import memory
 
@@ -502,7 +501,7 @@ def test_memory_gpipe_stashes_m_and_1f1b_fewer(layout):
                 for s in ("gpipe", "1f1b") for remat in ("full", "dots", "none")}
         slots = m - min(m, 2 * pp - 1)
         x_micro = tcfg.batch // fsdp // m * tcfg.seq * PP_CFG.d_model * 4
-        assert peak["gpipe", "full"] - peak["1f1b", "full"] == 2 * slots * x_micro
+        assert peak["gpipe", "full"] - peak["1f1b", "full"] == slots * x_micro
         for remat in ("dots", "none"):
             assert peak["gpipe", remat] - peak["1f1b", remat] >= slots * x_micro
             assert peak["1f1b", remat] > peak["1f1b", "full"]
@@ -511,7 +510,7 @@ def test_memory_gpipe_stashes_m_and_1f1b_fewer(layout):
 
 @pytest.mark.slow
 def test_memory_model_against_the_compiler():
-    """Predicted peaks of pp4xfsdp2 under both schedules (M = 8) within 15% of
+    """Predicted peaks of pp4xfsdp2 under every schedule (M = 8) within 15% of
     `memory_analysis()`'s, and the compiler's gpipe - 1f1b gap is the predicted one."""
     from engine.cost import memory
 
@@ -524,7 +523,9 @@ def test_memory_model_against_the_compiler():
         predicted = memory.predict(PP_CFG, tcfg, lay, "cpu", parallel=par)
         assert abs(predicted.peak - measured["peak"]) <= 0.15 * measured["peak"], s
         got[s] = (measured["peak"], predicted.peak)
-    assert got["gpipe"][0] - got["1f1b"][0] == got["gpipe"][1] - got["1f1b"][1]
+    # the one slot more of gpipe (8 against 2p - 1 = 7), to the compiler's alignment
+    gap = got["gpipe"][1] - got["1f1b"][1]
+    assert got["gpipe"][0] - got["1f1b"][0] == pytest.approx(gap, rel=0.02)
 
 
 @pytest.mark.slow

@@ -190,14 +190,13 @@ def pipelined(cfg, tcfg, layout, platform: str = "cpu", parallel=None) -> Memory
     of its own (`stage_problem`: N/pp layers, one microbatch, its params, optimizer state
     and grads as a stage stores them), plus what the pipeline's scan carries:
 
-        stash          remat full: 2 x stash_slots x B_m·L_x·D·a, the units' inputs
-                       awaiting their backward, held twice: the cond's branches take the
-                       carry and return it (read off XLA:CPU: gpipe - 1f1b = 2 (M -
-                       stash_slots) slots exactly). remat none / dots: stash_slots x (the
-                       unit's residuals: the stage's `residuals` under the policy, which
-                       then leave the unit's own items, + `loss_residuals`), held once
-                       (XLA:CPU's peak grows 0.78 MiB a slot against 0.77 predicted,
-                       pp4xfsdp2 tiny, none)
+        stash          stash_slots x what a unit leaves its backward, held once
+                       (XLA:CPU, pp4xfsdp2 tiny, M = 8: gpipe's peak exceeds 1f1b's by
+                       its one more slot to 1 %): remat full, the units' inputs
+                       B_m·L_x·D·a; remat none / dots, the unit's residuals (the stage's
+                       `residuals` under the policy, which then leave the unit's own
+                       items, + `loss_residuals`; the peak grows 0.78 MiB a slot
+                       against 0.77 predicted under none)
         shift buffers  2 x (x_slots + ct_slots) x B_m·L_x·D·a   arrived activations and
                        cotangents, held the same way
         grads          the scan carry's grads accumulator, f32 as differentiated (one
@@ -225,7 +224,7 @@ def pipelined(cfg, tcfg, layout, platform: str = "cpu", parallel=None) -> Memory
         stage = dataclasses.replace(stage, residuals=0, items={
             k: v for k, v in stage.items.items() if not k.startswith("residual")})
     else:
-        stash = {f"pipeline: stash, {K} units' inputs, held twice": 2 * K * x_micro}
+        stash = {f"pipeline: stash, {K} units' inputs": K * x_micro}
     items = {**stash,
              f"pipeline: shift buffers, {the_plan.x_slots} + {the_plan.ct_slots} "
              f"microbatches, held twice": 2 * (the_plan.x_slots + the_plan.ct_slots) * x_micro,
