@@ -286,7 +286,7 @@ def test_remat_none_under_pp_runs_no_forward_twice(layout, parallel):
         cfg = dataclasses.replace(PP_CFG, remat=remat)
         rows = step_ledger(cfg, TCFG, lay, parallel)
         the_plan = pipeline.step_plan(lay, parallel)
-        ticks = _once([r for r in rows if scopes.PP_TICK in r.pp], the_plan.ticks)
+        ticks = _once([r for r in rows if scopes.PP_TICK in r.pp])
         edges = {scopes.PP_FIRST, scopes.PP_LAST}  # once per microbatch, not per chunk
         units = [unit_rows(ticks, k, s, pp) for k in UNITS for s in range(pp)]
         body = sum(matmul([r for r in u if not edges & set(r.pp)]) for u in units)

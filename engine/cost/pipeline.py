@@ -39,6 +39,7 @@ of the predicted step.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 
@@ -81,10 +82,13 @@ class PipelinePrediction:
         return self.prediction.step_s
 
 
-def _once(rows: list[Row], ticks: int) -> list[Row]:
-    """The rows with the tick scan's trip count taken out (one execution per tick; the
-    ledger prices the buffers' slots read and written in place)."""
-    assert all(r.count % ticks == 0 for r in rows), "a row inside the tick scan runs T times"
+def _once(rows: list[Row]) -> list[Row]:
+    """The rows inside the tick scan with its trip count taken out (one execution per
+    tick; the ledger prices the buffers' slots read and written in place). The trip
+    count is the one the rows were traced with, the gcd of their counts (the shifts run
+    once a tick): a ledger traced under one schedule prices along another's table with
+    the same units (gpipe and 1f1b, `engine.planner.space.SHARED_TRACE`)."""
+    ticks = math.gcd(*(r.count for r in rows))
     return [r.replace(count=r.count // ticks) for r in rows]
 
 
@@ -107,7 +111,7 @@ def _parts(rows: list[Row], T: int, M: int, pp: int, hw, mesh_axes, prefetch: bo
     chunks per stage a unit's first- and last-stage parts count 1/V: a chunk's mean."""
     inside = [r for r in rows if scopes.PP_TICK in r.pp]
     outside = [r for r in rows if scopes.PP_TICK not in r.pp]
-    once = _once(inside, T)
+    once = _once(inside)
     unit_s = np.zeros((2, pp))
     for kind in UNITS:
         for s in range(pp):
