@@ -218,7 +218,7 @@ def pipelined(cfg, tcfg, layout, platform: str = "cpu", parallel=None) -> Memory
         stage = dataclasses.replace(stage, residuals=stage.residuals // V, items={
             k: v // V if k.startswith("residual") else v for k, v in stage.items.items()})
     K = the_plan.stash_slots
-    if pipeline.stash_residuals(cfg.remat):  # a unit's residuals per slot, not its input
+    if pipeline.stash_residuals(cfg.remat, layout, parallel):  # a unit's residuals per slot, not its input
         per_slot = stage.residuals + loss_residuals(scfg, stcfg, slayout, spar, x_micro)
         stash = {f"pipeline: stash, {K} units' vjp residuals": K * per_slot}
         stage = dataclasses.replace(stage, residuals=0, items={

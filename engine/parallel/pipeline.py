@@ -59,10 +59,13 @@ from layers import scopes
 from layers.axes import Axes
 
 
-def stash_residuals(remat: str) -> bool:
+def stash_residuals(remat: str, layout, parallel) -> bool:
     """Whether a pipeline under remat policy `remat` stashes the units' vjp residuals
-    (`none`, `dots`) rather than their inputs (`full`, recomputed in the backward)."""
-    return remat != "full"
+    (`none`, `dots`) rather than their inputs (`full`, recomputed in the backward).
+    Under a cp ring the inputs: the pullback replayed in the backward unit fails XLA's
+    verifier there (a broadcast in the head's norm, jax 0.10.2)."""
+    cp_ring = parallel.cp_comm == "ring" and layout.degree("cp") > 1
+    return remat != "full" and not cp_ring
 
 
 def uniform_units(layout, parallel) -> bool:
@@ -196,12 +199,12 @@ def run(stages: Stages, params, inputs_MBL, targets_MBL, x_shape, x_axes, axes: 
     if residuals:
         vary = []  # the axes each residual varies over, read while tracing
 
-        def parts(p, x_BLD):
-            leaves, _ = _pullback_parts(jax.vjp(lambda p, x: unit(p, x, 0), p, x_BLD)[1])
+        def parts(p, x_BLD, i):  # i traced, as the forward unit's item is
+            leaves, _ = _pullback_parts(jax.vjp(lambda p, x: unit(p, x, i), p, x_BLD)[1])
             vary.extend(tuple(collectives.varying_axes(r)) for r in leaves)
             return leaves
 
-        shapes = jax.eval_shape(parts, params, zeros_x)
+        shapes = jax.eval_shape(parts, params, zeros_x, fwd_TP[0, 0])
         stash = [_like(jnp.zeros((the_plan.stash_slots, *s.shape), s.dtype), a)
                  for s, a in zip(shapes, vary)]
     else:
@@ -232,6 +235,8 @@ def run(stages: Stages, params, inputs_MBL, targets_MBL, x_shape, x_axes, axes: 
         (y_BLD, loss), f_vjp = jax.vjp(lambda p, x: unit(p, x, i), params, x_BLD)
         leaves, traced["treedef"] = _pullback_parts(f_vjp)
         traced["pullback"] = f_vjp
+        assert [(r.shape, r.dtype) for r in leaves] == [
+            (b.shape[1:], b.dtype) for b in c["stash"]], "the stash's residuals are the unit's"
         stash = [buf.at[slot].set(keep(active, r, buf[slot]))
                  for buf, r in zip(c["stash"], leaves)]
         return y_BLD, dict(c, stash=stash, loss=c["loss"] + keep(active, loss, 0.0))
