@@ -54,7 +54,13 @@ from jax import lax
 import collectives
 from engine.parallel.grads import spec_axes
 from engine.parallel.schedules import (  # noqa: F401  (the schedules' names, re-exported)
-    NONE, SCHEDULES, Plan, Schedule, plan, storage_order)
+    NONE,
+    SCHEDULES,
+    Plan,
+    Schedule,
+    plan,
+    storage_order,
+)
 from layers import scopes
 from layers.axes import Axes
 
