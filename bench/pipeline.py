@@ -4,12 +4,14 @@
     python bench/pipeline.py --pp 2 --schedules 1f1b --json pipeline.json
 
 For each pp in --pp (layout pp{p}xfsdp{8/p}), M in {p, 2p, 4p} and each schedule
-(interleaved with --virtual chunks per device), the
-tiny model with 8 layers (f32, remat full; --batch rows of --seq tokens) compiles once
-and runs; one row per configuration:
+(interleaved with --virtual chunks per device), the --model preset with 8 layers (f32,
+--remat; --batch rows of --seq tokens) compiles once and runs; one row per
+configuration:
 
     bubble        (p-1)/(V·M+p-1) (V = 1 but for interleaved), the schedule's idle
-                  stage-ticks (`Plan.bubble()`) when pp divides M
+                  fraction (`Plan.bubble()`) when pp divides M
+    stash         the stash's slots per device (`Plan.stash_slots`): microbatches
+                  (chunk units under interleaved) whose backward has not run
     idle meas.    the mean over devices of 1 - (time inside the pipeline's forward and
                   backward units) / step time, read off a profiler trace of --trace-steps
                   steps: per device, the union of the intervals of HLO ops whose
@@ -64,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=_positive, default=32,
                    help="global batch (divisible by fsdp x 4p)")
     p.add_argument("--seq", type=_positive, default=32)
+    p.add_argument("--model", default="tiny", choices=("tiny", "medium"),
+                   help="preset, run with 8 layers in f32")
+    p.add_argument("--remat", default="full", choices=("full", "dots", "none"))
     p.add_argument("--steps", type=_positive, default=3, help="steps timed")
     p.add_argument("--trace-steps", type=_positive, default=2, help="steps profiled")
     p.add_argument("--json", default=None, help="write the rows as JSON")
@@ -103,13 +108,13 @@ def unit_intervals(text: str, events) -> dict[int, float]:
 
 
 def _with_shifts(pipe, the_plan) -> float:
-    """The predicted idle fraction of a device when every tick lasts its slowest unit
-    plus the tick's shifts (the ops outside the units, which the trace counts as idle)."""
-    import numpy as np
-
+    """The predicted idle fraction of a device when every tick lasts its slowest stage's
+    work plus the tick's shifts (the ops outside the units, which the trace counts as
+    idle)."""
     pp = pipe.unit_s.shape[1]
-    work_TP = pipe.unit_s[the_plan.kind_TP, np.arange(pp)[None, :]]
-    return 1 - work_TP.sum() / (pp * (work_TP.max(axis=1) + pipe.shift_s).sum())
+    work_TP = the_plan.work_TP(pipe.unit_s[0], pipe.unit_s[1])
+    return 1 - work_TP.sum() / (pp * (the_plan.lockstep_T(pipe.unit_s[0], pipe.unit_s[1])
+                                      + pipe.shift_s).sum())
 
 
 def run_one(cfg, tcfg, layout, par, args) -> dict:
@@ -167,7 +172,7 @@ def main(argv=None) -> int:
     from engine.config import ParallelConfig, TrainConfig, model_config
     from engine.parallel.layout import Layout
 
-    cfg = model_config("tiny", dtype="f32", remat="full", n_layers=8)
+    cfg = model_config(args.model, dtype="f32", remat=args.remat, n_layers=8)
     tcfg = TrainConfig(batch=args.batch, seq=args.seq)
     for pp in args.pp:  # every configuration checked before any compiles
         if args.batch % (8 // pp * 4 * pp):
@@ -189,15 +194,16 @@ def main(argv=None) -> int:
                 print(f"  done pp={pp} M={m} {schedule}", file=sys.stderr, flush=True)
     load = os.getloadavg()
     table = [[r["pp"], r["microbatches"],
-              r["schedule"] + (f" V={r['virtual']}" if r["virtual"] > 1 else ""), r["ticks"], f"{r['bubble_formula']:.3f}",
+              r["schedule"] + (f" V={r['virtual']}" if r["virtual"] > 1 else ""), r["ticks"], r["stash_slots"],
+              f"{r['bubble_formula']:.3f}",
               f"{r['measured_idle']:.3f} ({r['measured_idle_min']:.2f}-{r['measured_idle_max']:.2f})",
               f"{r['predicted_idle']:.3f}", f"{r['predicted_idle_shifts']:.3f}", f"{r['h100_bubble']:.3f}", f"{r['measured_step_s']:.3g}", f"{r['predicted_step_s']:.3g}",
               f"{r['measured_peak_bytes'] / MiB:.2f}", f"{r['predicted_peak_bytes'] / MiB:.2f}"]
              for r in out]
-    print(f"tiny, 8 layers, f32, remat full, batch {args.batch}, seq {args.seq}; "
+    print(f"{args.model}, 8 layers, f32, remat {args.remat}, batch {args.batch}, seq {args.seq}; "
           f"layouts pp{{p}}xfsdp{{8/p}} on 8 host devices; load average "
           f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
-    print(tabulate(table, ["pp", "M", "schedule", "ticks", "bubble (p-1)/(VM+p-1)",
+    print(tabulate(table, ["pp", "M", "schedule", "ticks", "stash", "bubble (p-1)/(VM+p-1)",
                            "idle meas. (min-max)", "idle pred.", "+ shifts", "h100 bubble", "step s meas.",
                            "step s pred.", "peak MiB meas.", "peak MiB pred."],
                    disable_numparse=True))

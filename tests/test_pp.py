@@ -65,26 +65,46 @@ def assert_matches(got, want, what):
 
 
 # -- the schedules' tables --------------------------------------------------------------
-@pytest.mark.parametrize("name", list(pipeline.SCHEDULES))
-@pytest.mark.parametrize("pp, m", [(2, 2), (2, 3), (4, 4), (4, 6), (4, 8), (8, 8), (2, 8)])
-def test_plan_runs_every_unit_once_in_dependency_order(name, pp, m):
-    p = pipeline.plan(pipeline.SCHEDULES[name], pp, m)
-    done = {}
+def units_in_order(p, pp, v=1):
+    """{(kind, microbatch, model chunk): tick} of plan `p`, checking on the way that every
+    unit runs once and after its input: a forward after the previous chunk's forward, a
+    backward after the next chunk's backward, or on the model's last chunk after its own
+    forward (at the same tick only under a fused schedule, whose forward slot runs
+    first); and that what arrives is kept in the slot the reading unit takes."""
+    C, done = pp * v, {}
     for t in range(p.ticks):
         for s in range(pp):
-            kind, mb = int(p.kind_TP[t, s]), int(p.microbatch_TP[t, s])
-            if kind == pipeline.IDLE:
-                continue
-            assert (kind, mb, s) not in done
-            if kind == pipeline.FORWARD:
-                assert s == 0 or done[(kind, mb, s - 1)] < t
-            else:
-                assert done[(pipeline.FORWARD, mb, s)] < t
-                assert s == pp - 1 or done[(kind, mb, s + 1)] < t
-            done[(kind, mb, s)] = t
+            for kind, table in (("f", p.forward_TP), ("b", p.backward_TP)):
+                i = int(table[t, s])
+                if i == pipeline.NONE:
+                    continue
+                mb, c = i // v, i % v * pp + s
+                assert (kind, mb, c) not in done
+                if kind == "f":
+                    assert c == 0 or done[("f", mb, c - 1)] < t
+                    if c > 0:  # sent by chunk c - 1's device, kept in this unit's slot
+                        assert p.recv_x_TP[done[("f", mb, c - 1)], s] == i % p.x_slots
+                elif c == C - 1:
+                    assert done[("f", mb, c)] <= t
+                else:
+                    assert done[("b", mb, c + 1)] < t
+                    assert p.recv_ct_TP[done[("b", mb, c + 1)], s] == i % p.ct_slots
+                done[(kind, mb, c)] = t
+    return done
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("pp, m", [(2, 2), (2, 3), (4, 4), (4, 6), (4, 8), (8, 8), (2, 8)])
+def test_plan_runs_every_unit_once_in_dependency_order(name, pp, m):
+    """Every unit once, after its input; the idle fraction is the textbook bubble
+    (p-1)/(M+p-1) with a backward as long as a forward and with one twice as long: 1F1B's
+    steady ticks run a forward and a backward on every stage, so its mixed ticks do not
+    run at the backward's pace."""
+    p = pipeline.plan(pipeline.SCHEDULES[name], pp, m)
+    done = units_in_order(p, pp)
     assert len(done) == 2 * pp * m
-    # with a forward and a backward one tick each, the idle fraction is the textbook bubble
-    assert p.bubble() == pytest.approx((pp - 1) / (m + pp - 1))
+    for backward in (1.0, 2.0, 3.0):
+        assert p.bubble(1.0, backward) == pytest.approx((pp - 1) / (m + pp - 1))
 
 
 @pytest.mark.parametrize("pp, m, v", [(2, 2, 2), (2, 4, 2), (4, 4, 2), (4, 8, 2), (2, 8, 4),
@@ -92,31 +112,18 @@ def test_plan_runs_every_unit_once_in_dependency_order(name, pp, m):
 def test_interleaved_plan_runs_every_chunk_in_order_with_the_circular_bubble(pp, m, v):
     """Device s runs chunks s, s + pp, ... of the model (C = pp·V chunks): every
     (microbatch, chunk) forward after the previous chunk's, every backward after the
-    next chunk's, and the idle fraction is (pp-1)/(V·M+pp-1) when pp divides M; what
-    arrives is kept in the slot the reading unit takes."""
+    next chunk's, and the idle fraction is (pp-1)/(V·M+pp-1) when pp divides M, with
+    fused ticks whatever the backward's length; it stashes fewer chunk inputs than the
+    V·M of GPipe's order once M > 2·pp."""
     p = pipeline.plan(pipeline.SCHEDULES["interleaved"], pp, m, virtual=v)
-    C, done = pp * v, {}
-    for t in range(p.ticks):
-        for s in range(pp):
-            kind = int(p.kind_TP[t, s])
-            if kind == pipeline.IDLE:
-                continue
-            mb, c = int(p.microbatch_TP[t, s]), int(p.chunk_TP[t, s]) * pp + s
-            assert (kind, mb, c) not in done
-            if kind == pipeline.FORWARD:
-                assert c == 0 or done[(kind, mb, c - 1)] < t
-                if c > 0:  # sent by chunk c - 1's device, kept in this unit's slot
-                    sent = done[(kind, mb, c - 1)]
-                    assert p.recv_x_TP[sent, s] == (mb * v + c // pp) % p.x_slots
-            else:
-                assert done[(pipeline.FORWARD, mb, c)] < t
-                assert c == C - 1 or done[(kind, mb, c + 1)] < t
-            done[(kind, mb, c)] = t
-    assert len(done) == 2 * C * m
+    assert len(units_in_order(p, pp, v)) == 2 * pp * v * m
+    formula = (pp - 1) / (v * m + pp - 1)
     if m % pp == 0:
-        assert p.bubble() == pytest.approx((pp - 1) / (v * m + pp - 1))
+        for backward in (1.0, 2.0):
+            assert p.bubble(1.0, backward) == pytest.approx(formula)
     else:  # a last group of fewer than pp microbatches waits for its own round trip
-        assert p.bubble() > (pp - 1) / (v * m + pp - 1)
+        assert p.bubble() > formula
+    assert p.stash_slots <= min(v * m, 2 * v * pp - 1)
 
 
 def test_interleaved_storage_order_puts_chunk_s_plus_k_pp_on_device_s():
@@ -125,9 +132,16 @@ def test_interleaved_storage_order_puts_chunk_s_plus_k_pp_on_device_s():
     assert pipeline.storage_order(8, 2, 1).tolist() == list(range(8))
 
 
-@pytest.mark.parametrize("pp, m", [(2, 2), (2, 8), (4, 4), (4, 8), (8, 8)])
-def test_1f1b_stashes_at_most_pp_microbatches_and_gpipe_m(pp, m):
-    assert pipeline.plan(pipeline.SCHEDULES["1f1b"], pp, m).stash_slots == pp
+@pytest.mark.parametrize("pp, m", [(2, 2), (2, 8), (4, 4), (4, 8), (4, 16), (8, 8)])
+def test_1f1b_ticks_fuse_a_forward_and_a_backward_and_stash_at_most_2pp_minus_1(pp, m):
+    """1F1B: after p - 1 warm-up ticks each of M ticks runs a forward and a backward on
+    the last stage, M + 2(p - 1) ticks in all; a stage holds a microbatch for its round
+    trip, 2(p - 1 - s) ticks, so the stash is min(M, 2p - 1) (GPipe's M)."""
+    p = pipeline.plan(pipeline.SCHEDULES["1f1b"], pp, m)
+    assert p.ticks == m + 2 * (pp - 1)
+    both = (p.forward_TP != pipeline.NONE) & (p.backward_TP != pipeline.NONE)
+    assert both[:, pp - 1].sum() == m
+    assert p.stash_slots == min(m, 2 * pp - 1)
     assert pipeline.plan(pipeline.SCHEDULES["gpipe"], pp, m).stash_slots == m
 
 
@@ -202,8 +216,8 @@ def test_rings_under_pp_match_single(layout, parallel, init, single):
 
 def test_uniform_plans_only_for_ring_comms_and_their_phases_cover_the_units():
     """Only a ring comm over an axis of more than one device makes a plan uniform; a
-    tick's phase names every kind of unit its stages run (1F1B has mixed ticks, GPipe
-    none)."""
+    tick's forward (backward) slot runs where any stage's holds one (1F1B has ticks with
+    both, GPipe none)."""
     for layout, parallel, want in [
             ("pp2xfsdp2xtp2", dict(tp_comm="ring"), True),
             ("pp2xcp2xfsdp2", dict(cp_comm="ring"), True),
@@ -214,21 +228,38 @@ def test_uniform_plans_only_for_ring_comms_and_their_phases_cover_the_units():
         assert the_plan.uniform == want, (layout, parallel)
     for name in ("gpipe", "1f1b"):
         p = pipeline.plan(pipeline.SCHEDULES[name], 4, 8, uniform=True)
-        for row, phase in zip(p.kind_TP, p.phase_T):
-            kinds = set(row.tolist()) - {pipeline.IDLE}
-            want = {pipeline.FORWARDS: {pipeline.FORWARD}, pipeline.BACKWARDS:
-                    {pipeline.BACKWARD}, pipeline.BOTH: {pipeline.FORWARD, pipeline.BACKWARD}}
-            assert kinds == want[phase]
-        assert (pipeline.BOTH in p.phase_T) == (name == "1f1b")
+        assert (p.any_forward_T == (p.forward_TP != pipeline.NONE).any(axis=1)).all()
+        assert (p.any_forward_T & p.any_backward_T).any() == (name == "1f1b")
 
 
-@pytest.mark.slow
+REMAT_CASES = [  # (layout, parallel): the default suite keeps the first three
+    ("pp2xtp4", dict(pp_schedule="1f1b", microbatches=4)),
+    ("pp2xfsdp4", dict(pp_schedule="gpipe", microbatches=2)),
+    ("pp2xfsdp4", dict(pp_schedule="interleaved", pp_virtual=2, microbatches=2)),
+    ("pp4xtp2", dict(pp_schedule="1f1b", microbatches=8)),
+    ("pp2xfsdp2xtp2", dict(pp_schedule="1f1b", microbatches=2, tp_comm="sequence")),
+    ("pp2xfsdp2xtp2", dict(pp_schedule="1f1b", microbatches=2, tp_comm="ring")),
+    ("pp2xfsdp2xtp2", dict(pp_schedule="gpipe", microbatches=2, tp_comm="ring")),
+    ("pp2xcp2xfsdp2", dict(pp_schedule="1f1b", microbatches=2)),
+    ("pp2xcp2xfsdp2", dict(pp_schedule="1f1b", microbatches=2, cp_comm="ring")),
+    ("pp2xcp2xfsdp2", dict(pp_schedule="interleaved", pp_virtual=2, microbatches=2,
+                           cp_comm="ring")),
+    ("pp2xdp2xfsdp2", dict(pp_schedule="gpipe", microbatches=2, zero=2)),
+    ("pp2xfsdp4", dict(pp_schedule="1f1b", microbatches=2, prefetch=True)),
+]
+
+
 @pytest.mark.parametrize("remat", ["none", "dots"])
-def test_pp_remat_policies_match_single(remat, init, single):
-    """`single` runs remat full: each policy recomputes differently, same values."""
+@pytest.mark.parametrize("layout, parallel", [
+    case if i < 3 else pytest.param(*case, marks=pytest.mark.slow)
+    for i, case in enumerate(REMAT_CASES)])
+def test_pp_remat_policies_match_single(remat, layout, parallel, init, single):
+    """The stash of vjp residuals (remat none, dots) equals `single` (remat full: each
+    policy recomputes differently, same values) under every schedule, composed with
+    fsdp, tp (every comm), cp (both comms), dp and zero 2, prefetch."""
     cfg = dataclasses.replace(PP_CFG, remat=remat)
-    got = loss_and_grads("pp2xfsdp4", init, cfg=cfg, microbatches=2, pp_schedule="1f1b")
-    assert_matches(got, single, f"pp2xfsdp4 remat {remat}")
+    got = loss_and_grads(layout, init, cfg=cfg, **parallel)
+    assert_matches(got, single, f"{layout} {parallel} remat {remat}")
 
 
 @pytest.mark.slow
@@ -295,164 +326,6 @@ def test_pp_checkpoint_resumes_on_another_layout(init, tmp_path):
         np.testing.assert_array_equal(a, b)
     got = float(other.loss(loaded, other.put_batch(tokens(step=1))))
     assert abs(got - want) <= RTOL * abs(want)
-
-
-# -- the cost model -----------------------------------------------------------------------
-def _unit_row(unit, flops, ticks):
-    from engine.cost.ledger import Row
-    from layers import scopes
-
-    pp = (scopes.PP_TICK,) + ((unit,) if unit else ())
-    return Row("mlp", "fwd", "matmul", "dot_general", "bfloat16", (1,), flops, 0.0, ticks,
-               pp=pp)
-
-
-@pytest.mark.parametrize("name, v", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2)])
-@pytest.mark.parametrize("pp", [2, 4])
-def test_pipeline_price_is_ticks_of_the_slowest_unit(name, v, pp):
-    """Rows of one forward unit, one backward unit (2x the forward's FLOPs) and a tick's
-    own row, priced along the table: the step is the sum over ticks of the slowest
-    stage's unit plus the tick's row; GPipe-ordered ticks (gpipe, interleaved) are all
-    forwards or all backwards, so the pipeline takes (V·M + p - 1)(F + B) and its bubble
-    is (p-1)/(V·M+p-1); with equal units 1F1B's is too. On a shared host idle stages
-    cost no time, V·M (F + B), though a stage waits as long."""
-    from engine.cost import hardware
-    from engine.cost.pipeline import predict_pipeline
-    from engine.cost.price import predict
-    from layers import scopes
-
-    h100, mesh = hardware.get("h100"), (("pp", pp),)
-    for m in (pp, 2 * pp, 4 * pp):
-        the_plan = pipeline.plan(pipeline.SCHEDULES[name], pp, m, virtual=v)
-        T, formula = the_plan.ticks, (pp - 1) / (v * m + pp - 1)
-        for ratio in (1, 2):
-            rows = [_unit_row(scopes.PP_FORWARD, 1e12, T),
-                    _unit_row(scopes.PP_BACKWARD, ratio * 1e12, T), _unit_row(None, 1e9, T)]
-            one = lambda r: predict([dataclasses.replace(r, count=1)], h100, mesh).step_s
-            F, B, tick = (one(r) for r in rows)
-            got = predict_pipeline(rows, h100, mesh, the_plan)
-            assert got.schedule_bubble == pytest.approx(formula)
-            units = sum(max((F, B)[k - 1] if k else 0.0 for k in row)
-                        for row in the_plan.kind_TP)
-            assert got.step_s == pytest.approx(units + T * tick)
-            homogeneous = name != "1f1b" or ratio == 1
-            if homogeneous:
-                assert units == pytest.approx((v * m + pp - 1) * (F + B))
-                assert got.bubble == pytest.approx(formula)
-            else:  # mixed ticks run at the backward's pace
-                assert got.bubble > formula
-            cpu = hardware.cpu_defaults()
-            F, B, tick = (predict([dataclasses.replace(r, count=1)], cpu, mesh).step_s
-                          for r in rows)
-            shared = predict_pipeline(rows, cpu, mesh, the_plan)
-            assert shared.step_s == pytest.approx(v * m * (F + B) + T * tick)
-            if homogeneous:  # the devices still wait as in lock-step
-                assert shared.bubble == pytest.approx(formula)
-
-
-@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
-def test_uniform_pipeline_price_runs_every_kind_of_unit_its_tick_holds(name):
-    """A uniform plan: every stage runs the tick's units (first- and last-stage parts
-    included), so a tick costs F, B, or F + B on a mixed 1F1B tick, on an accelerator
-    and on a shared host alike."""
-    from engine.cost import hardware
-    from engine.cost.ledger import Row
-    from engine.cost.pipeline import predict_pipeline
-    from engine.cost.price import predict
-    from layers import scopes
-
-    pp, m = 4, 8
-    the_plan = pipeline.plan(pipeline.SCHEDULES[name], pp, m, uniform=True)
-    T = the_plan.ticks
-    head = Row("loss", "fwd", "matmul", "dot_general", "bfloat16", (1,), 3e11, 0.0, T,
-               pp=(scopes.PP_TICK, scopes.PP_BACKWARD, scopes.PP_LAST))
-    rows = [_unit_row(scopes.PP_FORWARD, 1e12, T), _unit_row(scopes.PP_BACKWARD, 2e12, T),
-            head, _unit_row(None, 1e9, T)]
-    for hw in (hardware.get("h100"), hardware.cpu_defaults()):
-        one = lambda rs: predict([dataclasses.replace(r, count=1) for r in rs], hw,  # noqa: E731
-                                 (("pp", pp),)).step_s
-        F, B, tick = one(rows[:1]), one(rows[1:3]), one(rows[3:])
-        got = predict_pipeline(rows, hw, (("pp", pp),), the_plan)
-        phase = the_plan.phase_T
-        want = sum(F * (p != pipeline.BACKWARDS) + B * (p != pipeline.FORWARDS) for p in phase)
-        assert got.step_s == pytest.approx(want + T * tick)
-        if name == "gpipe":
-            assert want == pytest.approx((m + pp - 1) * (F + B))
-        else:  # mixed ticks run both units
-            assert (phase == pipeline.BOTH).any() and want > (m + pp - 1) * (F + B)
-
-
-@pytest.mark.parametrize("layout", ["pp2xfsdp4", "pp4xfsdp2"])
-def test_traced_pipeline_price_follows_the_bubble(layout):
-    """The traced step (AbstractMesh, no compile) priced on an H100 along GPipe's table
-    for M = p, 2p, 4p: the pipeline's part is the sum over ticks of the slowest active
-    stage's unit, (M + p - 1) x (forward + backward) up to the stages' imbalance (the
-    first embeds, the last takes the loss); the bubble falls with M, from the formula's
-    (p-1)/(M+p-1) up to what the imbalance adds; the step is below the ledger's upper
-    bound (every branch on every tick)."""
-    from engine.cost import hardware
-    from engine.cost.ledger import step_ledger
-    from engine.cost.pipeline import predict_step
-    from engine.cost.price import predict
-
-    lay, h100 = Layout.parse(layout), hardware.get("h100")
-    pp = lay.degree("pp")
-    tcfg, bubbles = dataclasses.replace(TCFG, batch=32), [1.0]
-    for m in (pp, 2 * pp, 4 * pp):
-        par = ParallelConfig(microbatches=m, pp_schedule="gpipe")
-        rows = step_ledger(PP_CFG, tcfg, lay, par)
-        pred, pipe = predict_step(rows, h100, lay, par)
-        fwd, bwd = pipe.unit_s[1], pipe.unit_s[2]
-        assert (fwd > 0).all() and (bwd > fwd).all() and bwd[-1] > bwd[0]  # the loss
-        units = pred.step_s - pipe.outside_s - len(pipe.tick_s) * pipe.shift_s
-        the_plan = pipeline.plan(pipeline.SCHEDULES["gpipe"], pp, m)
-        assert units == pytest.approx(sum(max(pipe.unit_s[k, s] for s, k in enumerate(row))
-                                          for row in the_plan.kind_TP))
-        assert ((m + pp - 1) * (fwd.min() + bwd.min()) <= units
-                <= (m + pp - 1) * (fwd.max() + bwd.max()))
-        assert pipe.bubble == pytest.approx(1 - m * (fwd + bwd).sum() / (pp * units))
-        # idle stage-ticks are the floor; a stage slower than the rest (the last one's
-        # loss) adds its gap on every tick, at most as if every stage were the slowest
-        formula = (pp - 1) / (m + pp - 1)
-        balance = (fwd + bwd).mean() / (fwd.max() + bwd.max())
-        assert formula <= pipe.bubble <= 1 - (1 - formula) * balance
-        assert pipe.bubble < bubbles[-1]
-        bubbles.append(pipe.bubble)
-        assert pred.step_s < predict(rows, h100, lay.mesh_axes()).step_s
-
-
-@pytest.mark.parametrize("layout", ["pp2xfsdp4", "pp4xfsdp2"])
-def test_memory_gpipe_stashes_m_and_1f1b_pp(layout):
-    """The memory model: GPipe's peak exceeds 1F1B's by its M - pp more stashed stage
-    inputs (each held twice, [B/M, L, D] f32 on this device) when M > pp; equal at M = pp."""
-    from engine.cost import memory
-
-    lay = Layout.parse(layout)
-    pp, fsdp = lay.degree("pp"), lay.degree("fsdp")
-    tcfg = dataclasses.replace(TCFG, batch=32)
-    for m in (pp, 2 * pp, 4 * pp):
-        peak = {s: memory.predict(PP_CFG, tcfg, lay, "cpu", parallel=ParallelConfig(
-            microbatches=m, pp_schedule=s)).peak for s in pipeline.SCHEDULES}
-        x_micro = tcfg.batch // fsdp // m * tcfg.seq * PP_CFG.d_model * 4
-        assert peak["gpipe"] - peak["1f1b"] == 2 * (m - pp) * x_micro
-
-
-@pytest.mark.slow
-def test_memory_model_against_the_compiler():
-    """Predicted peaks of pp4xfsdp2 under both schedules (M = 8) within 15% of
-    `memory_analysis()`'s, and the compiler's gpipe - 1f1b gap is the predicted one."""
-    from engine.cost import memory
-
-    lay, tcfg = Layout.parse("pp4xfsdp2"), dataclasses.replace(TCFG, batch=32)
-    got = {}
-    for s in pipeline.SCHEDULES:
-        par = ParallelConfig(microbatches=8, pp_schedule=s)
-        t = Trainer(PP_CFG, tcfg, lay, lay.mesh(), par)
-        measured = memory.measure(memory.compile_step(t, {"xla_backend_optimization_level": 0}))
-        predicted = memory.predict(PP_CFG, tcfg, lay, "cpu", parallel=par)
-        assert abs(predicted.peak - measured["peak"]) <= 0.15 * measured["peak"], s
-        got[s] = (measured["peak"], predicted.peak)
-    assert got["gpipe"][0] - got["1f1b"][0] == got["gpipe"][1] - got["1f1b"][1]
 
 
 @pytest.mark.slow

@@ -170,17 +170,33 @@ def stage_problem(cfg, tcfg, layout, parallel):
             dataclasses.replace(parallel, microbatches=1, pp_schedule="1f1b", pp_virtual=1))
 
 
+def loss_residuals(cfg, tcfg, layout, par, x_micro: int) -> int:
+    """What the vjp of the head and loss leaves for its backward, one microbatch (the
+    pipeline's forward unit stashes it on every stage: the unit's cond keeps both
+    branches' residuals): the final norm's input and output, the logits' softmax
+    [B, L, V_tp] f32, and the unembedding as gathered over fsdp (compute dtype; a
+    primal, not stashed, when nothing gathers it)."""
+    from engine.parallel.params import param_shapes
+
+    d = dims(cfg, tcfg, layout, "cpu", par, kernel_priced(cfg, tcfg, layout, "cpu", par),
+             param_shapes(cfg))
+    gathered = d.D * d.Vtp * d.c if par.zero == 3 and layout.degree("fsdp") > 1 else 0
+    return 2 * x_micro + d.B * d.L * d.Vtp * F32 + gathered
+
+
 def pipelined(cfg, tcfg, layout, platform: str = "cpu", parallel=None) -> MemoryPrediction:
     """The pipelined step's per-device peak: the peak falls in a backward unit, the vjp of
     one stage on one microbatch, whose items are `one_program`'s for the stage as a step
     of its own (`stage_problem`: N/pp layers, one microbatch, its params, optimizer state
     and grads as a stage stores them), plus what the pipeline's scan carries:
 
-        stash          2 x stash_slots x B_m·L_x·D·a   the stage inputs awaiting their
-                       backward (M slots under GPipe, pp under 1F1B), held twice: the
-                       switch's branches take the carry and return it (read off
-                       XLA:CPU: gpipe - 1f1b = 2 (M - pp) slots exactly, tiny at pp2 and
-                       pp4, M = 8 and 16)
+        stash          stash_slots x what a unit leaves its backward, held once
+                       (XLA:CPU, pp4xfsdp2 tiny, M = 8: gpipe's peak exceeds 1f1b's by
+                       its one more slot to 1 %): remat full, the units' inputs
+                       B_m·L_x·D·a; remat none / dots, the unit's residuals (the stage's
+                       `residuals` under the policy, which then leave the unit's own
+                       items, + `loss_residuals`; the peak grows 0.78 MiB a slot
+                       against 0.77 predicted under none)
         shift buffers  2 x (x_slots + ct_slots) x B_m·L_x·D·a   arrived activations and
                        cotangents, held the same way
         grads          the scan carry's grads accumulator, f32 as differentiated (one
@@ -201,8 +217,15 @@ def pipelined(cfg, tcfg, layout, platform: str = "cpu", parallel=None) -> Memory
     if V > 1:  # a unit runs one chunk: N/(pp·V) layers' residuals (every item is per layer)
         stage = dataclasses.replace(stage, residuals=stage.residuals // V, items={
             k: v // V if k.startswith("residual") else v for k, v in stage.items.items()})
-    items = {f"pipeline: stash, {the_plan.stash_slots} microbatches' stage inputs, held "
-             f"twice": 2 * the_plan.stash_slots * x_micro,
+    K = the_plan.stash_slots
+    if pipeline.stash_residuals(cfg.remat, layout, parallel):  # a unit's residuals per slot, not its input
+        per_slot = stage.residuals + loss_residuals(scfg, stcfg, slayout, spar, x_micro)
+        stash = {f"pipeline: stash, {K} units' vjp residuals": K * per_slot}
+        stage = dataclasses.replace(stage, residuals=0, items={
+            k: v for k, v in stage.items.items() if not k.startswith("residual")})
+    else:
+        stash = {f"pipeline: stash, {K} units' inputs": K * x_micro}
+    items = {**stash,
              f"pipeline: shift buffers, {the_plan.x_slots} + {the_plan.ct_slots} "
              f"microbatches, held twice": 2 * (the_plan.x_slots + the_plan.ct_slots) * x_micro,
              "pipeline: grads accumulated over the microbatches (f32)": stage.grads}

@@ -1,32 +1,37 @@
 """Price a pipelined step (engine/parallel/pipeline.py) tick by tick from its schedule's table.
 
-The pipelined step is a scan over T ticks; in each, every stage runs one unit (idle, the
-forward of a microbatch or its backward) picked by `lax.switch`, then shifts its outputs
-to its neighbours. The ledger walks every branch of that switch on every tick (an upper
-bound: T forwards and T backwards per device); the rows carry the pipeline scopes
-(`Row.pp`, layers/scopes.py) that say which unit runs them and which parts only the
-first stage (the embedding) or the last (head and loss) runs. Here:
+The pipelined step is a scan over T ticks; in each, every stage runs its forward slot
+and its backward slot (each a `lax.cond`: the unit or idle), then shifts its outputs to
+its neighbours. The ledger walks every branch on every tick (an upper bound: T forwards
+and T backwards per device); the rows carry the pipeline scopes (`Row.pp`,
+layers/scopes.py) that say which unit runs them and which parts only the first stage
+(the embedding) or the last (head and loss) runs. Here:
 
     unit(k, s)  = `price.predict` of the rows of unit k (forward / backward) as stage s
                   runs them, once (trip count over T), with its own overlap model; a
                   slot of the pipeline's buffers is read and written in place
-    tick(t)     = max over stages s of unit(kind[t, s], s)        (accelerators)
+    work(t, s)  = unit(forward, s) if s has a forward at t, + unit(backward, s) likewise
+    tick(t)     = max over stages s of work(t, s)      (accelerators: lock-step ticks)
                   + the tick's own rows (the stage shifts' ppermutes, buffer writes)
     step        = sum over ticks of tick(t) + the rows outside the scan (grad
                   reductions, optimizer)
 
 The max is the ticks' lock-step: every stage waits for its neighbour's shift before the
-next tick. With unit times equal across ticks (GPipe's ticks are all forwards or all
-backwards) the step's pipeline part is (M + p - 1) x (forward + backward) and the idle
-fraction of a stage is the schedule's bubble (p - 1) / (M + p - 1) (`Plan.bubble()`);
-1F1B's ticks mix forwards and backwards across stages, so they run at the backward's
-pace and its time bubble is larger than its idle stage-ticks. On a shared host (forced
-CPU devices, `hw.shared_host`) a stage's idle devices leave their cores to the busy
-ones: a tick costs the mean over stages of their units' (each priced as if every device
-ran it) and idle stage-ticks cost no time.
+next tick. GPipe's ticks are all forwards or all backwards and 1F1B's (fused) steady
+ticks one forward and one backward on every stage, so with units equal across stages
+both take (M + p - 1) x (forward + backward) and idle a stage (p - 1) / (M + p - 1) of
+the time (`Plan.bubble()`), whatever the backward's cost next to the forward's. A
+uniform plan runs the tick's slowest forward and slowest backward on every stage
+(`Plan.lockstep_T`). On a shared host (forced CPU devices, `hw.shared_host`) a stage's
+idle devices leave their cores to the busy ones: a tick costs the mean over stages of
+their work (each unit priced as if every device ran it) and idle slots cost no time.
+
+Under remat `none` / `dots` the forward unit runs the unit's `jax.vjp` and the backward
+applies the stashed residuals (no recompute: the backward's rows are the transpose's
+alone); under `full` the backward recomputes the unit. Both are read off the traced rows.
 
 `bubble` = 1 - (stage time in units) / (pp x the lock-step pipeline's time), the
-fraction of its time a stage waits, next to the schedule's idle stage-ticks. On a shared
+fraction of its time a stage waits, next to the schedule's idle fraction. On a shared
 host the devices wait just as much (bench/pipeline.py reads it off a profile), but the
 step's wall clock does not pay the wait in full, so there the bubble is not a fraction
 of the predicted step.
@@ -34,6 +39,7 @@ of the predicted step.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 
@@ -42,7 +48,9 @@ from engine.cost.price import Prediction, fault_seconds, predict, with_faults
 from engine.parallel import pipeline
 from layers import scopes
 
-UNITS = {pipeline.FORWARD: scopes.PP_FORWARD, pipeline.BACKWARD: scopes.PP_BACKWARD}
+FORWARD, BACKWARD = 0, 1  # rows of `PipelinePrediction.unit_s`
+UNITS = {FORWARD: scopes.PP_FORWARD, BACKWARD: scopes.PP_BACKWARD}
+EDGES = {scopes.PP_FIRST, scopes.PP_LAST}  # the first stage's and the last stage's parts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,12 +60,12 @@ class PipelinePrediction:
     prediction: as `price.predict`'s, its rows each unit's rows run M times (the first
         stage's and the last stage's parts included) and the rest as traced; step_s is
         the pipelined step (below), not compute + exposed communication.
-    unit_s: [3, pp] one unit (IDLE, FORWARD, BACKWARD) on each stage.
-    tick_s: [T] each tick: its units (max, or mean on a shared host) + shift_s.
+    unit_s: [2, pp] one unit (FORWARD, BACKWARD) on each stage.
+    tick_s: [T] each tick: its stages' work (max, or mean on a shared host) + shift_s.
     shift_s: the tick's own rows (stage shifts, buffer writes), per tick.
     outside_s: the rows outside the tick scan (grad reductions, optimizer).
     bubble: the fraction of a stage's time spent waiting, ticks in lock-step.
-    schedule_bubble: the table's idle stage-ticks (`Plan.bubble()`).
+    schedule_bubble: the table's idle fraction, units of equal length (`Plan.bubble()`).
     uniform: every stage runs each tick's units (`Plan.uniform`)."""
 
     prediction: Prediction
@@ -74,10 +82,13 @@ class PipelinePrediction:
         return self.prediction.step_s
 
 
-def _once(rows: list[Row], ticks: int) -> list[Row]:
-    """The rows with the tick scan's trip count taken out (one execution per tick; the
-    ledger prices the buffers' slots read and written in place)."""
-    assert all(r.count % ticks == 0 for r in rows), "a row inside the tick scan runs T times"
+def _once(rows: list[Row]) -> list[Row]:
+    """The rows inside the tick scan with its trip count taken out (one execution per
+    tick; the ledger prices the buffers' slots read and written in place). The trip
+    count is the one the rows were traced with, the gcd of their counts (the shifts run
+    once a tick): a ledger traced under one schedule prices along another's table with
+    the same units (gpipe and 1f1b, `engine.planner.space.SHARED_TRACE`)."""
+    ticks = math.gcd(*(r.count for r in rows))
     return [r.replace(count=r.count // ticks) for r in rows]
 
 
@@ -94,17 +105,23 @@ def unit_rows(rows: list[Row], kind: int, stage: int, pp: int,
 
 
 def _parts(rows: list[Row], T: int, M: int, pp: int, hw, mesh_axes, prefetch: bool,
-           uniform: bool):
-    """(unit_s [3, pp], shift_s, the rows outside the ticks' Prediction, the report's
-    flat Prediction) of `rows` priced with (hw, mesh_axes, prefetch), module doc."""
+           uniform: bool, virtual: int = 1):
+    """(unit_s [2, pp], shift_s, the rows outside the ticks' Prediction, the report's
+    flat Prediction) of `rows` priced with (hw, mesh_axes, prefetch), module doc. With V
+    chunks per stage a unit's first- and last-stage parts count 1/V: a chunk's mean."""
     inside = [r for r in rows if scopes.PP_TICK in r.pp]
     outside = [r for r in rows if scopes.PP_TICK not in r.pp]
-    once = _once(inside, T)
-    unit_s = np.zeros((3, pp))
+    once = _once(inside)
+    unit_s = np.zeros((2, pp))
     for kind in UNITS:
         for s in range(pp):
             part = unit_rows(once, kind, s, pp, uniform)
             unit_s[kind, s] = predict(part, hw, mesh_axes, prefetch).step_s if part else 0.0
+            if virtual > 1 and not uniform:  # embedding, head: in one of a stage's V chunks
+                body = [r for r in part if not EDGES & set(r.pp)]
+                edge_s = unit_s[kind, s] - (predict(body, hw, mesh_axes, prefetch).step_s
+                                            if body else 0.0)
+                unit_s[kind, s] -= edge_s * (virtual - 1) / virtual
     shift = [r for r in once if not set(UNITS.values()) & set(r.pp)]
     shift_s = predict(shift, hw, mesh_axes, prefetch).step_s
     out = predict(outside, hw, mesh_axes, prefetch)
@@ -117,20 +134,14 @@ def _parts(rows: list[Row], T: int, M: int, pp: int, hw, mesh_axes, prefetch: bo
 def predict_pipeline(rows: list[Row], hw, mesh_axes, the_plan: pipeline.Plan,
                      prefetch: bool = False) -> PipelinePrediction:
     """Price `rows` (the ledger of a pp step) tick by tick along `the_plan` (module doc)."""
-    T, pp = the_plan.kind_TP.shape
-    M = int((the_plan.kind_TP == pipeline.FORWARD).sum(axis=0)[0])  # units: M x V
+    T, pp = the_plan.forward_TP.shape
+    M = the_plan.units  # units of each kind per device: M x V
     unit_s, shift_s, out, flat = _parts(rows, T, M, pp, hw, mesh_axes, prefetch,
-                                        the_plan.uniform)
-    work_TP = unit_s[the_plan.kind_TP, np.arange(pp)[None, :]]  # [T, pp]
-    if the_plan.uniform:  # every stage runs each kind of unit its tick's phase holds
-        fwd, bwd = unit_s[pipeline.FORWARD].max(), unit_s[pipeline.BACKWARD].max()
-        phase_T = the_plan.phase_T
-        lockstep_T = (np.where(phase_T != pipeline.BACKWARDS, fwd, 0.0)
-                      + np.where(phase_T != pipeline.FORWARDS, bwd, 0.0))
-        units_T = lockstep_T
-    else:
-        lockstep_T = work_TP.max(axis=1)
-        units_T = work_TP.mean(axis=1) if hw.shared_host else lockstep_T
+                                        the_plan.uniform, the_plan.virtual)
+    work_TP = the_plan.work_TP(unit_s[FORWARD], unit_s[BACKWARD])
+    lockstep_T = the_plan.lockstep_T(unit_s[FORWARD], unit_s[BACKWARD])
+    units_T = (work_TP.mean(axis=1) if hw.shared_host and not the_plan.uniform
+               else lockstep_T)
     tick_s = units_T + shift_s
     bubble = 1.0 - work_TP.sum() / (pp * lockstep_T.sum()) if lockstep_T.sum() else 0.0
     step_s = float(tick_s.sum()) + out.step_s

@@ -142,8 +142,8 @@ class Candidate:
         """What the traced step's ledger depends on: axis sizes by role, the parallel
         config and the model (not the order of the axes, which only picks link tiers in
         pricing; nor the choice between the gpipe and 1f1b schedules: their ticks run
-        the same units and shifts, T = 2(M + pp - 1) of them, and only their tables,
-        which pricing walks, differ)."""
+        the same units and shifts, and only their tables, which pricing walks, and
+        their numbers of ticks, which pricing reads off the rows, differ)."""
         par = self.parallel
         if par.pp_schedule in SHARED_TRACE:
             par = dataclasses.replace(par, pp_schedule=SHARED_TRACE[0])

@@ -1,0 +1,224 @@
+"""Pipeline schedules as static tick tables: which forward and which backward each stage
+runs at each tick (engine/parallel/pipeline.py runs them).
+
+A tick gives every stage a forward slot and a backward slot, run in that order, then the
+stage shifts (x to the next stage, the input cotangent to the previous one). A unit is
+item i = m·V + v: microbatch m through the device's chunk v (the model's chunk v·pp + s;
+V = 1 but for the circular schedule). Units wait for their input: a forward for the
+previous chunk's forward at an earlier tick, a backward for the next chunk's backward at
+an earlier tick, or on the model's last chunk for its own forward (at an earlier tick, or
+under a fused schedule at the same tick, whose forward slot runs first).
+
+- gpipe (not fused): one unit per tick, forwards first: every forward, then every
+  backward. (M + p − 1)·(F + B), M microbatches stashed per stage.
+- 1f1b (fused): a stage runs its next ready forward *and* its next ready backward in
+  the same tick, so after p − 1 warm-up ticks of forwards every tick is one forward and
+  one backward (the last stage's backward follows its own forward in the tick) and the
+  step is (p − 1)·F + M·(F + B) + (p − 1)·B = (M + p − 1)·(F + B), GPipe's time. A
+  microbatch's round trip from stage s is 2(p − 1 − s) ticks, so stage s holds at most
+  2(p − s) − 1 stashed (the forward slot writes before the backward slot frees): in a
+  lock-step tick each hop costs a whole tick, where Megatron's asynchronous stages hop
+  in half a tick and stash p (Little's law: one microbatch per tick times the round
+  trip). min(M, 2p − 1) against GPipe's M.
+- interleaved (fused, circular, --pp-virtual V): the model cut into pp·V chunks, device
+  s runs chunks s, s + pp, ...; forwards in groups of pp microbatches chunk by chunk
+  (Megatron's interleaved order), backwards the reverse, each tick one forward and one
+  backward chunk as 1F1B: (V·M + p − 1)·(F + B)/V when pp divides M.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+NONE = -1  # no unit in a slot of the tables
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """A pipeline schedule as a rule for each stage at each tick (module doc).
+
+    fused:    a tick runs a ready forward and a ready backward (1F1B), else one unit,
+              forwards first (GPipe).
+    circular: the stage's layers are cut into `virtual` chunks and device s runs chunks
+              s, s + pp, ... (the model passes round the ring `virtual` times)."""
+
+    name: str
+    fused: bool
+    doc: str
+    circular: bool = False
+
+
+SCHEDULES: dict[str, Schedule] = {s.name: s for s in (
+    Schedule("gpipe", fused=False,
+             doc="every forward, then every backward: M microbatches stashed per stage"),
+    Schedule("1f1b", fused=True,
+             doc="a forward and a backward per tick in the steady state: GPipe's "
+                 "(M+p-1)(F+B), at most min(M, 2p-1) microbatches stashed"),
+    Schedule("interleaved", fused=True, circular=True,
+             doc="--pp-virtual V chunks per device, circular (device s runs chunks s, "
+                 "s+pp, ...), fused 1F1B ticks of one chunk each: bubble "
+                 "(pp-1)/(V·M+pp-1)"),
+)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """A schedule unrolled for pp devices, V chunks each, and M microbatches.
+
+    forward_TP, backward_TP: [T, pp] int32, the item m·V + v whose forward / backward
+    the device runs at tick t, NONE for none. recv_x_TP, recv_ct_TP: [T, pp] the slot
+    where the activation / cotangent arriving at the end of the tick is kept, NONE for
+    none. *_slots: buffer sizes such that item i in slot i % slots never meets another
+    item still held there."""
+
+    forward_TP: np.ndarray
+    backward_TP: np.ndarray
+    stash_slots: int
+    x_slots: int
+    ct_slots: int
+    recv_x_TP: np.ndarray
+    recv_ct_TP: np.ndarray
+    virtual: int = 1
+    uniform: bool = False
+
+    @property
+    def ticks(self) -> int:
+        return self.forward_TP.shape[0]
+
+    @property
+    def units(self) -> int:
+        """Units of each kind a device runs: M·V."""
+        return int((self.forward_TP[:, 0] != NONE).sum())
+
+    @property
+    def any_forward_T(self) -> np.ndarray:
+        """[T] bool: some stage runs a forward in tick t (a uniform plan runs it on all)."""
+        return (self.forward_TP != NONE).any(axis=1)
+
+    @property
+    def any_backward_T(self) -> np.ndarray:
+        return (self.backward_TP != NONE).any(axis=1)
+
+    def work_TP(self, forward_P, backward_P) -> np.ndarray:
+        """[T, pp] each stage's busy time in each tick, a forward costing forward_P[s]
+        and a backward backward_P[s] on stage s."""
+        return ((self.forward_TP != NONE) * np.asarray(forward_P)[None, :]
+                + (self.backward_TP != NONE) * np.asarray(backward_P)[None, :])
+
+    def lockstep_T(self, forward_P, backward_P) -> np.ndarray:
+        """[T] each tick's length when every stage waits for the slowest: the max over
+        stages of their work, or under a uniform plan (every stage runs each kind of
+        unit the tick holds) the slowest forward plus the slowest backward."""
+        if self.uniform:
+            return (self.any_forward_T * np.max(forward_P)
+                    + self.any_backward_T * np.max(backward_P))
+        return self.work_TP(forward_P, backward_P).max(axis=1)
+
+    def bubble(self, forward: float = 1.0, backward: float = 1.0) -> float:
+        """Fraction of the stages' time idle in lock-step ticks, a forward unit costing
+        `forward` and a backward `backward` on every stage."""
+        pp = self.forward_TP.shape[1]
+        f, b = np.full(pp, forward), np.full(pp, backward)
+        total = pp * self.lockstep_T(f, b).sum()
+        return float(1 - self.work_TP(f, b).sum() / total) if total else 0.0
+
+
+def _slots(intervals: list[tuple[int, int, int, int]]) -> int:
+    """The fewest slots K such that a device's items (s, i, written at time a, read at
+    time b) sharing slot i % K are never held at the same time."""
+    for k in range(1, len(intervals) + 1):
+        held: dict[tuple, list] = {}
+        for s, m, a, b in intervals:
+            if any(a < b2 and a2 < b for a2, b2 in held.get((s, m % k), [])):
+                break
+            held.setdefault((s, m % k), []).append((a, b))
+        else:
+            return k
+    return max(len(intervals), 1)
+
+
+def _orders(pp: int, M: int, V: int) -> tuple[list, list]:
+    """(forward order, backward order) of one device's units (m, v): microbatches in
+    groups of pp, each group through chunk 0, 1, ... forward and back down backward."""
+    groups = [range(g, min(g + pp, M)) for g in range(0, M, pp)]
+    fwd = [(m, v) for grp in groups for v in range(V) for m in grp]
+    bwd = [(m, v) for grp in groups for v in reversed(range(V)) for m in grp]
+    return fwd, bwd
+
+
+# times within tick t: the forward slot, the backward slot, the shifts' arrival
+def _f(t): return 4 * t + 1  # noqa: E704
+def _b(t): return 4 * t + 2  # noqa: E704
+def _arrive(t): return 4 * t + 3  # noqa: E704
+
+
+def plan(schedule: Schedule, pp: int, microbatches: int, backward: bool = True,
+         virtual: int = 1, uniform: bool = False) -> Plan:
+    """Simulate `schedule` tick by tick (module doc). Forward only when not `backward`
+    (evaluation: every schedule runs its forwards in its order, one per tick).
+    `uniform`: every device runs the same program each tick (engine/parallel/pipeline.py)."""
+    M, V = microbatches, virtual
+    C = pp * V
+    order_f, order_b = _orders(pp, M, V)
+    fwd_tick: dict = {}
+    bwd_tick: dict = {}
+    next_f, next_b = [0] * pp, [0] * pp
+    fwd_rows, bwd_rows = [], []
+    t = 0
+    while any(n < M * V for n in (next_b if backward else next_f)):
+        f_row, b_row = [NONE] * pp, [NONE] * pp
+        for s in range(pp):
+            if next_f[s] < M * V:
+                m, v = order_f[next_f[s]]
+                c = v * pp + s
+                if c == 0 or fwd_tick.get((m, c - 1), t) < t:
+                    f_row[s] = m * V + v
+            if not backward or next_b[s] >= next_f[s] + (f_row[s] != NONE):
+                continue
+            if f_row[s] != NONE and not schedule.fused:
+                continue  # GPipe: one unit per tick, forwards first
+            m, v = order_b[next_b[s]]
+            c = v * pp + s
+            same_tick = schedule.fused and f_row[s] == m * V + v
+            if (fwd_tick.get((m, c), t) < t or same_tick if c == C - 1
+                    else bwd_tick.get((m, c + 1), t) < t):
+                b_row[s] = m * V + v
+        for s in range(pp):
+            if f_row[s] != NONE:
+                fwd_tick[(f_row[s] // V, f_row[s] % V * pp + s)] = t
+                next_f[s] += 1
+            if b_row[s] != NONE:
+                bwd_tick[(b_row[s] // V, b_row[s] % V * pp + s)] = t
+                next_b[s] += 1
+        fwd_rows.append(f_row)
+        bwd_rows.append(b_row)
+        t += 1
+    item = lambda m, c: m * V + c // pp  # noqa: E731  (the buffers' index of (m, chunk c))
+    stash = [(c % pp, item(m, c), _f(fwd_tick[m, c]), _b(bwd_tick[m, c]))
+             for (m, c) in bwd_tick]
+    xs = [(c % pp, item(m, c), _arrive(fwd_tick[m, c - 1]), _f(fwd_tick[m, c]))
+          for (m, c) in fwd_tick if c > 0]
+    cts = [(c % pp, item(m, c), _arrive(bwd_tick[m, c + 1]), _b(bwd_tick[m, c]))
+           for (m, c) in bwd_tick if c < C - 1]
+    x_slots = _slots(xs)
+    ct_slots = _slots(cts) if backward else 0
+    recv_x, recv_ct = np.full((t, pp), NONE, np.int32), np.full((t, pp), NONE, np.int32)
+    for (m, c), a in fwd_tick.items():  # sent to the device of chunk c + 1
+        if c < C - 1:
+            recv_x[a, (c + 1) % pp] = item(m, c + 1) % x_slots
+    for (m, c), a in bwd_tick.items():  # sent to the device of chunk c - 1
+        if c > 0:
+            recv_ct[a, (c - 1) % pp] = item(m, c - 1) % ct_slots
+    return Plan(np.asarray(fwd_rows, np.int32), np.asarray(bwd_rows, np.int32),
+                _slots(stash) if backward else 0, x_slots, ct_slots, recv_x, recv_ct, V,
+                uniform)
+
+
+def storage_order(n_layers: int, pp: int, virtual: int) -> np.ndarray:
+    """The model's layer kept at each row of the stacked blocks as a circular schedule
+    stores them: device s (rows [s·N/pp, (s+1)·N/pp) of the pp-sharded stack) holds its
+    chunks s, s + pp, ..., each N/(pp·V) consecutive layers. Identity for V = 1."""
+    n = n_layers // (pp * virtual)
+    return np.asarray([(v * pp + s) * n + j for s in range(pp) for v in range(virtual)
+                       for j in range(n)])
