@@ -115,20 +115,24 @@ def _like(x: jax.Array, axes) -> jax.Array:
     return collectives.broadcast(x, tuple(axes))
 
 
-def _pullback_parts(f_vjp):
-    """(leaves, treedef) of what a `jax.vjp` pullback of f(params, x) holds but the
-    params: the residuals and x where the backward needs it."""
-    return jax.tree.flatten((f_vjp.args_res[1:], f_vjp.opaque_residuals))
+def _pullback_parts(f_vjp, params):
+    """(leaves, structure) of what a `jax.vjp` pullback of f(params, x) holds but the
+    params themselves: the residuals, and x where the backward needs it. The pullback is
+    a pytree (public since `jax.vjp` returns one); a leaf that is one of `params`' own
+    leaves is left out and put back live by `_pullback`."""
+    leaves, treedef = jax.tree.flatten(f_vjp)
+    param_at = {id(leaf): j for j, leaf in enumerate(jax.tree.leaves(params))}
+    where = tuple(param_at.get(id(leaf)) for leaf in leaves)
+    return [leaf for leaf, j in zip(leaves, where) if j is None], (treedef, where)
 
 
-def _pullback(template, treedef, leaves, params):
-    """The pullback `template` (one traced by the forward unit) with its residuals
-    `leaves` (`_pullback_parts`) and the live `params` in place of its own."""
-    rest, opaque = jax.tree.unflatten(treedef, leaves)
-    used = template.args_res[0]  # one entry per param leaf: the leaf, or not needed
-    live = tuple(p if isinstance(u, jax.Array) else u
-                 for u, p in zip(used, jax.tree.leaves(params)))
-    return dataclasses.replace(template, args_res=[live, *rest], opaque_residuals=opaque)
+def _pullback(structure, leaves, params):
+    """The pullback of `structure` (`_pullback_parts`, traced by the forward unit) with
+    its residuals `leaves` and the live `params` where it held the forward's."""
+    treedef, where = structure
+    param_leaves, stashed = jax.tree.leaves(params), iter(leaves)
+    return jax.tree.unflatten(treedef, [next(stashed) if j is None else param_leaves[j]
+                                        for j in where])
 
 
 def run(stages: Stages, params, inputs_MBL, targets_MBL, x_shape, x_axes, axes: Axes,
@@ -201,12 +205,12 @@ def run(stages: Stages, params, inputs_MBL, targets_MBL, x_shape, x_axes, axes: 
     buffer = lambda k: jnp.broadcast_to(zeros_x, (max(k, 1), *x_shape))  # noqa: E731
     loss0 = _like(jnp.float32(0), (pp,))
     seed = _like(jnp.float32(1 / M), (pp,))  # d(mean loss) / d(a microbatch's loss)
-    traced = {}  # the forward's pullback and the treedef of its residuals, for the backward
+    traced = {}  # the structure of the forward's pullback, for the backward
     if residuals:
         vary = []  # the axes each residual varies over, read while tracing
 
         def parts(p, x_BLD, i):  # i traced, as the forward unit's item is
-            leaves, _ = _pullback_parts(jax.vjp(lambda p, x: unit(p, x, i), p, x_BLD)[1])
+            leaves, _ = _pullback_parts(jax.vjp(lambda p, x: unit(p, x, i), p, x_BLD)[1], p)
             vary.extend(tuple(collectives.varying_axes(r)) for r in leaves)
             return leaves
 
@@ -239,8 +243,7 @@ def run(stages: Stages, params, inputs_MBL, targets_MBL, x_shape, x_axes, axes: 
             return y_BLD, dict(c, stash=c["stash"].at[slot].set(
                 keep(active, x_BLD, c["stash"][slot])))
         (y_BLD, loss), f_vjp = jax.vjp(lambda p, x: unit(p, x, i), params, x_BLD)
-        leaves, traced["treedef"] = _pullback_parts(f_vjp)
-        traced["pullback"] = f_vjp
+        leaves, traced["structure"] = _pullback_parts(f_vjp, params)
         assert [(r.shape, r.dtype) for r in leaves] == [
             (b.shape[1:], b.dtype) for b in c["stash"]], "the stash's residuals are the unit's"
         stash = [buf.at[slot].set(keep(active, r, buf[slot]))
@@ -253,8 +256,7 @@ def run(stages: Stages, params, inputs_MBL, targets_MBL, x_shape, x_axes, axes: 
         last = (stage == n - 1) & (v == V - 1)
         ct_BLD = jnp.where(last, 0.0, c["ct"][i % the_plan.ct_slots])
         if residuals:
-            f_vjp = _pullback(traced["pullback"], traced["treedef"],
-                              [buf[slot] for buf in c["stash"]], params)
+            f_vjp = _pullback(traced["structure"], [buf[slot] for buf in c["stash"]], params)
             loss = loss0
         else:
             (_, loss), f_vjp = jax.vjp(lambda p, x: unit(p, x, i), params, c["stash"][slot])
