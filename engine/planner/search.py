@@ -164,19 +164,17 @@ def _priced(rows: list, cands: list, peaks: list, mem_of: dict, hw, capacity) ->
     return out
 
 
-def _price_structure(job, shapes: bool | None = None) -> list:
+def _price_structure(job) -> list:
     """The programs of one structure (engine/planner/ledgers.py: they differ only in
     axis sizes): `_fitting` each, the ledgers of those that fit from the cache, derived
     from shapes or traced (`ledgers.program_ledgers`), each priced (`_priced`), here in
     the worker, so the pool never waits on a round of microbatch retries. Returns per
     program (`_priced`'s list, how its ledger came: one of ledgers.HOW, or "none" when
     every candidate is over memory, [peak bytes] per candidate, the candidates priced:
-    the job's, or the microbatched ones they grew into). shapes: the job's, unless
-    given."""
+    the job's, or the microbatched ones they grew into)."""
     from engine.planner.ledgers import program_ledgers
 
-    groups, tcfg, hw, capacity, grow, *rest = job
-    shapes = (rest[0] if rest else True) if shapes is None else shapes
+    groups, tcfg, hw, capacity, grow, shapes = job
     fitted = [_fitting(g, tcfg, hw, capacity, grow) for g in groups]
     need = [cands[0] for cands, _, _, over in fitted if not over]
     got = iter(program_ledgers(need, tcfg, hw.bf16_collectives_in_f32, shapes))
