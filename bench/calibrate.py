@@ -57,18 +57,16 @@ from engine.cost.ledger import step_ledger  # noqa: E402
 from engine.cost.microbench import (  # noqa: E402
     arithmetic_chain,
     bandwidth,
-    beside_cost,
     cold_bandwidth,
-    collective_times,
     dot_seconds,
     exp_pass,
     fault_cost,
-    fit,
     last_level_cache,
     relayout_bandwidth,
     stacking_bandwidth,
     timed,
 )
+from engine.cost.microbench_comm import beside_cost, collective_times, fit  # noqa: E402
 from engine.parallel.layout import Layout  # noqa: E402
 
 

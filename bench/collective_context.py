@@ -7,10 +7,10 @@ it, against its time alone, on the forced host devices.
 Timed alone, every device arrives at a collective at once. In a step, each device's
 operand is the output of its own compute, and on shared cores the devices reach the
 collective at different times. So the cost model times a CPU all-reduce in a chain like
-the last one below (`engine.cost.microbench.in_chain_seconds`), and the other kinds
-alone (`microbench.group_collective_seconds`). This compiles three programs over all
+the last one below (`engine.cost.microbench_comm.in_chain_seconds`), and the other kinds
+alone (`microbench_comm.group_collective_seconds`). This compiles three programs over all
 devices, each a chain of `--chain` links on a per-device x [R, W] in f32 (w [W, W],
-`microbench.chain_program`):
+`microbench_comm.chain_program`):
 
 - compute: x = tanh(x @ w);
 - sync: the same, then x + all_reduce(x[0, 0]) * 0 (a sync, no bytes to speak of);
@@ -18,7 +18,7 @@ devices, each a chain of `--chain` links on a per-device x [R, W] in f32 (w [W, 
 
 They are timed in turn, one call each a round (a slow spell falls on all three), and
 each link's extra seconds are the median over rounds of (program - compute) / chain.
-Printed per R: the all-reduce alone (`microbench.collective_run`),
+Printed per R: the all-reduce alone (`microbench_comm.collective_run`),
 the sync's and the all-reduce's extra seconds a link, the all-reduce's over its time
 alone, and the cores the all-reduce chain kept busy (process CPU time over wall time).
 """
@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
 def programs(mesh, chain: int):
     """{name: jitted shard_map of a chain of `chain` links} (module docstring)."""
     import collectives
-    from engine.cost.microbench import chain_program
+    from engine.cost.microbench_comm import chain_program
 
     n = mesh.size
     links = {
@@ -78,7 +78,7 @@ def measure(mesh, rows: int, width: int, chain: int, rounds: int) -> dict:
     import numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-    from engine.cost import microbench
+    from engine.cost import microbench_comm
 
     fs = programs(mesh, chain)
     x = jax.device_put(jnp.full((mesh.size * rows, width), 1 / width, jnp.float32),
@@ -95,7 +95,7 @@ def measure(mesh, rows: int, width: int, chain: int, rounds: int) -> dict:
                                      zip(runs[name], runs["compute"]))
              for name in ("sync", "all-reduce")}
     grid = Mesh(np.array(mesh.devices).reshape(1, mesh.size), ("r", "d"))
-    alone = microbench.collective_run("all-reduce", grid, ("r", "d"), rows * width,
+    alone = microbench_comm.collective_run("all-reduce", grid, ("r", "d"), rows * width,
                                       jnp.float32, reps=5)
     cores = statistics.median(c / t for t, c in runs["all-reduce"])
     return dict(rows=rows, mib=rows * width * 4 / 2**20, alone=alone, **extra, cores=cores)

@@ -217,7 +217,7 @@ def test_group_collectives_run_in_groups_of_the_rows_size():
     import numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-    from engine.cost import microbench
+    from engine.cost import microbench_comm
     from engine.cost.price import collective_key
 
     row = Row("mlp", "fwd", "collective", "psum", "float32", (8,), 0.0, 32.0, 3,
@@ -225,11 +225,11 @@ def test_group_collectives_run_in_groups_of_the_rows_size():
     key = collective_key(row)
     assert key == ("all-reduce", 2, 32, "float32")
     devices = jax.devices()[:4]
-    times = microbench.group_collective_seconds([row], devices, reps=1)
+    times = microbench_comm.group_collective_seconds([row], devices, reps=1)
     assert set(times) == {key} and times[key] > 0
     mesh = Mesh(np.array(devices).reshape(2, 2), ("r", "d"))
     spec = P(("r", "d"))
-    f = jax.jit(jax.shard_map(microbench.COLLECTIVE_OPS["all-reduce"], mesh=mesh,
+    f = jax.jit(jax.shard_map(microbench_comm.COLLECTIVE_OPS["all-reduce"], mesh=mesh,
                               in_specs=spec, out_specs=spec))
     x = jnp.repeat(jnp.arange(4.0), 8)  # device i holds 8 copies of i
     got = np.asarray(f(jax.device_put(x, NamedSharding(mesh, spec))))
@@ -248,18 +248,18 @@ def test_an_all_reduce_is_timed_between_the_matmuls_that_feed_it(monkeypatch):
     import numpy as np
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    from engine.cost import microbench
+    from engine.cost import microbench_comm
     from engine.cost.price import collective_key
 
     paired = []
-    monkeypatch.setattr(microbench, "paired_seconds", lambda f, base, *args, reps: (
+    monkeypatch.setattr(microbench_comm, "paired_seconds", lambda f, base, *args, reps: (
         paired.append((f, base, args)) or 2.0))
-    monkeypatch.setattr(microbench, "collective_run", lambda kind, *a: 3.0)
+    monkeypatch.setattr(microbench_comm, "collective_run", lambda kind, *a: 3.0)
     ar = Row("mlp", "fwd", "collective", "psum", "float32", (64,), 0.0, 256.0, 3, ("tp",), 2)
     rs = dataclasses.replace(ar, primitive="reduce_scatter")
     devices = jax.devices()[:4]
-    timed = microbench.group_collective_seconds([ar, rs], devices, reps=1)
-    assert timed == {collective_key(ar): 2.0 / microbench.CHAIN_LINKS,
+    timed = microbench_comm.group_collective_seconds([ar, rs], devices, reps=1)
+    assert timed == {collective_key(ar): 2.0 / microbench_comm.CHAIN_LINKS,
                      collective_key(rs): 3.0}
     (reduce, plain, (x, w)), = paired
     assert x.shape == (4, 64) and w.shape == (64, 64)  # 64 elements a device, W = 64
@@ -271,7 +271,7 @@ def test_an_all_reduce_is_timed_between_the_matmuls_that_feed_it(monkeypatch):
     x = put(jnp.repeat(rows_gw, 2, axis=0), P(("r", "d")))  # devices (r, d) in order
     w = put(w_ww, P())
     want = rows_gw
-    for _ in range(microbench.CHAIN_LINKS):
+    for _ in range(microbench_comm.CHAIN_LINKS):
         want = jnp.tanh(want @ w_ww)
     for f in (reduce, plain):
         np.testing.assert_allclose(f(x, w), jnp.repeat(want, 2, axis=0), rtol=1e-5,

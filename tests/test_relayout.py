@@ -99,7 +99,7 @@ def test_a_bf16_collective_is_cast_to_f32_and_back_on_the_cpu_only(monkeypatch):
     prices those rows at its memory rate; h100, whose collectives run in bf16, drops them.
     The in-run timing runs the f32 op, the one the compiled step shows: a
     reduce-scatter of f32 operands, as many elements (`group_collective_seconds`)."""
-    from engine.cost import microbench
+    from engine.cost import microbench_comm
     from engine.cost.ledger import widen_bytes
     from engine.cost.price import collective_key, priced_rows
 
@@ -128,8 +128,8 @@ def test_a_bf16_collective_is_cast_to_f32_and_back_on_the_cpu_only(monkeypatch):
     assert not any(r.widen for r in ring)
 
     ran = []
-    monkeypatch.setattr(microbench, "collective_run", lambda kind, mesh, axes, elems, dt,
+    monkeypatch.setattr(microbench_comm, "collective_run", lambda kind, mesh, axes, elems, dt,
                         reps: ran.append((kind, elems, dt)) or 1.0)
-    timed = microbench.group_collective_seconds([rs], jax.devices()[:4], reps=1)
+    timed = microbench_comm.group_collective_seconds([rs], jax.devices()[:4], reps=1)
     assert set(timed) == {collective_key(rs)}
     assert ran == [("reduce-scatter", rs.bytes // 2 // 4 * 4, jnp.float32)]

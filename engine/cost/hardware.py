@@ -69,7 +69,7 @@ class Hardware:
     # without `overlap` (a shared host): a collective the overlap model would hide
     # (`price.hideable`) still runs beside compute there, as XLA:CPU runs a device's
     # independent ops at once, and the two contend for the cores: it costs 1 +
-    # beside_cost times its own time (engine/cost/microbench.py `beside_cost`)
+    # beside_cost times its own time (engine/cost/microbench_comm.py `beside_cost`)
     beside_cost: float = 0.0
     shared_host: bool = False
     bf16_collectives_in_f32: bool = False
@@ -360,11 +360,11 @@ PROFILES["h100-gt"] = dataclasses.replace(
 # operands' relayout copies inside), hbm (one device, out of cache; no hbm_cold) and
 # collective_fit (kind -> (latency per ring hop s, bandwidth B/s)) but all-to-all:
 #   `python bench/calibrate.py`, 2026-11-22-calibrate-zen5c2.md
-# mfu_peak (engine/run/mfu.py's 2048^3 matmul) and all-to-all (`microbench.collective_times`
+# mfu_peak (engine/run/mfu.py's 2048^3 matmul) and all-to-all (`microbench_comm.collective_times`
 #   + `fit`; as pessimistic as that run's all-gather): 2026-11-23-calibrate-cpu.md
 # vector_flops, transcendental_flops: bench/calibrate.py's one-device rates,
 #   2026-11-25-calibrate-cpu.md
-# beside_cost (`microbench.beside_cost`), fault_cost (`microbench.fault_cost`), relayout_bw
+# beside_cost (`microbench_comm.beside_cost`), fault_cost (`microbench.fault_cost`), relayout_bw
 #   (`python bench/calibrate.py`): the middle of three runs each, 2026-11-27-microbench-xeon2c.md
 CPU_DEFAULTS = {
     "peak_flops": {"float32": 6.5e10, "bfloat16": 4.5e10},

@@ -37,7 +37,7 @@ waits for it:
 Without overlap (a shared host) the same collectives are exposed and still run beside
 the blocks' compute, XLA:CPU running a device's independent ops at once, and contend
 with it for the cores: each costs 1 + `hw.beside_cost` times its own time (measured by
-`microbench.beside_cost`: a layer's matmuls and a weight gather alone and together).
+`microbench_comm.beside_cost`: a layer's matmuls and a weight gather alone and together).
 Everything else (tp all-reduces, sequence-parallel gathers / reduce-scatters, grad
 all-reduces over dp, the loss's reductions) sits between dependent computations and is
 exposed. Hideable time beyond the blocks' compute is exposed too (scaled evenly). A
@@ -86,7 +86,7 @@ def ring_factor(kind: str, n: int) -> tuple[float, int]:
     `kind` over n devices: (n-1)/n and n-1 for all-gather / reduce-scatter / all-to-all,
     2(n-1)/n and 2(n-1) for all-reduce (a reduce-scatter then an all-gather), 1 and n-1
     for a collective-permute (the whole buffer once; n-1 latencies, as the CPU
-    calibration fits them: `microbench.fit` uses this same factor)."""
+    calibration fits them: `microbench_comm.fit` uses this same factor)."""
     bw_mult, hop_mult = RING[kind]
     frac = 1.0 if bw_mult is None else bw_mult * (n - 1) / n
     hops = 1 if hop_mult is None else hop_mult * (n - 1)
