@@ -7,17 +7,15 @@ tensorboard's own writer, which brings grpcio, werkzeug and the TensorBoard serv
 optional extra: `pip install 'shardwise[tensorboard]'`."""
 from __future__ import annotations
 
+import importlib.util
+
 from engine.run.loop import scalars
 
 EXTRA = "pip install 'shardwise[tensorboard]' (tensorboardX)"
 
 
 def available() -> bool:
-    try:
-        import tensorboardX  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return importlib.util.find_spec("tensorboardX") is not None
 
 
 class TensorBoard:

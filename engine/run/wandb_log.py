@@ -6,17 +6,15 @@ config. wandb's own settings apply: `WANDB_MODE=offline` writes the run under
 or `wandb login` for the service. An optional extra: `pip install 'shardwise[wandb]'`."""
 from __future__ import annotations
 
+import importlib.util
+
 from engine.run.loop import scalars
 
 EXTRA = "pip install 'shardwise[wandb]'"
 
 
 def available() -> bool:
-    try:
-        import wandb  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return importlib.util.find_spec("wandb") is not None
 
 
 class WandbError(Exception):
