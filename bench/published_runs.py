@@ -53,7 +53,7 @@ class Run:
     plain data parallelism. microbatches: accumulated per step (0: not stated).
     grad_reduce: the dtype fsdp reduces grads in ("compute" or "f32"; "" not stated).
     tp_overlap: the source overlaps its tp collectives with compute. schedule / virtual:
-    the pipeline schedule and its chunks per device. quotes: (fact, the source's words)."""
+    the pipeline schedule and its chunks per device (0: not stated). quotes: (fact, the source's words)."""
 
     name: str
     hardware: str
@@ -245,16 +245,29 @@ def _titan(size, chips, batch, layout, remat, tps, source, compiled=True, async_
 
 # -- Llama 3 405B (Meta, the Llama 3 paper) -------------------------------------------------
 def _llama3(gpus, cp, dp, seq, per_dp, tflops, mfu):
+    """Section 3.3.2 states the schedule (interleaved, its V not given) and, for the 8K
+    sequences, no activation checkpointing; the 128K row's checkpointing is not stated."""
     layout = f"fsdp{dp}" + (f"xcp{cp}" if cp > 1 else "") + "xpp16xtp8"
     quotes = (("hardware", "H100 GPUs, 80GB HBM3, 700W TDP"), ("chips", f"GPUs {gpus}"),
               ("seq", f"Seq. Len. {seq}"), ("batch", f"Batch size/DP {per_dp}"),
               ("layout", f"TP 8, CP {cp}, PP 16, DP {dp}"), ("precision", "BF16 MFU"),
               ("zero", ("FSDP ... shards the optimizer states and gradients ... we do not "
                         "reshard after forward computation")),
+              ("schedule", ("we use an interleaved schedule (Narayanan et al., 2021) with V "
+                            "pipeline stages on one pipeline rank")),
               ("framework", "Meta's 4D-parallel training stack"))
+    if cp > 1:
+        quotes += (("cp_comm", ("an all-gather based method where we first all-gather the "
+                                "key (K) and value (V) tensors, and then compute attention "
+                                "output for the local query (Q) tensor chunk")),)
+    remat = "full"
+    if seq <= 8192:
+        remat = "none"
+        quotes += (("remat", ("we could pre-train Llama 3 on sequences of 8K tokens without "
+                              "activation checkpointing")),)
     return Run(f"Llama 3 405B {layout} {gpus}xh100", "h100", gpus, 128, 16384, 128, 8, 128,
-               53248, 128256, seq, per_dp * dp, layout, "full", 2, tflops, "engine_tflops",
-               mfu, LLAMA3, "meta-llama3", quotes, schedule="1f1b",
+               53248, 128256, seq, per_dp * dp, layout, remat, 2, tflops, "engine_tflops",
+               mfu, LLAMA3, "meta-llama3", quotes, schedule="interleaved", virtual=0,
                note="126 layers priced as 128 (even stages)")
 
 

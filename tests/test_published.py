@@ -170,6 +170,21 @@ def test_fit_and_no_fit_on_h100():
     assert peak < h100.hbm_capacity
 
 
+def test_pipelined_remat_none_is_priced_on_an_accelerator_at_any_length():
+    """The pipelined memory model stashes the head's residuals with the kernel the
+    accelerator runs: at a length whose `auto` kernel is the blocked one (flash on the
+    target) it predicts, and each more microbatch in flight adds to the stash."""
+    from layers.kernels import AUTO_BLOCKED_FROM
+
+    cfg = dataclasses.replace(model_config("tiny"), dtype="bf16", remat="none", n_layers=4,
+                              attention="auto")
+    tcfg = TrainConfig(seq=AUTO_BLOCKED_FROM, batch=8)
+    lay = Layout.parse("pp2xfsdp2")
+    peaks = [memory.predict(cfg, tcfg, lay, platform="accelerator",
+                            parallel=ParallelConfig(microbatches=m)).peak for m in (2, 4)]
+    assert 0 < peaks[0] and peaks[1] != peaks[0]
+
+
 def test_megatron_accumulates_its_microbatches_and_then_fits_the_a100():
     """Megatron's 18.4B run (Table 1) as its reproduction script ran it: micro-batch
     size 8 on 32 data-parallel ranks, 4 microbatches accumulated. Its peak fits the
@@ -347,11 +362,26 @@ def test_a_fact_the_source_does_not_state_takes_the_engine_default():
     assert _flag(source_settings(overlapped), "--tp-comm") == "sequence"
     overlapped = dataclasses.replace(overlapped, quotes=titan.quotes + (("tp_overlap", "x"),))
     assert _flag(source_settings(overlapped), "--tp-comm") == "ring"
-    # Llama 3 states no remat, no microbatch count: full, and the fewest 1F1B takes
-    llama = next(r for r in RUNS if r.framework == "meta-llama3")
-    s = source_settings(llama)
-    assert (_flag(s, "--remat"), _flag(s, "--microbatches"), _flag(s, "--zero")) \
-        == ("full", str(llama.pp), "2")
+    # Llama 3 states no microbatch count (the fewest the schedule takes), an interleaved
+    # schedule without its chunk count (the fewest, 2), no activation checkpointing at
+    # 8K and none stated at 128K (the default, full)
+    llamas = [r for r in RUNS if r.framework == "meta-llama3"]
+    for llama in llamas:
+        s = source_settings(llama)
+        assert (_flag(s, "--microbatches"), _flag(s, "--zero"), _flag(s, "--pp-schedule"),
+                _flag(s, "--pp-virtual")) == (str(llama.pp), "2", "interleaved", "2")
+        assert _flag(s, "--remat") == ("none" if llama.seq <= 8192 else "full")
+        assert (llama.quote("remat") == "not stated") == (llama.seq > 8192)
+    unstated = dataclasses.replace(llamas[0], quotes=tuple(
+        (k, v) for k, v in llamas[0].quotes if k not in ("remat", "schedule")))
+    s = source_settings(unstated)
+    assert (_flag(s, "--remat"), _flag(s, "--pp-schedule")) == ("full", "1f1b")
+    assert "--pp-virtual" not in s.flags
+    # the profile's flash kernel under cp is the engine's blocked one, not `auto`'s
+    # dense reference; without cp `auto`
+    assert {_flag(source_settings(r), "--attention") for r in llamas} == {"auto", "blocked"}
+    assert all((_flag(source_settings(r), "--attention") == "blocked") == ("cp" in r.layout)
+               for r in llamas)
     # the engine's column: every setting but the model, batch and layout at its default
     e = engine_settings(titan)
     assert e.flags == ("--microbatches", "1") and e.fused and not e.kernel
