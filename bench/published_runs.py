@@ -35,7 +35,7 @@ MAXTEXT = "https://github.com/AI-Hypercomputer/maxtext/blob/main/src/maxtext/con
 MEGATRON = ("https://arxiv.org/abs/2104.04473 (Table 1); micro-batch sizes and schedules from "
             "https://github.com/NVIDIA/Megatron-LM/blob/main/examples/sc21/run_table_1.sh")
 LLAMA3 = "https://arxiv.org/abs/2407.21783 (Table 4; section 3.3.2)"
-PEAK = {"h100": 989e12, "h100-gt": 989e12, "a100": 312e12, "v4": 275e12, "v5e": 197e12,
+PEAK = {"h100": 989e12, "h100-gt": 989e12, "h100-a3": 989e12, "a100": 312e12, "v4": 275e12, "v5e": 197e12,
         "v5p": 459e12}
 
 # the frameworks a row's `framework` fact names (bench/published.py FRAMEWORKS: their rules)
@@ -163,7 +163,8 @@ def _maxtext(size, hw, slices, slice_chips, dims, pdb, ici, remat, tflops, mfu, 
     if overlap:
         quotes += (("tp_overlap", "--xla_tpu_overlap_compute_collective_tc=true"),)
     name = f"MaxText {size} {chips}x{hw}"
-    return Run(name, hw, chips, layers, d, heads, kv or heads, 128, mlp, vocab, seq,
+    profile = "h100-a3" if hw == "h100" else hw  # an A3 VM: the A3 High profile
+    return Run(name, profile, chips, layers, d, heads, kv or heads, 128, mlp, vocab, seq,
                pdb * chips, layout, REMAT_POLICIES[remat], 3, tflops, "maxtext_tflops", mfu,
                MAXTEXT.format(kind), "maxtext", quotes, tp_overlap=overlap and "tp" in ici)
 

@@ -151,6 +151,30 @@ def test_attention_fraction_interpolates_the_published_speeds_by_sequence():
     assert hardware.get("cpu").flash is False and h100.flash and a100.flash
 
 
+def test_a3_vms_share_their_network_and_maxtexts_gpu_rows_ran_on_them():
+    """MaxText's A3 rows run on A3 High VMs: inside a VM the H100 board's NVLink, across
+    VMs the VM's 1,000 Gb/s shared by its 8 GPUs. A dp all-reduce with one rank per VM
+    takes the NIC ratio longer than on 400 Gb/s-per-GPU nodes; one inside a VM the same."""
+    from bench.published_runs import HELD_OUT, RUNS
+    from engine.cost.ledger import Row
+    from engine.cost.price import collective_seconds
+
+    h100, a3 = hardware.get("h100"), hardware.get("h100-a3")
+    assert a3.nccl.nic == pytest.approx(1000e9 / 64) and a3.nccl.nic < h100.nccl.nic
+    assert (a3.peak_flops, a3.hbm, a3.nccl.nvlink) == (h100.peak_flops, h100.hbm,
+                                                      h100.nccl.nvlink)
+    grads = Row("reduce_grads", "bwd", "collective", "psum", "float32", (), 0.0, 3e9, 1,
+                axes=("dp",), axis_size=16)
+    across = (("dp", 16), ("fsdp", 8))
+    slow, fast = (collective_seconds(grads, hw, across) for hw in (a3, h100))
+    assert slow / fast == pytest.approx(h100.nccl.nic / a3.nccl.nic, rel=0.05)
+    inside = dataclasses.replace(grads, axes=("fsdp",), axis_size=8)
+    assert collective_seconds(inside, a3, across) == collective_seconds(inside, h100, across)
+    maxtext_gpu = [r for r in RUNS + HELD_OUT
+                   if r.framework == "maxtext" and "A3" in r.quote("hardware")]
+    assert maxtext_gpu and {r.hardware for r in maxtext_gpu} == {"h100-a3"}
+
+
 def test_ring_factor():
     assert ring_factor("all-gather", 8) == (7 / 8, 7)
     assert ring_factor("all-reduce", 4) == (2 * 3 / 4, 6)
