@@ -175,6 +175,40 @@ def test_a3_vms_share_their_network_and_maxtexts_gpu_rows_ran_on_them():
     assert maxtext_gpu and {r.hardware for r in maxtext_gpu} == {"h100-a3"}
 
 
+def test_the_pipelined_backward_unit_runs_the_stage_forward_twice_under_remat_full():
+    """What bench/published_mechanisms.py takes out as "second forward": under remat
+    full the pipelined backward unit's `jax.vjp` runs the stage's forward (its "fwd"
+    rows, the forward unit's matmul FLOPs) before the per-layer recompute (every layer
+    but the last, whose forward just ran): 3.75 forwards' worth with the backward on 4
+    layers, where one recompute makes 3. Under remat none it runs no forward."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from test_pp import PP_CFG, TCFG
+
+    from engine.cost.pipeline import BACKWARD, FORWARD, _once, unit_rows
+    from layers import scopes
+
+    def flops(rows, phase=None):
+        return sum(r.flops * r.count for r in rows
+                   if r.kind == "matmul" and phase in (None, r.phase))
+
+    for remat in ("full", "none"):
+        cfg = dataclasses.replace(PP_CFG, remat=remat)
+        rows = step_ledger(cfg, TCFG, Layout.parse("pp2xfsdp4"), ParallelConfig(microbatches=2))
+        ticks = _once([r for r in rows if scopes.PP_TICK in r.pp])
+        body = [r for r in ticks if not {scopes.PP_FIRST, scopes.PP_LAST} & set(r.pp)]
+        fwd, bwd = (unit_rows(body, k, 0, 2) for k in (FORWARD, BACKWARD))
+        layers = PP_CFG.n_layers // 2
+        if remat == "full":
+            assert flops(bwd, "fwd") == pytest.approx(flops(fwd))
+            assert flops(bwd, "recompute") == pytest.approx(flops(fwd) * (layers - 1) / layers)
+            assert flops(bwd) == pytest.approx(3.75 * flops(fwd))
+        else:
+            assert flops(bwd, "fwd") == flops(bwd, "recompute") == 0 < flops(fwd)
+
+
 def test_ring_factor():
     assert ring_factor("all-gather", 8) == (7 / 8, 7)
     assert ring_factor("all-reduce", 4) == (2 * 3 / 4, 6)
