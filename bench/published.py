@@ -26,7 +26,9 @@ Rules, fact -> setting:
   calls Pallas splash on TPU and cuDNN's fused attention through XLA on GPU
   (`attention=cudnn_flash_te`), each the profile's own kernel; Megatron 2021 predates
   FlashAttention and forms the [s, s] scores (`--attention reference`); a source that
-  names no kernel gets the profile's. Composer's MPT loss is flash-attn's fused
+  names no kernel gets the profile's (under cp the engine's `blocked` kernel, which
+  the accelerator profiles price as their flash kernel: `auto` there is the dense
+  reference). Composer's MPT loss is flash-attn's fused
   cross-entropy (its `loss_fn` default, `fused_crossentropy`), which holds the logits and
   their grad in bf16 (`hardware.FUSED_CROSS_ENTROPY`; memory only). torchtitan's TP plan
   is Megatron sequence parallelism (`--tp-comm sequence`), Megatron 2021's all-reduces
@@ -46,7 +48,8 @@ Rules, fact -> setting:
   reduces grads on every microbatch, so its rows are priced per microbatch (batch =
   microbatch x ranks); not stated -> the engine's default, raised to pp on a pipelined
   layout (the fewest its 1F1B schedule accepts). Pipeline schedule: interleaved where
-  the source states virtual stages (`--pp-virtual`), else 1F1B.
+  the source states virtual stages (`--pp-virtual`; their number not stated: 2, the
+  fewest), else 1F1B.
 - precision: every source runs bf16 (or fp16, the same two bytes) -> `--activations bf16`.
 
 FLOP conventions. Every MFU here is this engine's: engine/run/mfu.py's model FLOPs per
@@ -89,6 +92,9 @@ FRAMEWORKS = {
     "meta-llama3": dict(kernel="", attention="auto", fused=True, tp_comm="allreduce"),
 }
 ENGINE = dict(kernel="", attention="auto", fused=True, tp_comm="allreduce")
+# an interleaved schedule whose chunks per device the source does not state runs the
+# fewest it can: 2 (as unstated microbatches take the fewest the schedule accepts)
+FEWEST_CHUNKS = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,6 +122,15 @@ def _tp_comm(r: Run, fw: dict) -> str:
     return "ring" if r.tp_overlap and stated(r, "tp_overlap") else fw["tp_comm"]
 
 
+def _attention(r: Run, fw: dict) -> str:
+    """The engine kernel that runs the framework's attention: "auto" (the profile's
+    flash kernel) is, under cp, the engine's blocked kernel, its one flash-style kernel
+    that takes a cp rank's global offsets (`auto` there picks the dense reference)."""
+    if fw["attention"] == "auto" and "cp" in r.layout:
+        return "blocked"
+    return fw["attention"]
+
+
 def source_settings(r: Run) -> Settings:
     """The row's facts through the rules of the module doc."""
     fw = FRAMEWORKS[r.framework]
@@ -123,7 +138,7 @@ def source_settings(r: Run) -> Settings:
     prefetch = zero == 3 and "fsdp" in r.layout
     flags = ["--remat", r.remat if stated(r, "remat") else "full", "--zero", str(zero),
              "--tp-comm", _tp_comm(r, fw),
-             "--attention", fw["attention"], "--activations", "bf16",
+             "--attention", _attention(r, fw), "--activations", "bf16",
              "--grad-reduce", r.grad_reduce if stated(r, "grad_reduce") else "compute",
              "--microbatches", str(r.microbatches if r.microbatches and stated(r, "microbatches")
                                    else _pp_microbatches(r))]
@@ -131,7 +146,7 @@ def source_settings(r: Run) -> Settings:
         interleaved = r.schedule == "interleaved" and stated(r, "schedule")
         flags += ["--pp-schedule", "interleaved" if interleaved else "1f1b"]
         if interleaved:
-            flags += ["--pp-virtual", str(r.virtual)]
+            flags += ["--pp-virtual", str(r.virtual or FEWEST_CHUNKS)]
     return Settings(tuple(flags + (["--prefetch"] if prefetch else [])), fw["kernel"],
                     fw["fused"], fw.get("loss", ""))
 

@@ -35,7 +35,7 @@ MAXTEXT = "https://github.com/AI-Hypercomputer/maxtext/blob/main/src/maxtext/con
 MEGATRON = ("https://arxiv.org/abs/2104.04473 (Table 1); micro-batch sizes and schedules from "
             "https://github.com/NVIDIA/Megatron-LM/blob/main/examples/sc21/run_table_1.sh")
 LLAMA3 = "https://arxiv.org/abs/2407.21783 (Table 4; section 3.3.2)"
-PEAK = {"h100": 989e12, "h100-gt": 989e12, "a100": 312e12, "v4": 275e12, "v5e": 197e12,
+PEAK = {"h100": 989e12, "h100-gt": 989e12, "h100-a3": 989e12, "a100": 312e12, "v4": 275e12, "v5e": 197e12,
         "v5p": 459e12}
 
 # the frameworks a row's `framework` fact names (bench/published.py FRAMEWORKS: their rules)
@@ -53,7 +53,7 @@ class Run:
     plain data parallelism. microbatches: accumulated per step (0: not stated).
     grad_reduce: the dtype fsdp reduces grads in ("compute" or "f32"; "" not stated).
     tp_overlap: the source overlaps its tp collectives with compute. schedule / virtual:
-    the pipeline schedule and its chunks per device. quotes: (fact, the source's words)."""
+    the pipeline schedule and its chunks per device (0: not stated). quotes: (fact, the source's words)."""
 
     name: str
     hardware: str
@@ -163,7 +163,8 @@ def _maxtext(size, hw, slices, slice_chips, dims, pdb, ici, remat, tflops, mfu, 
     if overlap:
         quotes += (("tp_overlap", "--xla_tpu_overlap_compute_collective_tc=true"),)
     name = f"MaxText {size} {chips}x{hw}"
-    return Run(name, hw, chips, layers, d, heads, kv or heads, 128, mlp, vocab, seq,
+    profile = "h100-a3" if hw == "h100" else hw  # an A3 VM: the A3 High profile
+    return Run(name, profile, chips, layers, d, heads, kv or heads, 128, mlp, vocab, seq,
                pdb * chips, layout, REMAT_POLICIES[remat], 3, tflops, "maxtext_tflops", mfu,
                MAXTEXT.format(kind), "maxtext", quotes, tp_overlap=overlap and "tp" in ici)
 
@@ -245,16 +246,29 @@ def _titan(size, chips, batch, layout, remat, tps, source, compiled=True, async_
 
 # -- Llama 3 405B (Meta, the Llama 3 paper) -------------------------------------------------
 def _llama3(gpus, cp, dp, seq, per_dp, tflops, mfu):
+    """Section 3.3.2 states the schedule (interleaved, its V not given) and, for the 8K
+    sequences, no activation checkpointing; the 128K row's checkpointing is not stated."""
     layout = f"fsdp{dp}" + (f"xcp{cp}" if cp > 1 else "") + "xpp16xtp8"
     quotes = (("hardware", "H100 GPUs, 80GB HBM3, 700W TDP"), ("chips", f"GPUs {gpus}"),
               ("seq", f"Seq. Len. {seq}"), ("batch", f"Batch size/DP {per_dp}"),
               ("layout", f"TP 8, CP {cp}, PP 16, DP {dp}"), ("precision", "BF16 MFU"),
               ("zero", ("FSDP ... shards the optimizer states and gradients ... we do not "
                         "reshard after forward computation")),
+              ("schedule", ("we use an interleaved schedule (Narayanan et al., 2021) with V "
+                            "pipeline stages on one pipeline rank")),
               ("framework", "Meta's 4D-parallel training stack"))
+    if cp > 1:
+        quotes += (("cp_comm", ("an all-gather based method where we first all-gather the "
+                                "key (K) and value (V) tensors, and then compute attention "
+                                "output for the local query (Q) tensor chunk")),)
+    remat = "full"
+    if seq <= 8192:
+        remat = "none"
+        quotes += (("remat", ("we could pre-train Llama 3 on sequences of 8K tokens without "
+                              "activation checkpointing")),)
     return Run(f"Llama 3 405B {layout} {gpus}xh100", "h100", gpus, 128, 16384, 128, 8, 128,
-               53248, 128256, seq, per_dp * dp, layout, "full", 2, tflops, "engine_tflops",
-               mfu, LLAMA3, "meta-llama3", quotes, schedule="1f1b",
+               53248, 128256, seq, per_dp * dp, layout, remat, 2, tflops, "engine_tflops",
+               mfu, LLAMA3, "meta-llama3", quotes, schedule="interleaved", virtual=0,
                note="126 layers priced as 128 (even stages)")
 
 

@@ -52,6 +52,31 @@ def test_remat_none_under_pp_runs_no_forward_twice(layout, parallel):
             assert executed == pytest.approx(without, rel=1e-12), remat
 
 
+def test_pullback_rows_priced_once_in_the_backward_unit():
+    """Under remat none the backward applies the pullback the forward unit traced, so the
+    transpose's rows carry both units' scopes (ZeRO-2's embedding and unembedding grads,
+    reduce-scattered where `seen` made them whole). Each runs once per microbatch, in
+    the backward unit: the forward unit prices no "bwd" row, and the units' rows
+    together are the tick's unit rows once each."""
+    from engine.cost.ledger import step_ledger
+    from engine.cost.pipeline import BACKWARD, FORWARD, UNITS, _once, unit_rows
+    from layers import scopes
+
+    cfg = dataclasses.replace(PP_CFG, remat="none")
+    rows = step_ledger(cfg, TCFG, Layout.parse("pp2xfsdp4"),
+                       ParallelConfig(microbatches=2, zero=2))
+    ticks = _once([r for r in rows if scopes.PP_TICK in r.pp])
+    both = [r for r in ticks if set(UNITS.values()) <= set(r.pp)]
+    assert any(r.kind == "collective" for r in both)  # the case this checks is traced
+    for stage in range(2):
+        fwd = unit_rows(ticks, FORWARD, stage, 2, uniform=True)
+        bwd = unit_rows(ticks, BACKWARD, stage, 2, uniform=True)
+        assert not [r for r in fwd if r.phase == "bwd"]
+        assert all(any(r is b for b in bwd) for r in both)
+        in_units = [r for r in ticks if set(UNITS.values()) & set(r.pp)]
+        assert len(fwd) + len(bwd) == len(in_units)
+
+
 # -- the cost model -----------------------------------------------------------------------
 def _unit_row(unit, flops, ticks):
     from engine.cost.ledger import Row

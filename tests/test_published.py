@@ -151,6 +151,64 @@ def test_attention_fraction_interpolates_the_published_speeds_by_sequence():
     assert hardware.get("cpu").flash is False and h100.flash and a100.flash
 
 
+def test_a3_vms_share_their_network_and_maxtexts_gpu_rows_ran_on_them():
+    """MaxText's A3 rows run on A3 High VMs: inside a VM the H100 board's NVLink, across
+    VMs the VM's 1,000 Gb/s shared by its 8 GPUs. A dp all-reduce with one rank per VM
+    takes the NIC ratio longer than on 400 Gb/s-per-GPU nodes; one inside a VM the same."""
+    from bench.published_runs import HELD_OUT, RUNS
+    from engine.cost.ledger import Row
+    from engine.cost.price import collective_seconds
+
+    h100, a3 = hardware.get("h100"), hardware.get("h100-a3")
+    assert a3.nccl.nic == pytest.approx(1000e9 / 64) and a3.nccl.nic < h100.nccl.nic
+    assert (a3.peak_flops, a3.hbm, a3.nccl.nvlink) == (h100.peak_flops, h100.hbm,
+                                                      h100.nccl.nvlink)
+    grads = Row("reduce_grads", "bwd", "collective", "psum", "float32", (), 0.0, 3e9, 1,
+                axes=("dp",), axis_size=16)
+    across = (("dp", 16), ("fsdp", 8))
+    slow, fast = (collective_seconds(grads, hw, across) for hw in (a3, h100))
+    assert slow / fast == pytest.approx(h100.nccl.nic / a3.nccl.nic, rel=0.05)
+    inside = dataclasses.replace(grads, axes=("fsdp",), axis_size=8)
+    assert collective_seconds(inside, a3, across) == collective_seconds(inside, h100, across)
+    maxtext_gpu = [r for r in RUNS + HELD_OUT
+                   if r.framework == "maxtext" and "A3" in r.quote("hardware")]
+    assert maxtext_gpu and {r.hardware for r in maxtext_gpu} == {"h100-a3"}
+
+
+def test_the_pipelined_backward_unit_runs_the_stage_forward_twice_under_remat_full():
+    """What bench/published_mechanisms.py takes out as "second forward": under remat
+    full the pipelined backward unit's `jax.vjp` runs the stage's forward (its "fwd"
+    rows, the forward unit's matmul FLOPs) before the per-layer recompute (every layer
+    but the last, whose forward just ran): 3.75 forwards' worth with the backward on 4
+    layers, where one recompute makes 3. Under remat none it runs no forward."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from test_pp import PP_CFG, TCFG
+
+    from engine.cost.pipeline import BACKWARD, FORWARD, _once, unit_rows
+    from layers import scopes
+
+    def flops(rows, phase=None):
+        return sum(r.flops * r.count for r in rows
+                   if r.kind == "matmul" and phase in (None, r.phase))
+
+    for remat in ("full", "none"):
+        cfg = dataclasses.replace(PP_CFG, remat=remat)
+        rows = step_ledger(cfg, TCFG, Layout.parse("pp2xfsdp4"), ParallelConfig(microbatches=2))
+        ticks = _once([r for r in rows if scopes.PP_TICK in r.pp])
+        body = [r for r in ticks if not {scopes.PP_FIRST, scopes.PP_LAST} & set(r.pp)]
+        fwd, bwd = (unit_rows(body, k, 0, 2) for k in (FORWARD, BACKWARD))
+        layers = PP_CFG.n_layers // 2
+        if remat == "full":
+            assert flops(bwd, "fwd") == pytest.approx(flops(fwd))
+            assert flops(bwd, "recompute") == pytest.approx(flops(fwd) * (layers - 1) / layers)
+            assert flops(bwd) == pytest.approx(3.75 * flops(fwd))
+        else:
+            assert flops(bwd, "fwd") == flops(bwd, "recompute") == 0 < flops(fwd)
+
+
 def test_ring_factor():
     assert ring_factor("all-gather", 8) == (7 / 8, 7)
     assert ring_factor("all-reduce", 4) == (2 * 3 / 4, 6)
@@ -168,6 +226,21 @@ def test_fit_and_no_fit_on_h100():
     peak = memory.predict(cfg, tcfg, Layout.parse("fsdp64"), platform="accelerator",
                           parallel=ParallelConfig(zero=3)).peak
     assert peak < h100.hbm_capacity
+
+
+def test_pipelined_remat_none_is_priced_on_an_accelerator_at_any_length():
+    """The pipelined memory model stashes the head's residuals with the kernel the
+    accelerator runs: at a length whose `auto` kernel is the blocked one (flash on the
+    target) it predicts, and each more microbatch in flight adds to the stash."""
+    from layers.kernels import AUTO_BLOCKED_FROM
+
+    cfg = dataclasses.replace(model_config("tiny"), dtype="bf16", remat="none", n_layers=4,
+                              attention="auto")
+    tcfg = TrainConfig(seq=AUTO_BLOCKED_FROM, batch=8)
+    lay = Layout.parse("pp2xfsdp2")
+    peaks = [memory.predict(cfg, tcfg, lay, platform="accelerator",
+                            parallel=ParallelConfig(microbatches=m)).peak for m in (2, 4)]
+    assert 0 < peaks[0] and peaks[1] != peaks[0]
 
 
 def test_megatron_accumulates_its_microbatches_and_then_fits_the_a100():
@@ -347,11 +420,26 @@ def test_a_fact_the_source_does_not_state_takes_the_engine_default():
     assert _flag(source_settings(overlapped), "--tp-comm") == "sequence"
     overlapped = dataclasses.replace(overlapped, quotes=titan.quotes + (("tp_overlap", "x"),))
     assert _flag(source_settings(overlapped), "--tp-comm") == "ring"
-    # Llama 3 states no remat, no microbatch count: full, and the fewest 1F1B takes
-    llama = next(r for r in RUNS if r.framework == "meta-llama3")
-    s = source_settings(llama)
-    assert (_flag(s, "--remat"), _flag(s, "--microbatches"), _flag(s, "--zero")) \
-        == ("full", str(llama.pp), "2")
+    # Llama 3 states no microbatch count (the fewest the schedule takes), an interleaved
+    # schedule without its chunk count (the fewest, 2), no activation checkpointing at
+    # 8K and none stated at 128K (the default, full)
+    llamas = [r for r in RUNS if r.framework == "meta-llama3"]
+    for llama in llamas:
+        s = source_settings(llama)
+        assert (_flag(s, "--microbatches"), _flag(s, "--zero"), _flag(s, "--pp-schedule"),
+                _flag(s, "--pp-virtual")) == (str(llama.pp), "2", "interleaved", "2")
+        assert _flag(s, "--remat") == ("none" if llama.seq <= 8192 else "full")
+        assert (llama.quote("remat") == "not stated") == (llama.seq > 8192)
+    unstated = dataclasses.replace(llamas[0], quotes=tuple(
+        (k, v) for k, v in llamas[0].quotes if k not in ("remat", "schedule")))
+    s = source_settings(unstated)
+    assert (_flag(s, "--remat"), _flag(s, "--pp-schedule")) == ("full", "1f1b")
+    assert "--pp-virtual" not in s.flags
+    # the profile's flash kernel under cp is the engine's blocked one, not `auto`'s
+    # dense reference; without cp `auto`
+    assert {_flag(source_settings(r), "--attention") for r in llamas} == {"auto", "blocked"}
+    assert all((_flag(source_settings(r), "--attention") == "blocked") == ("cp" in r.layout)
+               for r in llamas)
     # the engine's column: every setting but the model, batch and layout at its default
     e = engine_settings(titan)
     assert e.flags == ("--microbatches", "1") and e.fused and not e.kernel

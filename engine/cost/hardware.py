@@ -354,6 +354,19 @@ PROFILES["h100-gt"] = dataclasses.replace(
     PROFILES["h100"], name="H100 96GB HBM2e (Grand Teton)", hbm=2.4e12, hbm_capacity=96e9,
     peak_flops={k: (_SXM[k] + _NVL[k]) / 2 for k in _SXM}, mfu_peak=dict(_SXM))
 
+# H100 SXM on Google Cloud's A3 High VMs (XPK's device type `h100-80gb-8`, where
+# MaxText's A3 benchmarks ran): NVLink inside the VM as the SXM board's, and across VMs
+# "A3 High (NVIDIA H100): up to 1,000 Gbps" a VM (GPUDirect-TCPX;
+# https://cloud.google.com/compute/docs/gpus/gpu-network-bandwidth), shared by its 8
+# GPUs: 1,000 / 8 Gb/s = 15.6 GB/s a GPU, the NIC share NCCL's rings get per rank
+# (`NcclNet.nic`; the page's maximum, an upper bound: no nccl-tests figure over TCPX
+# was found), against the 48 GB/s of a 400 Gb/s CX7 per GPU in the `h100` profile.
+A3_HIGH_NIC = 1000e9 / 8 / 8
+PROFILES["h100-a3"] = dataclasses.replace(
+    PROFILES["h100"], name="H100-SXM (Google Cloud A3 High)",
+    slow=Link(A3_HIGH_NIC, PROFILES["h100"].slow.latency),
+    nccl=dataclasses.replace(H100_NCCL, nic=A3_HIGH_NIC))
+
 # The cpu profile used only when no calibration file exists. Each figure, its command
 # and its host are in bench/results/:
 # peak_flops (the median rate of `small`'s matmul shapes as the step writes them, their
@@ -463,7 +476,8 @@ def _cpu(data: dict, source: str) -> Hardware:
 
 
 def get(name: str, calibration: Path | str | None = None) -> Hardware:
-    """Profile by command-line name: cpu | v4 | v5e | v5p | a100 | h100 | h100-gt."""
+    """Profile by command-line name: cpu | v4 | v5e | v5p | a100 | h100 | h100-gt |
+    h100-a3."""
     if name == "cpu":
         return cpu_profile(calibration)
     if name not in PROFILES:

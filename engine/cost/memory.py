@@ -170,16 +170,17 @@ def stage_problem(cfg, tcfg, layout, parallel):
             dataclasses.replace(parallel, microbatches=1, pp_schedule="1f1b", pp_virtual=1))
 
 
-def loss_residuals(cfg, tcfg, layout, par, x_micro: int) -> int:
+def loss_residuals(cfg, tcfg, layout, par, x_micro: int, platform: str = "cpu") -> int:
     """What the vjp of the head and loss leaves for its backward, one microbatch (the
     pipeline's forward unit stashes it on every stage: the unit's cond keeps both
     branches' residuals): the final norm's input and output, the logits' softmax
     [B, L, V_tp] f32, and the unembedding as gathered over fsdp (compute dtype; a
-    primal, not stashed, when nothing gathers it)."""
+    primal, not stashed, when nothing gathers it). `platform` as `predict`'s (the
+    attention kernel it resolves does not enter these items)."""
     from engine.parallel.params import param_shapes
 
-    d = dims(cfg, tcfg, layout, "cpu", par, kernel_priced(cfg, tcfg, layout, "cpu", par),
-             param_shapes(cfg))
+    d = dims(cfg, tcfg, layout, platform, par,
+             kernel_priced(cfg, tcfg, layout, platform, par), param_shapes(cfg))
     gathered = d.D * d.Vtp * d.c if par.zero == 3 and layout.degree("fsdp") > 1 else 0
     return 2 * x_micro + d.B * d.L * d.Vtp * F32 + gathered
 
@@ -219,7 +220,8 @@ def pipelined(cfg, tcfg, layout, platform: str = "cpu", parallel=None) -> Memory
             k: v // V if k.startswith("residual") else v for k, v in stage.items.items()})
     K = the_plan.stash_slots
     if pipeline.stash_residuals(cfg.remat, layout, parallel):  # a unit's residuals per slot, not its input
-        per_slot = stage.residuals + loss_residuals(scfg, stcfg, slayout, spar, x_micro)
+        per_slot = stage.residuals + loss_residuals(scfg, stcfg, slayout, spar, x_micro,
+                                                    platform)
         stash = {f"pipeline: stash, {K} units' vjp residuals": K * per_slot}
         stage = dataclasses.replace(stage, residuals=0, items={
             k: v for k, v in stage.items.items() if not k.startswith("residual")})

@@ -101,7 +101,19 @@ def unit_rows(rows: list[Row], kind: int, stage: int, pp: int,
     if not uniform:
         skip = ({scopes.PP_FIRST} if stage > 0 else set()) | (
             {scopes.PP_LAST} if stage < pp - 1 else set())
-    return [r for r in rows if UNITS[kind] in r.pp and not skip & set(r.pp)]
+    return [r for r in rows if unit_of(r) == kind and not skip & set(r.pp)]
+
+
+def unit_of(row: Row) -> int | None:
+    """The unit (FORWARD, BACKWARD) that runs `row`, None outside both. A row carrying
+    both units' scopes is a transpose traced inside the forward unit's `jax.vjp` and
+    applied by the backward one (remat none / dots: the pullback's rows keep the
+    forward's name, e.g. the reduce-scatter of a ZeRO-2 embedding's grad): it runs in
+    the backward unit, where its phase is "bwd"."""
+    units = [k for k, scope in UNITS.items() if scope in row.pp]
+    if len(units) == 2:
+        return BACKWARD if row.phase == "bwd" else FORWARD
+    return units[0] if units else None
 
 
 def _parts(rows: list[Row], T: int, M: int, pp: int, hw, mesh_axes, prefetch: bool,

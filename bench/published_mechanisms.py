@@ -1,0 +1,101 @@
+"""The pipelined published rows priced with one engine mechanism taken out at a time.
+
+    python bench/published_mechanisms.py             # every pipelined row of the table
+    python bench/published_mechanisms.py --only "Megatron 310"
+
+Each column prices the row as bench/published.py's "as the source ran it" column does,
+from the same ledger rows less the rows of one mechanism the engine runs, to say how
+much of a miss each accounts for (these are what the engine would have to change; the
+table prices them):
+- second forward: under `--remat full` the pipelined backward unit runs `jax.vjp` of the
+  stage, whose forward recomputes every layer to save the per-layer checkpoints before
+  the per-layer recompute (the backward unit's "fwd" rows, the first / last stage's
+  embedding and loss kept);
+- embedding RS: ZeRO-2's embedding / unembedding grads reduce-scattered in every unit on
+  every stage (made whole outside the stages' conds);
+- chunk copies: an interleaved unit's copy of its chunk's f32 weights out of the stage's
+  stack, and its transposes (the whole stage's grads zero-filled, updated, accumulated);
+- no bubble: every unit back to back (M·V forward and backward units of the slowest
+  stage, plus the rows outside the ticks), the three mechanisms out.
+Results: bench/results/2026-11-28-published-cpu.md.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench import published  # noqa: E402
+from bench.published_runs import RUNS  # noqa: E402
+
+
+def mechanisms(rows, cfg, plan) -> dict:
+    """{mechanism: predicate on a ledger row that it belongs to the mechanism}."""
+    from engine.cost import pipeline as cp
+    from layers import scopes
+
+    def in_unit(r):
+        return scopes.PP_TICK in r.pp and cp.unit_of(r) is not None and not set(r.pp) & cp.EDGES
+
+    return {
+        "second forward": lambda r: (cfg.remat == "full" and in_unit(r)
+                                     and cp.unit_of(r) == cp.BACKWARD and r.phase == "fwd"),
+        "embedding RS": lambda r: (in_unit(r) and r.scope in ("embed", "loss")
+                                   and r.primitive == "reduce_scatter"),
+        "chunk copies": lambda r: (plan.virtual > 1 and in_unit(r) and r.scope == "other"
+                                   and r.dtype == "float32" and r.bytes > 1e8
+                                   and r.primitive in ("dynamic_slice", "dynamic_update_slice",
+                                                       "broadcast_in_dim", "add")),
+    }
+
+
+def row_figures(r) -> list[float]:
+    """[published, as priced, less each mechanism, less all three, and no bubble] MFU %."""
+    from engine.cli.args import build_parser, parse_or_exit
+    from engine.cost.ledger import step_ledger
+    from engine.cost.pipeline import predict_pipeline
+    from engine.cost.price import predicted_mfu
+    from engine.parallel import pipeline
+    from engine.run.mfu import flops_per_token
+
+    s = published.source_settings(r)
+    cfg, tcfg, parallel, layout, _ = parse_or_exit(published.argv(r, s), build_parser())
+    hw = published.profile(r, s)
+    rows = step_ledger(cfg, tcfg, layout, parallel, hw.bf16_collectives_in_f32)
+    plan = pipeline.step_plan(layout, parallel)
+
+    def mfu(kept):
+        pipe = predict_pipeline(kept, hw, layout.mesh_axes(), plan, parallel.prefetch)
+        return 100 * predicted_mfu(pipe.prediction, cfg, tcfg, hw, layout.size), pipe
+
+    out = [mfu(rows)[0]]
+    found = mechanisms(rows, cfg, plan)
+    for test in found.values():
+        out.append(mfu([x for x in rows if not test(x)])[0])
+    rest, pipe = mfu([x for x in rows if not any(t(x) for t in found.values())])
+    back_to_back = plan.units * pipe.unit_s.max(axis=1).sum() + pipe.outside_s
+    per_token = flops_per_token(cfg, tcfg.seq)
+    publ = 100 * published.tokens_per_chip(r, per_token) * per_token / published.PEAK[r.hardware]
+    return [publ, *out, rest, rest * pipe.step_s / back_to_back]
+
+
+def main(argv=None) -> int:
+    from tabulate import tabulate
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--only", default=None, help="rows whose name contains this text")
+    args = p.parse_args(argv)
+    rows = [r for r in RUNS if r.pp > 1 and (args.only is None or args.only in r.name)]
+    if not rows:
+        print(f"error: no pipelined row matches {args.only!r}", file=sys.stderr)
+        return 2
+    print(tabulate([[r.name, *row_figures(r)] for r in rows],
+                   ["run", "published", "priced", "no second forward", "no embedding RS",
+                    "no chunk copies", "none of the three", "and no bubble"], floatfmt=".1f"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
