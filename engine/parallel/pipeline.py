@@ -103,8 +103,11 @@ def reorder_blocks(tree, index):
 @dataclasses.dataclass(frozen=True)
 class Stages:
     """The model cut for a pipeline, each part per shard on params as the model sees
-    them: embed(p, inputs [B, L]) -> x [B, L, D]; blocks(p, x, docs) -> x (this stage's
-    layers; docs: the microbatch's packed documents, `layers.documents`, or None); head_loss(p, x, targets [B, L]) -> the loss of the microbatch, a scalar."""
+    them: embed(p, inputs [B, L]) -> x [B, L, D]; blocks(p, x, docs) -> (x, aux): this
+    chunk's layers (docs: the microbatch's packed documents, `layers.documents`, or
+    None) and their share of the microbatch's auxiliary loss (a scalar: the router
+    losses of a mixture of experts, `layers.moe.router_losses`), None without one;
+    head_loss(p, x, targets [B, L]) -> the loss of the microbatch, a scalar."""
 
     embed: Callable
     blocks: Callable
@@ -178,8 +181,9 @@ def run(stages: Stages, params, inputs_MBL, targets_MBL, x_shape, x_axes, axes: 
 
     def unit(p, x_BLD, i, with_loss=True):
         """Item i (microbatch i // V through chunk i % V) from its input x [B, L, D]:
-        (output x [B, L, D], the loss on the model's last chunk, else 0). Only the first
-        chunk embeds, only the last runs the head and loss (not at all without
+        (output x [B, L, D], its share of the microbatch's loss: the head's on the
+        model's last chunk, plus in training the chunk's auxiliary loss). Only the first
+        chunk embeds, only the last runs the head and loss (no loss at all without
         `with_loss`)."""
         m, v = i // V, i % V
         inputs_BL, targets_BL = inputs_MBL[m], targets_MBL[m]
@@ -196,10 +200,14 @@ def run(stages: Stages, params, inputs_MBL, targets_MBL, x_shape, x_axes, axes: 
                 return _like(stages.head_loss(model_p, y_BLD, targets_BL), (pp,))
 
         x_BLD = either(first, embed, lambda: x_BLD)
-        y_BLD = _like(stages.blocks(model_p, x_BLD, docs), x_axes)
+        y_BLD, aux = stages.blocks(model_p, x_BLD, docs)
+        y_BLD = _like(y_BLD, x_axes)
         if not with_loss:
             return y_BLD, loss0
-        return y_BLD, either(last, head, lambda: loss0)
+        loss = either(last, head, lambda: loss0)
+        if aux is None or not backward:  # evaluation: the cross-entropy alone
+            return y_BLD, loss
+        return y_BLD, loss + _like(aux, (pp,))
 
     zeros_x = _like(jnp.zeros(x_shape, x_dtype), x_axes)
     buffer = lambda k: jnp.broadcast_to(zeros_x, (max(k, 1), *x_shape))  # noqa: E731
