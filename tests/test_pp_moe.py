@@ -71,7 +71,7 @@ CASES = [  # (layout, cfg, parallel); the default suite keeps the first four
     ("pp4xep2", dataclasses.replace(MOE_CFG, remat="none"),
      dict(pp_schedule="1f1b", microbatches=4)),
     ("pp2xep4", MOE_CFG, dict(pp_schedule="gpipe", microbatches=2)),
-    ("pp2xep4", CAPPED, dict(pp_schedule="1f1b", microbatches=4)),
+    ("pp4xep2", CAPPED, dict(pp_schedule="1f1b", microbatches=4)),
     ("pp2xfsdp2xep2", MOE_CFG, dict(pp_schedule="interleaved", pp_virtual=2,
                                     microbatches=2)),
     ("pp2xfsdp4", CAPPED, dict(pp_schedule="1f1b", microbatches=2)),
