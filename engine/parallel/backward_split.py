@@ -141,13 +141,16 @@ def analyze(jaxpr, need_b: list, need_w: list) -> Plan:
         ins = [v for v in eqn.invars if not isinstance(v, core.Literal)]
         if eqn.primitive.name == "scan" and any(outs_w):
             s, b_in, w_in = _analyze_scan(eqn, outs_b, outs_w)
+            if not any(s.w_carry + s.w_ys):  # B gives all W reads: the scan whole in B
+                b_eqns.add(i)
+                vb.update(ins)
+                continue
             if any(s.b_carry + s.b_ys):
                 b_eqns.add(i)
                 vb.update(v for v, m in zip(eqn.invars, b_in) if m and v in ins)
-            if any(s.w_carry + s.w_ys):
-                w_eqns.add(i)
-                vw.update(v for v, m in zip(eqn.invars, w_in) if m and v in ins)
-                scans[i] = s
+            w_eqns.add(i)
+            vw.update(v for v, m in zip(eqn.invars, w_in) if m and v in ins)
+            scans[i] = s
         elif any(outs_b):
             b_eqns.add(i)
             vb.update(ins)
@@ -317,8 +320,14 @@ class Split:
 
 def split(f, *args, b_out) -> Split:
     """Cut f (args -> a flat list of outputs) at `args` (module doc); b_out: [bool] per
-    output, the ones B computes; W computes the rest."""
+    output, the ones B computes; W computes the rest but those B's equations give
+    (`Split.need_b` says which part returns each output)."""
     closed = inline(f, *args)
-    need_b = tuple(b_out)
-    need_w = tuple(not m for m in b_out)
-    return Split(closed, analyze(closed.jaxpr, list(need_b), list(need_w)), need_b, need_w)
+    jaxpr = closed.jaxpr
+    plan = analyze(jaxpr, list(b_out), [not m for m in b_out])
+    # an output B computes anyway (a `cond` run whole in B: the head's, the
+    # embedding's) is B's to return, not a crossing value to hold until W
+    defined_b = {v for i in plan.b_eqns for v in _outputs_of(jaxpr.eqns[i], i, plan.scans, "B")}
+    need_b = tuple(m or v in defined_b for m, v in zip(b_out, jaxpr.outvars))
+    need_w = tuple(not m for m in need_b)
+    return Split(closed, analyze(jaxpr, list(need_b), list(need_w)), need_b, need_w)

@@ -312,6 +312,12 @@ def run(stages: Stages, params, inputs_MBL, targets_MBL, x_shape, x_axes, axes: 
             flat = jax.tree.leaves((stashed, params, ct_BLD, i))
             outs, cross = the_split.b(flat)
             dx_BLD, loss = outs[n_params], outs[n_params + 1]
+            grads = c["grads"]
+            if any(the_split.need_b[:n_params]):  # grads B gives (the embedding's, head's)
+                grads = jax.tree.unflatten(jax.tree.structure(params), [
+                    g if d is None else g + d
+                    for g, d in zip(jax.tree.leaves(grads), outs[:n_params])])
+            c = dict(c, grads=keep(active, grads, c["grads"]))
             w_slot = i % the_plan.w_slots
             wstash = [buf.at[w_slot].set(keep(active, value, buf[w_slot])) for buf, value
                       in zip(c["wstash"], [*cross, *(flat[k] for k in w_own)])]
@@ -336,9 +342,9 @@ def run(stages: Stages, params, inputs_MBL, targets_MBL, x_shape, x_axes, axes: 
             flat[k] = value
         for k, value in zip(w_own, held[n_cross:]):
             flat[k] = value
-        d_params = jax.tree.unflatten(jax.tree.structure(params),
-                                      the_split.w(flat, held[:n_cross])[:n_params])
-        grads = jax.tree.map(jnp.add, c["grads"], d_params)
+        d_params = the_split.w(flat, held[:n_cross])[:n_params]
+        grads = jax.tree.unflatten(jax.tree.structure(params), [
+            g if d is None else g + d for g, d in zip(jax.tree.leaves(c["grads"]), d_params)])
         return zeros_x, dict(c, grads=keep(active, grads, c["grads"]))
 
     def slot_unit(c, unit_fn, item, anywhere):
