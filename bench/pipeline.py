@@ -3,7 +3,7 @@
     python bench/pipeline.py
     python bench/pipeline.py --pp 2 --schedules 1f1b --json pipeline.json
 
-For each pp in --pp (layout pp{p}xfsdp{8/p}), M in {p, 2p, 4p} and each schedule
+For each pp in --pp (layout pp{p}xfsdp{8/p}), M in {p, 2p, 4p} (--m-per-pp) and each schedule
 (interleaved with --virtual chunks per device), the --model preset with 8 layers (f32,
 --remat; --batch rows of --seq tokens) compiles once and runs; one row per
 configuration:
@@ -62,6 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="pipeline degrees (layout pp{p}xfsdp{8/p})")
     p.add_argument("--schedules", nargs="+", default=["gpipe", "1f1b", "interleaved"],
                    choices=("gpipe", "1f1b", "interleaved", "zb1"))
+    p.add_argument("--m-per-pp", nargs="+", type=_positive, default=[1, 2, 4],
+                   help="microbatches as multiples of pp")
     p.add_argument("--virtual", type=_positive, default=2,
                    help="chunks per device of the interleaved schedule (8 layers: "
                         "pp x V must divide 8)")
@@ -177,9 +179,9 @@ def main(argv=None) -> int:
     cfg = model_config(args.model, dtype="f32", remat=args.remat, n_layers=8)
     tcfg = TrainConfig(batch=args.batch, seq=args.seq)
     for pp in args.pp:  # every configuration checked before any compiles
-        if args.batch % (8 // pp * 4 * pp):
+        if args.batch % (8 // pp * max(args.m_per_pp) * pp):
             print(f"error: --batch {args.batch} is not divisible by fsdp x M = "
-                  f"{8 // pp} x {4 * pp}", file=sys.stderr)
+                  f"{8 // pp} x {max(args.m_per_pp) * pp}", file=sys.stderr)
             return 2
         if "interleaved" in args.schedules and 8 % (pp * args.virtual):
             print(f"error: 8 layers are not divisible by pp x V = {pp} x {args.virtual}",
@@ -188,7 +190,7 @@ def main(argv=None) -> int:
     out = []
     for pp in args.pp:
         layout = Layout.parse(f"pp{pp}xfsdp{8 // pp}")
-        for m in (pp, 2 * pp, 4 * pp):
+        for m in (k * pp for k in args.m_per_pp):
             for schedule in args.schedules:
                 v = args.virtual if schedule == "interleaved" else 1
                 par = ParallelConfig(microbatches=m, pp_schedule=schedule, pp_virtual=v)

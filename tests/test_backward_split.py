@@ -29,7 +29,7 @@ def model(params, x_BD):
 
 def setup(seed=0):
     rng = np.random.default_rng(seed)
-    draw = lambda *s: jnp.asarray(0.3 * rng.normal(size=s), jnp.float32)  # noqa: E731
+    draw = lambda *s: jnp.asarray(0.3 * rng.normal(size=s), jnp.float32)
     params = {"blocks": {"a": draw(3, 4, 6), "b": draw(3, 6, 4)}, "head": draw(4, 5)}
     x_BD = draw(2, 4)
     _, f_vjp = jax.vjp(model, params, x_BD)

@@ -201,96 +201,56 @@ def _analyze_scan(eqn, outs_b, outs_w):
     return ScanPlan(b_carry, w_carry, b_ys, w_ys, plan), b_in, w_in
 
 
-def run_b(jaxpr, consts, plan: Plan, args, need_b):
-    """B: (the outputs flagged in need_b, the crossing values)."""
+def run_part(jaxpr, consts, plan: Plan, args, need, part: str, cross=()):
+    """Run part "B" or "W" of `jaxpr` as `plan` shares it out: (the outputs flagged in
+    `need`, None for the others; B's crossing values, [] for W). args: the jaxpr's
+    inputs (only those the part reads are used); cross: W's, B's crossing values."""
+    reads, eqns = (plan.b_in, plan.b_eqns) if part == "B" else (plan.w_in, plan.w_eqns)
     env = dict(zip(jaxpr.constvars, consts))
-    env.update((v, a) for v, a, m in zip(jaxpr.invars, args, plan.b_in) if m)
-    for i, eqn in enumerate(jaxpr.eqns):
-        if i not in plan.b_eqns:
-            continue
-        if i in plan.scans:
-            _scan_b(eqn, i, plan.scans[i], env)
-            continue
-        env.update(zip(eqn.outvars, _bind(eqn, [_read(env, v) for v in eqn.invars])))
-    outs = [_read(env, v) if m else None for v, m in zip(jaxpr.outvars, need_b)]
-    return outs, [env[c] for c in plan.cross]
-
-
-def _scan_b(eqn, i, s: ScanPlan, env):
-    p = eqn.params
-    nc, ncar = p["num_consts"], p["num_carry"]
-    closed = p["jaxpr"]
-    body, bplan = closed.jaxpr, s.body
-    consts = [_read(env, v) if m else None for v, m in zip(eqn.invars[:nc], bplan.b_in[:nc])]
-    init = [_read(env, v) for v, m in zip(eqn.invars[nc:nc + ncar], s.b_carry) if m]
-    xs_mask = bplan.b_in[nc + ncar:]
-    xs = [_read(env, v) for v, m in zip(eqn.invars[nc + ncar:], xs_mask) if m]
-    need = s.b_carry + s.b_ys
-
-    def step(carry, x):
-        carry_it, x_it = iter(carry), iter(x)
-        args = [*consts, *(next(carry_it) if m else None for m in s.b_carry),
-                *(next(x_it) if m else None for m in xs_mask)]
-        outs, cross = run_b(body, closed.consts, bplan, args, need)
-        return ([o for o, m in zip(outs[:ncar], s.b_carry) if m],
-                ([o for o, m in zip(outs[ncar:], s.b_ys) if m], cross))
-
-    carry, (ys, cross) = lax.scan(step, init, xs, length=p["length"], reverse=p["reverse"])
-    carry_it, ys_it = iter(carry), iter(ys)
-    for v, m in zip(eqn.outvars[:ncar], s.b_carry):
-        if m:
-            env[v] = next(carry_it)
-    for v, m in zip(eqn.outvars[ncar:], s.b_ys):
-        if m:
-            env[v] = next(ys_it)
-    for j, c in enumerate(cross):
-        env[(i, j)] = c
-
-
-def run_w(jaxpr, consts, plan: Plan, args, cross, need_w):
-    """W: the outputs flagged in need_w, from the inputs W reads and B's crossing values."""
-    env = dict(zip(jaxpr.constvars, consts))
-    env.update((v, a) for v, a, m in zip(jaxpr.invars, args, plan.w_in) if m)
+    env.update((v, a) for v, a, m in zip(jaxpr.invars, args, reads) if m)
     env.update(zip(plan.cross, cross))
     for i, eqn in enumerate(jaxpr.eqns):
-        if i not in plan.w_eqns:
+        if i not in eqns:
             continue
         if i in plan.scans:
-            _scan_w(eqn, i, plan.scans[i], env)
+            _scan_part(eqn, i, plan.scans[i], env, part)
             continue
         env.update(zip(eqn.outvars, _bind(eqn, [_read(env, v) for v in eqn.invars])))
-    return [_read(env, v) if m else None for v, m in zip(jaxpr.outvars, need_w)]
+    outs = [_read(env, v) if m else None for v, m in zip(jaxpr.outvars, need)]
+    return outs, [env[c] for c in plan.cross] if part == "B" else []
 
 
-def _scan_w(eqn, i, s: ScanPlan, env):
+def _scan_part(eqn, i, s: ScanPlan, env, part: str):
+    """Run B's (part "B") or W's ("W") scan of a split scan equation, its outputs into
+    `env`: B's carries and ys, and the body's crossing values stacked under (i, j); W's
+    carries and ys from its inputs and those stacked crossing values."""
     p = eqn.params
     nc, ncar = p["num_consts"], p["num_carry"]
     closed = p["jaxpr"]
     body, bplan = closed.jaxpr, s.body
-    consts = [_read(env, v) if m else None for v, m in zip(eqn.invars[:nc], bplan.w_in[:nc])]
-    init = [_read(env, v) for v, m in zip(eqn.invars[nc:nc + ncar], s.w_carry) if m]
-    xs_mask = bplan.w_in[nc + ncar:]
+    carry_mask, ys_mask = (s.b_carry, s.b_ys) if part == "B" else (s.w_carry, s.w_ys)
+    reads = bplan.b_in if part == "B" else bplan.w_in
+    consts = [_read(env, v) if m else None for v, m in zip(eqn.invars[:nc], reads[:nc])]
+    init = [_read(env, v) for v, m in zip(eqn.invars[nc:nc + ncar], carry_mask) if m]
+    xs_mask = reads[nc + ncar:]
     xs = [_read(env, v) for v, m in zip(eqn.invars[nc + ncar:], xs_mask) if m]
-    cross = [env[(i, j)] for j in range(len(bplan.cross))]
-    need = s.w_carry + s.w_ys
+    cross = [] if part == "B" else [env[(i, j)] for j in range(len(bplan.cross))]
 
     def step(carry, x):
         x, x_cross = x
         carry_it, x_it = iter(carry), iter(x)
-        args = [*consts, *(next(carry_it) if m else None for m in s.w_carry),
+        args = [*consts, *(next(carry_it) if m else None for m in carry_mask),
                 *(next(x_it) if m else None for m in xs_mask)]
-        outs = run_w(body, closed.consts, bplan, args, x_cross, need)
-        return ([o for o, m in zip(outs[:ncar], s.w_carry) if m],
-                [o for o, m in zip(outs[ncar:], s.w_ys) if m])
+        outs, made = run_part(body, closed.consts, bplan, args, carry_mask + ys_mask, part,
+                              x_cross)
+        return ([o for o, m in zip(outs[:ncar], carry_mask) if m],
+                ([o for o, m in zip(outs[ncar:], ys_mask) if m], made))
 
-    carry, ys = lax.scan(step, init, (xs, cross), length=p["length"], reverse=p["reverse"])
-    carry_it, ys_it = iter(carry), iter(ys)
-    for v, m in zip(eqn.outvars[:ncar], s.w_carry):
-        if m:
-            env[v] = next(carry_it)
-    for v, m in zip(eqn.outvars[ncar:], s.w_ys):
-        if m:
-            env[v] = next(ys_it)
+    carry, (ys, made) = lax.scan(step, init, (xs, cross), length=p["length"],
+                                 reverse=p["reverse"])
+    values = iter([*carry, *ys])
+    env.update((v, next(values)) for v, m in zip(eqn.outvars, carry_mask + ys_mask) if m)
+    env.update(((i, j), c) for j, c in enumerate(made))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -306,11 +266,12 @@ class Split:
     need_w: tuple
 
     def b(self, flat):
-        return run_b(self.closed.jaxpr, self.closed.consts, self.plan, flat, self.need_b)
+        return run_part(self.closed.jaxpr, self.closed.consts, self.plan, flat,
+                        self.need_b, "B")
 
     def w(self, flat, cross):
-        return run_w(self.closed.jaxpr, self.closed.consts, self.plan, flat, cross,
-                     self.need_w)
+        return run_part(self.closed.jaxpr, self.closed.consts, self.plan, flat,
+                        self.need_w, "W", cross)[0]
 
     @property
     def w_reads(self) -> list:
