@@ -10,7 +10,7 @@ configuration:
 
     bubble        (p-1)/(V·M+p-1) (V = 1 but for interleaved), the schedule's idle
                   fraction (`Plan.bubble()`) when pp divides M; zb1 (p-1)/(3M+p-1), its
-                  one-unit ticks' idle fraction with F = B = W when M <= p
+                  one-unit ticks' idle fraction with F = B = W when M = p
     stash         the stash's slots per device (`Plan.stash_slots`): microbatches
                   (chunk units under interleaved) whose backward has not run
     idle meas.    the mean over devices of 1 - (time inside the pipeline's forward and

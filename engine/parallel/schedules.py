@@ -31,8 +31,8 @@ under a fused schedule at the same tick, whose forward slot runs first).
   critical path), else its next forward if it holds fewer than p microbatches
   (forwarded, W not yet run: the first stage's bound under 1F1B, ZB-H1's memory), else
   a pending W. The B chain walks back through the stages one B-long tick per hop while
-  the Ws wait for ticks a stage would idle: 3M + p − 1 ticks for M <= p (a few more
-  beyond) where 1F1B in such ticks takes 3M + 3(p − 1); idle (p − 1)/(3M + p − 1).
+  the Ws wait for ticks a stage would idle: 3M + p − 1 ticks for M = p (a few more
+  otherwise) where 1F1B in such ticks takes 3M + 3(p − 1); idle (p − 1)/(3M + p − 1).
   The W slots hold what W reads of B (the layers' output cotangents, the activations
   the weight gradients multiply) from B's tick to W's. Fused lock-step ticks (a
   forward and a backward each) would gain nothing from the split: the first stage's
