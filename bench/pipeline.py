@@ -3,19 +3,21 @@
     python bench/pipeline.py
     python bench/pipeline.py --pp 2 --schedules 1f1b --json pipeline.json
 
-For each pp in --pp (layout pp{p}xfsdp{8/p}), M in {p, 2p, 4p} and each schedule
+For each pp in --pp (layout pp{p}xfsdp{8/p}), M in {p, 2p, 4p} (--m-per-pp) and each schedule
 (interleaved with --virtual chunks per device), the --model preset with 8 layers (f32,
 --remat; --batch rows of --seq tokens) compiles once and runs; one row per
 configuration:
 
     bubble        (p-1)/(V·M+p-1) (V = 1 but for interleaved), the schedule's idle
-                  fraction (`Plan.bubble()`) when pp divides M
+                  fraction (`Plan.bubble()`) when pp divides M; zb1 (p-1)/(3M+p-1), its
+                  one-unit ticks' idle fraction with F = B = W when M = p
     stash         the stash's slots per device (`Plan.stash_slots`): microbatches
                   (chunk units under interleaved) whose backward has not run
     idle meas.    the mean over devices of 1 - (time inside the pipeline's forward and
                   backward units) / step time, read off a profiler trace of --trace-steps
                   steps: per device, the union of the intervals of HLO ops whose
-                  `op_name` is under the `pp_forward` / `pp_backward` scopes
+                  `op_name` is under the `pp_forward` / `pp_backward` / `pp_weight`
+                  scopes
     idle pred.    engine/cost/pipeline.py's `bubble` on the cpu profile: the fraction
                   of its time a stage waits when every tick lasts its slowest stage's
                   unit (the units priced on this host)
@@ -59,7 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pp", nargs="+", type=int, default=[2, 4], choices=(2, 4, 8),
                    help="pipeline degrees (layout pp{p}xfsdp{8/p})")
     p.add_argument("--schedules", nargs="+", default=["gpipe", "1f1b", "interleaved"],
-                   choices=("gpipe", "1f1b", "interleaved"))
+                   choices=("gpipe", "1f1b", "interleaved", "zb1"))
+    p.add_argument("--m-per-pp", nargs="+", type=_positive, default=[1, 2, 4],
+                   help="microbatches as multiples of pp")
     p.add_argument("--virtual", type=_positive, default=2,
                    help="chunks per device of the interleaved schedule (8 layers: "
                         "pp x V must divide 8)")
@@ -87,7 +91,7 @@ def unit_intervals(text: str, events) -> dict[int, float]:
              for name, instrs in module.computations.items()}
     units = {ins.name for ins in module.instructions()
              if any(s in (ins.op_name or first.get(ins.callee, ""))
-                    for s in (scopes.PP_FORWARD, scopes.PP_BACKWARD))}
+                    for s in (scopes.PP_FORWARD, scopes.PP_BACKWARD, scopes.PP_WEIGHT))}
     spans: dict[int, list] = {}
     for op, dev, start, dur in events:
         if op in units:
@@ -112,9 +116,8 @@ def _with_shifts(pipe, the_plan) -> float:
     work plus the tick's shifts (the ops outside the units, which the trace counts as
     idle)."""
     pp = pipe.unit_s.shape[1]
-    work_TP = the_plan.work_TP(pipe.unit_s[0], pipe.unit_s[1])
-    return 1 - work_TP.sum() / (pp * (the_plan.lockstep_T(pipe.unit_s[0], pipe.unit_s[1])
-                                      + pipe.shift_s).sum())
+    work_TP = the_plan.work_TP(*pipe.unit_s)
+    return 1 - work_TP.sum() / (pp * (the_plan.lockstep_T(*pipe.unit_s) + pipe.shift_s).sum())
 
 
 def run_one(cfg, tcfg, layout, par, args) -> dict:
@@ -150,7 +153,8 @@ def run_one(cfg, tcfg, layout, par, args) -> dict:
     V = par.pp_virtual
     the_plan = pipeline.step_plan(layout, par)
     return dict(pp=pp, microbatches=M, schedule=par.pp_schedule, virtual=V,
-                ticks=the_plan.ticks, bubble_formula=(pp - 1) / (V * M + pp - 1),
+                ticks=the_plan.ticks, bubble_formula=(pp - 1) / (
+                    (3 if the_plan.split else V) * M + pp - 1),
                 schedule_bubble=the_plan.bubble(),
                 measured_idle=statistics.mean(idle), measured_idle_min=min(idle),
                 measured_idle_max=max(idle), traced_step_s=traced_s,
@@ -175,9 +179,9 @@ def main(argv=None) -> int:
     cfg = model_config(args.model, dtype="f32", remat=args.remat, n_layers=8)
     tcfg = TrainConfig(batch=args.batch, seq=args.seq)
     for pp in args.pp:  # every configuration checked before any compiles
-        if args.batch % (8 // pp * 4 * pp):
+        if args.batch % (8 // pp * max(args.m_per_pp) * pp):
             print(f"error: --batch {args.batch} is not divisible by fsdp x M = "
-                  f"{8 // pp} x {4 * pp}", file=sys.stderr)
+                  f"{8 // pp} x {max(args.m_per_pp) * pp}", file=sys.stderr)
             return 2
         if "interleaved" in args.schedules and 8 % (pp * args.virtual):
             print(f"error: 8 layers are not divisible by pp x V = {pp} x {args.virtual}",
@@ -186,7 +190,7 @@ def main(argv=None) -> int:
     out = []
     for pp in args.pp:
         layout = Layout.parse(f"pp{pp}xfsdp{8 // pp}")
-        for m in (pp, 2 * pp, 4 * pp):
+        for m in (k * pp for k in args.m_per_pp):
             for schedule in args.schedules:
                 v = args.virtual if schedule == "interleaved" else 1
                 par = ParallelConfig(microbatches=m, pp_schedule=schedule, pp_virtual=v)

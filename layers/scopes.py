@@ -22,9 +22,10 @@ LOGITS = "logits"  # decoding: final norm and the last token's logits
 PP_TICK = "pp_tick"
 PP_FORWARD = "pp_forward"
 PP_BACKWARD = "pp_backward"
+PP_WEIGHT = "pp_weight"  # a split schedule's weight-gradient unit (zb1)
 PP_FIRST = "pp_first_stage"
 PP_LAST = "pp_last_stage"
-PP_SCOPES = (PP_TICK, PP_FORWARD, PP_BACKWARD, PP_FIRST, PP_LAST)
+PP_SCOPES = (PP_TICK, PP_FORWARD, PP_BACKWARD, PP_WEIGHT, PP_FIRST, PP_LAST)
 
 # The values remat `dots` saves for the backward (`jax.ad_checkpoint.checkpoint_name`,
 # named where they are made; layers/block.py `REMAT_POLICIES`): the column-parallel

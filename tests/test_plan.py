@@ -186,7 +186,7 @@ def test_pp_candidates_choose_a_schedule_and_share_its_trace():
     cfg, tcfg = model_config("small"), TrainConfig(batch=32, seq=256)
     ok, _ = plan.candidates(cfg, tcfg, 8, {"remat": "full"})
     pp = [c for c in ok if c.layout.degree("pp") > 1]
-    assert {c.parallel.pp_schedule for c in pp} == {"gpipe", "1f1b", "interleaved"}
+    assert {c.parallel.pp_schedule for c in pp} == {"gpipe", "1f1b", "interleaved", "zb1"}
     assert all(c.parallel.microbatches == 4 * c.layout.degree("pp") for c in pp)
     assert all((c.parallel.pp_virtual == 2) == (c.parallel.pp_schedule == "interleaved")
                for c in pp)

@@ -107,6 +107,37 @@ def test_plan_runs_every_unit_once_in_dependency_order(name, pp, m):
         assert p.bubble(1.0, backward) == pytest.approx((pp - 1) / (m + pp - 1))
 
 
+@pytest.mark.parametrize("pp, m", [(2, 2), (2, 3), (2, 8), (4, 4), (4, 8), (4, 16), (8, 8)])
+def test_zb1_plan_splits_every_backward_and_idles_less_than_1f1b(pp, m):
+    """zb1 (ZB-H1): every F and B once, after its input; each W once, after its own B;
+    one unit per stage per tick; at most pp microbatches forwarded and not yet through
+    W on a stage. With F, B and W of equal length its idle fraction is
+    (pp-1)/(3M+pp-1) for M = pp and below 1F1B's (F, B + W) in every case."""
+    p = pipeline.plan(pipeline.SCHEDULES["zb1"], pp, m)
+    done = units_in_order(p, pp)
+    assert len(done) == 2 * pp * m and p.split
+    w_done = {}
+    for t in range(p.ticks):
+        busy = (p.forward_TP[t] != pipeline.NONE).astype(int) + (
+            p.backward_TP[t] != pipeline.NONE) + (p.weight_TP[t] != pipeline.NONE)
+        assert busy.max() <= 1
+        for s in range(pp):
+            i = int(p.weight_TP[t, s])
+            if i != pipeline.NONE:
+                assert ("w", i, s) not in w_done and done[("b", i, s)] < t
+                w_done[("w", i, s)] = t
+            held = sum(1 for mb in range(m) if done[("f", mb, s)] <= t
+                       and w_done.get(("w", mb, s), t + 1) > t)
+            assert held <= pp
+    assert len(w_done) == pp * m
+    zb1, one_f_one_b = p.bubble(1.0, 2.0, 1.0), pipeline.plan(
+        pipeline.SCHEDULES["1f1b"], pp, max(m, pp)).bubble(1.0, 2.0)
+    if m == pp:
+        assert zb1 == pytest.approx((pp - 1) / (3 * m + pp - 1))
+    if m >= pp:
+        assert zb1 < one_f_one_b
+
+
 @pytest.mark.parametrize("pp, m, v", [(2, 2, 2), (2, 4, 2), (4, 4, 2), (4, 8, 2), (2, 8, 4),
                                      (4, 6, 2), (2, 3, 2)])
 def test_interleaved_plan_runs_every_chunk_in_order_with_the_circular_bubble(pp, m, v):
@@ -161,6 +192,26 @@ def test_pp_matches_single(layout, schedule, m, init, single):
     got = loss_and_grads(layout, init, microbatches=m, pp_schedule=schedule)
     assert_matches(got, single, f"{layout} {schedule} M={m}")
     assert "collective-permute" in got[3], got[3]
+
+
+@pytest.mark.parametrize("remat", ["full", "none", "dots"])
+@pytest.mark.parametrize("layout, parallel", [
+    ("pp2xfsdp4", dict(microbatches=2)),
+    pytest.param("pp4xtp2", dict(microbatches=4), marks=pytest.mark.slow),
+    pytest.param("pp2xfsdp2xtp2", dict(microbatches=4, tp_comm="sequence"),
+                 marks=pytest.mark.slow),
+    pytest.param("pp2xdp2xfsdp2", dict(microbatches=2, zero=2), marks=pytest.mark.slow),
+    pytest.param("pp2xfsdp2xtp2", dict(microbatches=2, tp_comm="ring"),
+                 marks=pytest.mark.slow),
+    pytest.param("pp2xcp2xfsdp2", dict(microbatches=2), marks=pytest.mark.slow),
+])
+def test_zb1_matches_single(remat, layout, parallel, init, single):
+    """The split backward (B at the backward's tick, W later from what B left) equals
+    `single` under every remat policy, on pp alone and with fsdp, tp (every comm), dp,
+    zero 2 and cp."""
+    cfg = dataclasses.replace(PP_CFG, remat=remat)
+    got = loss_and_grads(layout, init, cfg=cfg, pp_schedule="zb1", **parallel)
+    assert_matches(got, single, f"{layout} zb1 {parallel} remat {remat}")
 
 
 @pytest.mark.parametrize("layout, m, v, batch", [

@@ -17,13 +17,15 @@ from engine.run.step import Trainer
     ("pp2xfsdp4", ParallelConfig(microbatches=2)),
     ("pp4xtp2", ParallelConfig(microbatches=4, pp_schedule="gpipe")),
     ("pp2xfsdp4", ParallelConfig(microbatches=2, pp_schedule="interleaved", pp_virtual=2)),
+    ("pp2xfsdp4", ParallelConfig(microbatches=2, pp_schedule="zb1")),
 ])
 def test_remat_none_under_pp_runs_no_forward_twice(layout, parallel):
     """The matmul FLOPs the pp step executes (each stage's forward and backward units M·V
     times, read off the traced step's rows, engine/cost/pipeline.py `unit_rows`) equal
     the same step's without pp under remat none and dots: the backward applies the
     stashed residuals and recomputes nothing the policy saved. Under full the pp step
-    recomputes the stage, head included, so it executes more."""
+    recomputes the stage, head included, so it executes more. zb1's B and W units
+    together execute what one backward unit does (W recomputes nothing of B)."""
     from engine.cost.ledger import step_ledger
     from engine.cost.pipeline import UNITS, _once, unit_rows
     from layers import scopes
@@ -125,6 +127,35 @@ def test_pipeline_price_is_ticks_of_the_slowest_stage(name, v, pp):
             shared = predict_pipeline(rows, cpu, mesh, the_plan)
             assert shared.step_s == pytest.approx(v * m * (F + B) + T * tick)
             assert shared.bubble == pytest.approx(formula)  # the devices still wait
+
+
+@pytest.mark.parametrize("pp", [2, 4])
+def test_zb1_price_is_one_unit_ticks_and_beats_1f1b_with_balanced_units(pp):
+    """zb1 priced from rows of a forward, a B and a W unit: each tick costs its slowest
+    stage's one unit plus the tick's row. With F = B = W the units take (3M + p - 1)
+    ticks for M = p, and below 1F1B's (M + p - 1)(F + B + W) at every M."""
+    from engine.cost import hardware
+    from engine.cost.pipeline import predict_pipeline
+    from engine.cost.price import predict
+    from layers import scopes
+
+    h100, mesh = hardware.get("h100"), (("pp", pp),)
+    for m in (pp, 2 * pp, 4 * pp):
+        zb1 = pipeline.plan(pipeline.SCHEDULES["zb1"], pp, m)
+        one_f_one_b = pipeline.plan(pipeline.SCHEDULES["1f1b"], pp, m)
+        T = zb1.ticks
+        rows = [_unit_row(scopes.PP_FORWARD, 1e12, T), _unit_row(scopes.PP_BACKWARD, 1e12, T),
+                _unit_row(scopes.PP_WEIGHT, 1e12, T), _unit_row(None, 1e9, T)]
+        F, B, W, tick = (predict([dataclasses.replace(r, count=1)], h100, mesh).step_s
+                         for r in rows)
+        got = predict_pipeline(rows, h100, mesh, zb1)
+        units = ((zb1.forward_TP != pipeline.NONE) * F + (zb1.backward_TP != pipeline.NONE) * B
+                 + (zb1.weight_TP != pipeline.NONE) * W).max(axis=1).sum()
+        assert got.step_s == pytest.approx(units + T * tick)
+        if m == pp:
+            assert units == pytest.approx((3 * m + pp - 1) * F)
+        assert units < one_f_one_b.ticks * (F + B + W)
+        assert got.bubble == pytest.approx(zb1.bubble(1.0, 2.0, 1.0))
 
 
 @pytest.mark.parametrize("name", ["gpipe", "1f1b"])

@@ -202,10 +202,16 @@ def pipelined(cfg, tcfg, layout, platform: str = "cpu", parallel=None) -> Memory
                        cotangents, held the same way
         grads          the scan carry's grads accumulator, f32 as differentiated (one
                        more copy of the stage's grads beside the unit's)
+        W slots        zb1 only: w_slots x what a unit's W reads of its B, per layer
+                       B_m·L_x·a·(9D + 2(H_tp + G_tp)K + 4F_tp): the weight matmuls'
+                       inputs and output cotangents, the norms' (whatever the remat
+                       policy: W needs the activations `full` would recompute; tiny,
+                       8 layers, pp2, M = 4: 23 D-sized tensors a layer under full, 20
+                       under none, traced)
 
     B_m = this device's rows of one microbatch; a = bytes of the activation dtype."""
     from engine.parallel import pipeline
-    from engine.parallel.params import activation_spec
+    from engine.parallel.params import activation_spec, param_shapes
 
     the_plan = pipeline.step_plan(layout, parallel)
     scfg, stcfg, slayout, spar = stage_problem(cfg, tcfg, layout, parallel)
@@ -227,6 +233,12 @@ def pipelined(cfg, tcfg, layout, platform: str = "cpu", parallel=None) -> Memory
             k: v for k, v in stage.items.items() if not k.startswith("residual")})
     else:
         stash = {f"pipeline: stash, {K} units' inputs": K * x_micro}
+    if the_plan.split:  # zb1: what W reads of B, per unit (docstring)
+        d = dims(scfg, stcfg, slayout, platform, spar,
+                 kernel_priced(scfg, stcfg, slayout, platform, spar), param_shapes(scfg))
+        per_layer = d.B * d.Lx * d.a * (9 * d.D + 2 * (d.Htp + d.Gtp) * d.K + 4 * d.Ftp)
+        stash[f"pipeline: W slots, {the_plan.w_slots} units' weight-gradient inputs"] = (
+            the_plan.w_slots * scfg.n_layers * per_layer)
     items = {**stash,
              f"pipeline: shift buffers, {the_plan.x_slots} + {the_plan.ct_slots} "
              f"microbatches, held twice": 2 * (the_plan.x_slots + the_plan.ct_slots) * x_micro,

@@ -11,6 +11,8 @@ layers/scopes.py) that say which unit runs them and which parts only the first s
                   runs them, once (trip count over T), with its own overlap model; a
                   slot of the pipeline's buffers is read and written in place
     work(t, s)  = unit(forward, s) if s has a forward at t, + unit(backward, s) likewise
+                  (+ unit(weight, s) under a split schedule: zb1's backward is B, and
+                  its W a unit of its own)
     tick(t)     = max over stages s of work(t, s)      (accelerators: lock-step ticks)
                   + the tick's own rows (the stage shifts' ppermutes, buffer writes)
     step        = sum over ticks of tick(t) + the rows outside the scan (grad
@@ -48,8 +50,8 @@ from engine.cost.price import Prediction, fault_seconds, predict, with_faults
 from engine.parallel import pipeline
 from layers import scopes
 
-FORWARD, BACKWARD = 0, 1  # rows of `PipelinePrediction.unit_s`
-UNITS = {FORWARD: scopes.PP_FORWARD, BACKWARD: scopes.PP_BACKWARD}
+FORWARD, BACKWARD, WEIGHT = 0, 1, 2  # rows of `PipelinePrediction.unit_s`
+UNITS = {FORWARD: scopes.PP_FORWARD, BACKWARD: scopes.PP_BACKWARD, WEIGHT: scopes.PP_WEIGHT}
 EDGES = {scopes.PP_FIRST, scopes.PP_LAST}  # the first stage's and the last stage's parts
 
 
@@ -60,7 +62,8 @@ class PipelinePrediction:
     prediction: as `price.predict`'s, its rows each unit's rows run M times (the first
         stage's and the last stage's parts included) and the rest as traced; step_s is
         the pipelined step (below), not compute + exposed communication.
-    unit_s: [2, pp] one unit (FORWARD, BACKWARD) on each stage.
+    unit_s: [3, pp] one unit (FORWARD, BACKWARD, WEIGHT: zeros but under a split
+        schedule) on each stage.
     tick_s: [T] each tick: its stages' work (max, or mean on a shared host) + shift_s.
     shift_s: the tick's own rows (stage shifts, buffer writes), per tick.
     outside_s: the rows outside the tick scan (grad reductions, optimizer).
@@ -118,13 +121,13 @@ def unit_of(row: Row) -> int | None:
 
 def _parts(rows: list[Row], T: int, M: int, pp: int, hw, mesh_axes, prefetch: bool,
            uniform: bool, virtual: int = 1):
-    """(unit_s [2, pp], shift_s, the rows outside the ticks' Prediction, the report's
+    """(unit_s [3, pp], shift_s, the rows outside the ticks' Prediction, the report's
     flat Prediction) of `rows` priced with (hw, mesh_axes, prefetch), module doc. With V
     chunks per stage a unit's first- and last-stage parts count 1/V: a chunk's mean."""
     inside = [r for r in rows if scopes.PP_TICK in r.pp]
     outside = [r for r in rows if scopes.PP_TICK not in r.pp]
     once = _once(inside)
-    unit_s = np.zeros((2, pp))
+    unit_s = np.zeros((len(UNITS), pp))
     for kind in UNITS:
         for s in range(pp):
             part = unit_rows(once, kind, s, pp, uniform)
@@ -150,8 +153,8 @@ def predict_pipeline(rows: list[Row], hw, mesh_axes, the_plan: pipeline.Plan,
     M = the_plan.units  # units of each kind per device: M x V
     unit_s, shift_s, out, flat = _parts(rows, T, M, pp, hw, mesh_axes, prefetch,
                                         the_plan.uniform, the_plan.virtual)
-    work_TP = the_plan.work_TP(unit_s[FORWARD], unit_s[BACKWARD])
-    lockstep_T = the_plan.lockstep_T(unit_s[FORWARD], unit_s[BACKWARD])
+    work_TP = the_plan.work_TP(unit_s[FORWARD], unit_s[BACKWARD], unit_s[WEIGHT])
+    lockstep_T = the_plan.lockstep_T(unit_s[FORWARD], unit_s[BACKWARD], unit_s[WEIGHT])
     units_T = (work_TP.mean(axis=1) if hw.shared_host and not the_plan.uniform
                else lockstep_T)
     tick_s = units_T + shift_s

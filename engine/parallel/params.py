@@ -43,13 +43,13 @@ PARAM_TABLE: dict[str, tuple[str, tuple, str]] = {
     "final_norm":       ("D",    (None,),                        "ones"),
     "unembed":          ("DV",   ("fsdp", "tp"),                 "normal"),
     # mixture of experts (layers/moe.py), in place of wg / wu / wd when experts > 0
-    "blocks/router":    ("NDE",  (None, None, None),             "normal"),
-    "blocks/we_g":      ("NEDF", (None, "ep", "fsdp", "tp"),     "normal"),
-    "blocks/we_u":      ("NEDF", (None, "ep", "fsdp", "tp"),     "normal"),
-    "blocks/we_d":      ("NEFD", (None, "ep", "tp", "fsdp"),     "normal_out"),
-    "blocks/ws_g":      ("NDI",  (None, "fsdp", "tp"),           "normal"),  # shared experts
-    "blocks/ws_u":      ("NDI",  (None, "fsdp", "tp"),           "normal"),
-    "blocks/ws_d":      ("NDI",  (None, "fsdp", "tp"),           "normal_out"),
+    "blocks/router":    ("NDE",  ("pp", None, None),             "normal"),
+    "blocks/we_g":      ("NEDF", ("pp", "ep", "fsdp", "tp"),     "normal"),
+    "blocks/we_u":      ("NEDF", ("pp", "ep", "fsdp", "tp"),     "normal"),
+    "blocks/we_d":      ("NEFD", ("pp", "ep", "tp", "fsdp"),     "normal_out"),
+    "blocks/ws_g":      ("NDI",  ("pp", "fsdp", "tp"),           "normal"),  # shared experts
+    "blocks/ws_u":      ("NDI",  ("pp", "fsdp", "tp"),           "normal"),
+    "blocks/ws_d":      ("NDI",  ("pp", "fsdp", "tp"),           "normal_out"),
 }
 DENSE_MLP = ("blocks/wg", "blocks/wu", "blocks/wd")
 ROUTED = ("blocks/router", "blocks/we_g", "blocks/we_u", "blocks/we_d")

@@ -23,6 +23,12 @@ it waits in a stash of `Plan.stash_slots` slots, by remat policy (`stash_residua
 Parameter grads are accumulated over the microbatches in the scan carry and reduced
 once after it.
 
+A split schedule (zb1) runs each backward as two units (engine/parallel/backward_split.py
+cuts the pullback's jaxpr by dependency): B, at the backward's tick, gives the input
+cotangent (and under `full` the loss); W, in a third slot at a later tick, the
+params' grads. B leaves W what W reads of it (the crossing values) and the inputs W
+reads itself (residuals, the unit's input under `full`) in `Plan.w_slots` slots.
+
 Interleaved (circular, `--pp-virtual V`): the model is cut into pp·V chunks of
 N/(pp·V) layers and device s runs chunks s, s + pp, ..., so a microbatch goes round the
 ring V times (the ring shift wraps: the last device feeds the first). The stacked blocks
@@ -52,6 +58,7 @@ import jax.numpy as jnp
 from jax import lax
 
 import collectives
+from engine.parallel import backward_split
 from engine.parallel.grads import spec_axes
 from engine.parallel.schedules import (  # noqa: F401  (the schedules' names, re-exported)
     NONE,
@@ -103,8 +110,11 @@ def reorder_blocks(tree, index):
 @dataclasses.dataclass(frozen=True)
 class Stages:
     """The model cut for a pipeline, each part per shard on params as the model sees
-    them: embed(p, inputs [B, L]) -> x [B, L, D]; blocks(p, x, docs) -> x (this stage's
-    layers; docs: the microbatch's packed documents, `layers.documents`, or None); head_loss(p, x, targets [B, L]) -> the loss of the microbatch, a scalar."""
+    them: embed(p, inputs [B, L]) -> x [B, L, D]; blocks(p, x, docs) -> (x, aux): this
+    chunk's layers (docs: the microbatch's packed documents, `layers.documents`, or
+    None) and their share of the microbatch's auxiliary loss (a scalar: the router
+    losses of a mixture of experts, `layers.moe.router_losses`), None without one;
+    head_loss(p, x, targets [B, L]) -> the loss of the microbatch, a scalar."""
 
     embed: Callable
     blocks: Callable
@@ -158,6 +168,9 @@ def run(stages: Stages, params, inputs_MBL, targets_MBL, x_shape, x_axes, axes: 
     fwd_TP, bwd_TP, recv_x_TP, recv_ct_TP = (jnp.asarray(a) for a in (
         the_plan.forward_TP, the_plan.backward_TP, the_plan.recv_x_TP, the_plan.recv_ct_TP))
     any_f_T, any_b_T = jnp.asarray(the_plan.any_forward_T), jnp.asarray(the_plan.any_backward_T)
+    split = backward and the_plan.split
+    if split:
+        wgt_TP, any_w_T = jnp.asarray(the_plan.weight_TP), jnp.asarray(the_plan.any_weight_T)
     uniform = the_plan.uniform
 
     def chunk(model_p, v):
@@ -178,8 +191,9 @@ def run(stages: Stages, params, inputs_MBL, targets_MBL, x_shape, x_axes, axes: 
 
     def unit(p, x_BLD, i, with_loss=True):
         """Item i (microbatch i // V through chunk i % V) from its input x [B, L, D]:
-        (output x [B, L, D], the loss on the model's last chunk, else 0). Only the first
-        chunk embeds, only the last runs the head and loss (not at all without
+        (output x [B, L, D], its share of the microbatch's loss: the head's on the
+        model's last chunk, plus in training the chunk's auxiliary loss). Only the first
+        chunk embeds, only the last runs the head and loss (no loss at all without
         `with_loss`)."""
         m, v = i // V, i % V
         inputs_BL, targets_BL = inputs_MBL[m], targets_MBL[m]
@@ -196,10 +210,14 @@ def run(stages: Stages, params, inputs_MBL, targets_MBL, x_shape, x_axes, axes: 
                 return _like(stages.head_loss(model_p, y_BLD, targets_BL), (pp,))
 
         x_BLD = either(first, embed, lambda: x_BLD)
-        y_BLD = _like(stages.blocks(model_p, x_BLD, docs), x_axes)
+        y_BLD, aux = stages.blocks(model_p, x_BLD, docs)
+        y_BLD = _like(y_BLD, x_axes)
         if not with_loss:
             return y_BLD, loss0
-        return y_BLD, either(last, head, lambda: loss0)
+        loss = either(last, head, lambda: loss0)
+        if aux is None or not backward:  # evaluation: the cross-entropy alone
+            return y_BLD, loss
+        return y_BLD, loss + _like(aux, (pp,))
 
     zeros_x = _like(jnp.zeros(x_shape, x_dtype), x_axes)
     buffer = lambda k: jnp.broadcast_to(zeros_x, (max(k, 1), *x_shape))  # noqa: E731
@@ -210,7 +228,8 @@ def run(stages: Stages, params, inputs_MBL, targets_MBL, x_shape, x_axes, axes: 
         vary = []  # the axes each residual varies over, read while tracing
 
         def parts(p, x_BLD, i):  # i traced, as the forward unit's item is
-            leaves, _ = _pullback_parts(jax.vjp(lambda p, x: unit(p, x, i), p, x_BLD)[1], p)
+            leaves, traced["structure"] = _pullback_parts(
+                jax.vjp(lambda p, x: unit(p, x, i), p, x_BLD)[1], p)
             vary.extend(tuple(collectives.varying_axes(r)) for r in leaves)
             return leaves
 
@@ -223,6 +242,39 @@ def run(stages: Stages, params, inputs_MBL, targets_MBL, x_shape, x_axes, axes: 
     if backward:
         carry.update(ct=buffer(the_plan.ct_slots), stash=stash,
                      grads=jax.tree.map(collectives.zeros_like, params))
+    n_params = len(jax.tree.leaves(params))
+
+    def pullback_flat(stashed, p, ct_BLD, i):
+        """The backward of unit i from what its forward stashed: [*grads of p's leaves,
+        the input cotangent, the loss (taken here under `full`)]."""
+        if residuals:
+            f_vjp, loss = _pullback(traced["structure"], stashed, p), loss0
+        else:
+            (_, loss), f_vjp = jax.vjp(lambda p, x: unit(p, x, i), p, stashed)
+        d_params, dx_BLD = f_vjp((ct_BLD, seed))
+        return [*jax.tree.leaves(d_params), dx_BLD, loss]
+
+    if split:  # the backward cut into B and W, traced once on this level's values
+        example = ([buf[0] for buf in stash] if residuals else zeros_x,
+                   params, zeros_x, bwd_TP[0, stage])  # an item varies over pp
+        flat_example = jax.tree.leaves(example)
+        n_stashed = len(jax.tree.leaves(example[0]))
+        live = list(range(n_stashed, n_stashed + n_params)) + [len(flat_example) - 1]
+        the_split = backward_split.split(pullback_flat, *example,
+                                         b_out=[False] * n_params + [True, True])
+        w_own = [k for k, m in enumerate(the_split.w_reads) if m and k not in live]
+        w_vary = []
+
+        def w_inputs(flat):
+            """What W is handed: B's crossing values and the inputs W reads itself."""
+            _, cross = the_split.b(flat)
+            values = [*cross, *(flat[k] for k in w_own)]
+            w_vary.extend(tuple(collectives.varying_axes(v)) for v in values)
+            return values
+
+        shapes = jax.eval_shape(w_inputs, flat_example)
+        carry["wstash"] = [_like(jnp.zeros((the_plan.w_slots, *v.shape), v.dtype), a)
+                           for v, a in zip(shapes, w_vary)]
 
     def keep(active, new, old):
         """`new`, or where this stage's unit is not `active` (a unit a uniform plan runs
@@ -255,6 +307,21 @@ def run(stages: Stages, params, inputs_MBL, targets_MBL, x_shape, x_axes, axes: 
         slot, v = i % the_plan.stash_slots, i % V
         last = (stage == n - 1) & (v == V - 1)
         ct_BLD = jnp.where(last, 0.0, c["ct"][i % the_plan.ct_slots])
+        if split:  # B: the input cotangent now, what W needs into its slot
+            stashed = [buf[slot] for buf in c["stash"]] if residuals else c["stash"][slot]
+            flat = jax.tree.leaves((stashed, params, ct_BLD, i))
+            outs, cross = the_split.b(flat)
+            dx_BLD, loss = outs[n_params], outs[n_params + 1]
+            grads = c["grads"]
+            if any(the_split.need_b[:n_params]):  # grads B gives (the embedding's, head's)
+                grads = jax.tree.unflatten(jax.tree.structure(params), [
+                    g if d is None else g + d
+                    for g, d in zip(jax.tree.leaves(grads), outs[:n_params])])
+            c = dict(c, grads=keep(active, grads, c["grads"]))
+            w_slot = i % the_plan.w_slots
+            wstash = [buf.at[w_slot].set(keep(active, value, buf[w_slot])) for buf, value
+                      in zip(c["wstash"], [*cross, *(flat[k] for k in w_own)])]
+            return dx_BLD, dict(c, wstash=wstash, loss=c["loss"] + keep(active, loss, 0.0))
         if residuals:
             f_vjp = _pullback(traced["structure"], [buf[slot] for buf in c["stash"]], params)
             loss = loss0
@@ -264,6 +331,21 @@ def run(stages: Stages, params, inputs_MBL, targets_MBL, x_shape, x_axes, axes: 
         grads = jax.tree.map(jnp.add, c["grads"], d_params)
         return dx_BLD, dict(c, grads=keep(active, grads, c["grads"]),
                             loss=c["loss"] + keep(active, loss, 0.0))
+
+    @jax.named_scope(scopes.PP_WEIGHT)
+    def weight_(c, i, active=True):
+        """W: the params' grads of unit i from what its B left in its slot."""
+        held = [buf[i % the_plan.w_slots] for buf in c["wstash"]]
+        n_cross = len(held) - len(w_own)
+        flat = [None] * len(the_split.w_reads)
+        for k, value in zip(live, [*jax.tree.leaves(params), i]):
+            flat[k] = value
+        for k, value in zip(w_own, held[n_cross:]):
+            flat[k] = value
+        d_params = the_split.w(flat, held[:n_cross])[:n_params]
+        grads = jax.tree.unflatten(jax.tree.structure(params), [
+            g if d is None else g + d for g, d in zip(jax.tree.leaves(c["grads"]), d_params)])
+        return zeros_x, dict(c, grads=keep(active, grads, c["grads"]))
 
     def slot_unit(c, unit_fn, item, anywhere):
         """Run `unit_fn` on `item` where this stage's slot holds one (NONE: idle), or
@@ -290,6 +372,8 @@ def run(stages: Stages, params, inputs_MBL, targets_MBL, x_shape, x_axes, axes: 
             slot = recv_ct_TP[t, stage]
             arrived, slot = slot >= 0, jnp.maximum(slot, 0)
             c = dict(c, ct=c["ct"].at[slot].set(jnp.where(arrived, ct_in, c["ct"][slot])))
+        if split:
+            _, c = slot_unit(c, weight_, wgt_TP[t, stage], any_w_T[t])
         return c, None
 
     carry, _ = lax.scan(tick, carry, jnp.arange(the_plan.ticks))

@@ -24,6 +24,19 @@ under a fused schedule at the same tick, whose forward slot runs first).
   s runs chunks s, s + pp, ...; forwards in groups of pp microbatches chunk by chunk
   (Megatron's interleaved order), backwards the reverse, each tick one forward and one
   backward chunk as 1F1B: (V·M + p − 1)·(F + B)/V when pp divides M.
+- zb1 (split: Qi et al. 2023's ZB-H1): each backward split into B, the input gradient
+  (what the previous stage waits for), and W, the weight gradient
+  (engine/parallel/backward_split.py), and one unit per tick, each of F, B, W about a
+  third of a microbatch's work on a stage. A stage runs its ready B first (the
+  critical path), else its next forward if it holds fewer than p microbatches
+  (forwarded, W not yet run: the first stage's bound under 1F1B, ZB-H1's memory), else
+  a pending W. The B chain walks back through the stages one B-long tick per hop while
+  the Ws wait for ticks a stage would idle: 3M + p − 1 ticks for M = p (a few more
+  otherwise) where 1F1B in such ticks takes 3M + 3(p − 1); idle (p − 1)/(3M + p − 1).
+  The W slots hold what W reads of B (the layers' output cotangents, the activations
+  the weight gradients multiply) from B's tick to W's. Fused lock-step ticks (a
+  forward and a backward each) would gain nothing from the split: the first stage's
+  cool-down has a B every tick, so its deferred Ws could only run after it.
 """
 from __future__ import annotations
 
@@ -47,6 +60,7 @@ class Schedule:
     fused: bool
     doc: str
     circular: bool = False
+    split: bool = False
 
 
 SCHEDULES: dict[str, Schedule] = {s.name: s for s in (
@@ -59,6 +73,9 @@ SCHEDULES: dict[str, Schedule] = {s.name: s for s in (
              doc="--pp-virtual V chunks per device, circular (device s runs chunks s, "
                  "s+pp, ...), fused 1F1B ticks of one chunk each: bubble "
                  "(pp-1)/(V·M+pp-1)"),
+    Schedule("zb1", fused=False, split=True,
+             doc="ZB-H1: each backward split into B (input grad) and W (weight grad), one "
+                 "unit per tick, Ws where a stage would wait: bubble (pp-1)/(3M+pp-1)"),
 )}
 
 
@@ -70,7 +87,9 @@ class Plan:
     the device runs at tick t, NONE for none. recv_x_TP, recv_ct_TP: [T, pp] the slot
     where the activation / cotangent arriving at the end of the tick is kept, NONE for
     none. *_slots: buffer sizes such that item i in slot i % slots never meets another
-    item still held there."""
+    item still held there. weight_TP: [T, pp] the item whose weight gradient W the
+    device runs at tick t under a split schedule (its backward_TP then runs B alone),
+    None otherwise; w_slots: the slots of what W reads of B."""
 
     forward_TP: np.ndarray
     backward_TP: np.ndarray
@@ -81,6 +100,12 @@ class Plan:
     recv_ct_TP: np.ndarray
     virtual: int = 1
     uniform: bool = False
+    weight_TP: np.ndarray | None = None
+    w_slots: int = 0
+
+    @property
+    def split(self) -> bool:
+        return self.weight_TP is not None
 
     @property
     def ticks(self) -> int:
@@ -100,28 +125,44 @@ class Plan:
     def any_backward_T(self) -> np.ndarray:
         return (self.backward_TP != NONE).any(axis=1)
 
-    def work_TP(self, forward_P, backward_P) -> np.ndarray:
-        """[T, pp] each stage's busy time in each tick, a forward costing forward_P[s]
-        and a backward backward_P[s] on stage s."""
-        return ((self.forward_TP != NONE) * np.asarray(forward_P)[None, :]
-                + (self.backward_TP != NONE) * np.asarray(backward_P)[None, :])
+    @property
+    def any_weight_T(self) -> np.ndarray:
+        if not self.split:
+            return np.zeros(self.ticks, bool)
+        return (self.weight_TP != NONE).any(axis=1)
 
-    def lockstep_T(self, forward_P, backward_P) -> np.ndarray:
+    def work_TP(self, forward_P, backward_P, weight_P=0.0) -> np.ndarray:
+        """[T, pp] each stage's busy time in each tick, a forward costing forward_P[s],
+        a backward backward_P[s] (under a split plan its B) and a W weight_P[s] on
+        stage s."""
+        work = ((self.forward_TP != NONE) * np.asarray(forward_P)[None, :]
+                + (self.backward_TP != NONE) * np.asarray(backward_P)[None, :])
+        if self.split:
+            work = work + (self.weight_TP != NONE) * np.asarray(weight_P)[None, :]
+        return work
+
+    def lockstep_T(self, forward_P, backward_P, weight_P=0.0) -> np.ndarray:
         """[T] each tick's length when every stage waits for the slowest: the max over
         stages of their work, or under a uniform plan (every stage runs each kind of
-        unit the tick holds) the slowest forward plus the slowest backward."""
+        unit the tick holds) the slowest of each kind summed."""
         if self.uniform:
             return (self.any_forward_T * np.max(forward_P)
-                    + self.any_backward_T * np.max(backward_P))
-        return self.work_TP(forward_P, backward_P).max(axis=1)
+                    + self.any_backward_T * np.max(backward_P)
+                    + self.any_weight_T * np.max(weight_P))
+        return self.work_TP(forward_P, backward_P, weight_P).max(axis=1)
 
-    def bubble(self, forward: float = 1.0, backward: float = 1.0) -> float:
+    def bubble(self, forward: float = 1.0, backward: float = 1.0,
+               weight: float | None = None) -> float:
         """Fraction of the stages' time idle in lock-step ticks, a forward unit costing
-        `forward` and a backward `backward` on every stage."""
+        `forward` and a backward `backward` on every stage; under a split plan the
+        backward is B + W, `weight` of it W (half by default)."""
         pp = self.forward_TP.shape[1]
-        f, b = np.full(pp, forward), np.full(pp, backward)
-        total = pp * self.lockstep_T(f, b).sum()
-        return float(1 - self.work_TP(f, b).sum() / total) if total else 0.0
+        if self.split:
+            weight = backward / 2 if weight is None else weight
+            backward = backward - weight
+        f, b, w = np.full(pp, forward), np.full(pp, backward), np.full(pp, weight or 0.0)
+        total = pp * self.lockstep_T(f, b, w).sum()
+        return float(1 - self.work_TP(f, b, w).sum() / total) if total else 0.0
 
 
 def _slots(intervals: list[tuple[int, int, int, int]]) -> int:
@@ -147,10 +188,12 @@ def _orders(pp: int, M: int, V: int) -> tuple[list, list]:
     return fwd, bwd
 
 
-# times within tick t: the forward slot, the backward slot, the shifts' arrival
-def _f(t): return 4 * t + 1  # noqa: E704
-def _b(t): return 4 * t + 2  # noqa: E704
-def _arrive(t): return 4 * t + 3  # noqa: E704
+# times within tick t: the forward slot, the backward slot, the shifts' arrival, the
+# weight-gradient slot
+def _f(t): return 5 * t + 1  # noqa: E704
+def _b(t): return 5 * t + 2  # noqa: E704
+def _arrive(t): return 5 * t + 3  # noqa: E704
+def _w(t): return 5 * t + 4  # noqa: E704
 
 
 def plan(schedule: Schedule, pp: int, microbatches: int, backward: bool = True,
@@ -163,6 +206,8 @@ def plan(schedule: Schedule, pp: int, microbatches: int, backward: bool = True,
     order_f, order_b = _orders(pp, M, V)
     fwd_tick: dict = {}
     bwd_tick: dict = {}
+    if schedule.split and backward:
+        return _split_plan(pp, M, uniform)
     next_f, next_b = [0] * pp, [0] * pp
     fwd_rows, bwd_rows = [], []
     t = 0
@@ -194,6 +239,13 @@ def plan(schedule: Schedule, pp: int, microbatches: int, backward: bool = True,
         fwd_rows.append(f_row)
         bwd_rows.append(b_row)
         t += 1
+    return _finish(fwd_tick, bwd_tick, fwd_rows, bwd_rows, pp, V, backward, uniform)
+
+
+def _finish(fwd_tick, bwd_tick, fwd_rows, bwd_rows, pp, V, backward, uniform,
+            w_tick=None, w_rows=None) -> Plan:
+    """The Plan of the ticks the simulation gave each unit: tables, buffer slots."""
+    t, C = len(fwd_rows), pp * V
     item = lambda m, c: m * V + c // pp  # noqa: E731  (the buffers' index of (m, chunk c))
     stash = [(c % pp, item(m, c), _f(fwd_tick[m, c]), _b(bwd_tick[m, c]))
              for (m, c) in bwd_tick]
@@ -210,9 +262,55 @@ def plan(schedule: Schedule, pp: int, microbatches: int, backward: bool = True,
     for (m, c), a in bwd_tick.items():  # sent to the device of chunk c - 1
         if c > 0:
             recv_ct[a, (c - 1) % pp] = item(m, c - 1) % ct_slots
+    weight_TP, w_slots = None, 0
+    if w_tick is not None:
+        weight_TP = np.asarray(w_rows, np.int32)
+        w_slots = _slots([(c % pp, item(m, c), _b(bwd_tick[m, c]), _w(w_tick[m, c]))
+                          for (m, c) in w_tick])
     return Plan(np.asarray(fwd_rows, np.int32), np.asarray(bwd_rows, np.int32),
                 _slots(stash) if backward else 0, x_slots, ct_slots, recv_x, recv_ct, V,
-                uniform)
+                uniform, weight_TP, w_slots)
+
+
+def _split_plan(pp: int, M: int, uniform: bool) -> Plan:
+    """zb1's table (module doc): one unit per tick per stage, B before F before W, at
+    most p microbatches forwarded and not yet through W on a stage."""
+    fwd_tick, bwd_tick, w_tick = {}, {}, {}
+    next_f, next_b = [0] * pp, [0] * pp
+    pending: list[list] = [[] for _ in range(pp)]  # B done, W not yet
+    fwd_rows, bwd_rows, w_rows = [], [], []
+    t = 0
+    while any(n < M for n in next_b) or any(pending):
+        rows = [[NONE] * pp for _ in range(3)]
+        for s in range(pp):
+            m_b, m_f = next_b[s], next_f[s]
+            ready_b = m_b < m_f and (fwd_tick[(m_b, s)] < t if s == pp - 1
+                                     else bwd_tick.get((m_b, s + 1), t) < t)
+            held = m_f - (next_b[s] - len(pending[s]))  # forwarded, W not yet run
+            ready_f = m_f < M and held < pp and (
+                s == 0 or fwd_tick.get((m_f, s - 1), t) < t)
+            if ready_b:
+                rows[1][s] = m_b
+            elif ready_f:
+                rows[0][s] = m_f
+            elif pending[s]:
+                rows[2][s] = pending[s].pop(0)
+        for s in range(pp):
+            if rows[0][s] != NONE:
+                fwd_tick[(rows[0][s], s)] = t
+                next_f[s] += 1
+            if rows[1][s] != NONE:
+                bwd_tick[(rows[1][s], s)] = t
+                next_b[s] += 1
+                pending[s].append(rows[1][s])
+            if rows[2][s] != NONE:
+                w_tick[(rows[2][s], s)] = t
+        fwd_rows.append(rows[0])
+        bwd_rows.append(rows[1])
+        w_rows.append(rows[2])
+        t += 1
+    return _finish(fwd_tick, bwd_tick, fwd_rows, bwd_rows, pp, 1, True, uniform,
+                   w_tick, w_rows)
 
 
 def storage_order(n_layers: int, pp: int, virtual: int) -> np.ndarray:

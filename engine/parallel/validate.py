@@ -84,9 +84,6 @@ def layout_problems(cfg: ModelConfig, tcfg: TrainConfig, parallel: ParallelConfi
     if layout.degree("ep") > 1 and not cfg.moe:
         problems.append(f"ep={layout.degree('ep')} shards experts: the model has none "
                         f"(set --experts)")
-    if cfg.moe and layout.degree("pp") > 1:
-        problems.append(f"pp={layout.degree('pp')} with --experts: the pipeline's stages "
-                        f"do not carry the router's losses (use ep, fsdp or tp)")
     if cfg.moe and cfg.capacity_factor > 0 and layout.degree("cp") > 1:
         problems.append("--capacity-factor counts a sequence's tokens per expert: not "
                         "with cp (each rank holds part of a sequence)")

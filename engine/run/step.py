@@ -172,9 +172,21 @@ class Trainer:
         ax, dims, cfg = self._model_axes, self._dims, self.cfg
         docs_M = documents.microbatches(
             documents.documents(tokens_BL[:, :-1], cfg, self.axes), m)
+        n_tokens = inputs_MBL[0].size * self.axes.data_size  # a microbatch's, global
+
+        def blocks(p, x_BLD, docs):
+            """A chunk's layers, and their share of the microbatch's router losses: the
+            losses are means over the model's layers of per-layer terms, so a chunk of n
+            layers adds its mean times n / N (`_objective` takes them whole)."""
+            x_BLD, stats = model.blocks(p, x_BLD, dims, cfg, ax, docs)
+            if not stats:
+                return x_BLD, None
+            router, _ = moe.router_losses(stats, n_tokens, cfg, self.axes.data)
+            return x_BLD, router * (stats["zsum"].shape[0] / cfg.n_layers)
+
         stages = pipeline.Stages(
             embed=lambda p, i_BL: model.embed(p, i_BL, dims, cfg, ax),
-            blocks=lambda p, x_BLD, docs: model.blocks(p, x_BLD, dims, cfg, ax, docs)[0],
+            blocks=blocks,
             head_loss=lambda p, x_BLD, t_BL: self.zero.finish_loss(
                 model.head_loss(p, x_BLD, t_BL, dims, cfg, ax), self.axes))
         length = inputs_MBL.shape[2] // (self.axes.tp_size if self.axes.seq_tp else 1)
