@@ -7,16 +7,12 @@ Each column prices the row as bench/published.py's "as the source ran it" column
 from the same ledger rows less the rows of one mechanism the engine runs, to say how
 much of a miss each accounts for (these are what the engine would have to change; the
 table prices them):
-- second forward: under `--remat full` the pipelined backward unit runs `jax.vjp` of the
-  stage, whose forward recomputes every layer to save the per-layer checkpoints before
-  the per-layer recompute (the backward unit's "fwd" rows, the first / last stage's
-  embedding and loss kept);
 - embedding RS: ZeRO-2's embedding / unembedding grads reduce-scattered in every unit on
   every stage (made whole outside the stages' conds);
 - chunk copies: an interleaved unit's copy of its chunk's f32 weights out of the stage's
   stack, and its transposes (the whole stage's grads zero-filled, updated, accumulated);
 - no bubble: every unit back to back (M·V forward and backward units of the slowest
-  stage, plus the rows outside the ticks), the three mechanisms out.
+  stage, plus the rows outside the ticks), both mechanisms out.
 Results: bench/results/2026-11-28-published-cpu.md.
 """
 from __future__ import annotations
@@ -31,7 +27,7 @@ from bench import published  # noqa: E402
 from bench.published_runs import RUNS  # noqa: E402
 
 
-def mechanisms(rows, cfg, plan) -> dict:
+def mechanisms(plan) -> dict:
     """{mechanism: predicate on a ledger row that it belongs to the mechanism}."""
     from engine.cost import pipeline as cp
     from layers import scopes
@@ -40,8 +36,6 @@ def mechanisms(rows, cfg, plan) -> dict:
         return scopes.PP_TICK in r.pp and cp.unit_of(r) is not None and not set(r.pp) & cp.EDGES
 
     return {
-        "second forward": lambda r: (cfg.remat == "full" and in_unit(r)
-                                     and cp.unit_of(r) == cp.BACKWARD and r.phase == "fwd"),
         "embedding RS": lambda r: (in_unit(r) and r.scope in ("embed", "loss")
                                    and r.primitive == "reduce_scatter"),
         "chunk copies": lambda r: (plan.virtual > 1 and in_unit(r) and r.scope == "other"
@@ -52,7 +46,7 @@ def mechanisms(rows, cfg, plan) -> dict:
 
 
 def row_figures(r) -> list[float]:
-    """[published, as priced, less each mechanism, less all three, and no bubble] MFU %."""
+    """[published, as priced, less each mechanism, less both, and no bubble] MFU %."""
     from engine.cli.args import build_parser, parse_or_exit
     from engine.cost.ledger import step_ledger
     from engine.cost.pipeline import predict_pipeline
@@ -71,7 +65,7 @@ def row_figures(r) -> list[float]:
         return 100 * predicted_mfu(pipe.prediction, cfg, tcfg, hw, layout.size), pipe
 
     out = [mfu(rows)[0]]
-    found = mechanisms(rows, cfg, plan)
+    found = mechanisms(plan)
     for test in found.values():
         out.append(mfu([x for x in rows if not test(x)])[0])
     rest, pipe = mfu([x for x in rows if not any(t(x) for t in found.values())])
@@ -92,8 +86,8 @@ def main(argv=None) -> int:
         print(f"error: no pipelined row matches {args.only!r}", file=sys.stderr)
         return 2
     print(tabulate([[r.name, *row_figures(r)] for r in rows],
-                   ["run", "published", "priced", "no second forward", "no embedding RS",
-                    "no chunk copies", "none of the three", "and no bubble"], floatfmt=".1f"))
+                   ["run", "published", "priced", "no embedding RS", "no chunk copies",
+                    "neither", "and no bubble"], floatfmt=".1f"))
     return 0
 
 

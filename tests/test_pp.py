@@ -305,8 +305,9 @@ REMAT_CASES = [  # (layout, parallel): the default suite keeps the first three
     case if i < 3 else pytest.param(*case, marks=pytest.mark.slow)
     for i, case in enumerate(REMAT_CASES)])
 def test_pp_remat_policies_match_single(remat, layout, parallel, init, single):
-    """The stash of vjp residuals (remat none, dots) equals `single` (remat full: each
-    policy recomputes differently, same values) under every schedule, composed with
+    """The stash of vjp residuals under remat none and dots (full: the other tests)
+    equals `single` (remat full: each policy recomputes differently, same values) under
+    every schedule, composed with
     fsdp, tp (every comm), cp (both comms), dp and zero 2, prefetch."""
     cfg = dataclasses.replace(PP_CFG, remat=remat)
     got = loss_and_grads(layout, init, cfg=cfg, **parallel)

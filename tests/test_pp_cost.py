@@ -19,12 +19,13 @@ from engine.run.step import Trainer
     ("pp2xfsdp4", ParallelConfig(microbatches=2, pp_schedule="interleaved", pp_virtual=2)),
     ("pp2xfsdp4", ParallelConfig(microbatches=2, pp_schedule="zb1")),
 ])
-def test_remat_none_under_pp_runs_no_forward_twice(layout, parallel):
+def test_the_pp_step_runs_no_forward_twice(layout, parallel):
     """The matmul FLOPs the pp step executes (each stage's forward and backward units M·V
     times, read off the traced step's rows, engine/cost/pipeline.py `unit_rows`) equal
-    the same step's without pp under remat none and dots: the backward applies the
-    stashed residuals and recomputes nothing the policy saved. Under full the pp step
-    recomputes the stage, head included, so it executes more. zb1's B and W units
+    the same step's without pp under every remat policy: the backward applies the
+    stashed residuals and recomputes only what the policy does without pp (under full,
+    each layer once from its stashed input; with the stage's input stashed instead, the
+    backward's `jax.vjp` would run the stage's forward again). zb1's B and W units
     together execute what one backward unit does (W recomputes nothing of B)."""
     from engine.cost.ledger import step_ledger
     from engine.cost.pipeline import UNITS, _once, unit_rows
@@ -48,10 +49,7 @@ def test_remat_none_under_pp_runs_no_forward_twice(layout, parallel):
         M = parallel.microbatches
         executed = (the_plan.units * body + M * edge) * others + outside * lay.size
         without = matmul(step_ledger(cfg, TCFG, flat, ParallelConfig())) * lay.size
-        if remat == "full":
-            assert executed > without
-        else:
-            assert executed == pytest.approx(without, rel=1e-12), remat
+        assert executed == pytest.approx(without, rel=1e-12), remat
 
 
 def test_pullback_rows_priced_once_in_the_backward_unit():
@@ -68,7 +66,7 @@ def test_pullback_rows_priced_once_in_the_backward_unit():
     rows = step_ledger(cfg, TCFG, Layout.parse("pp2xfsdp4"),
                        ParallelConfig(microbatches=2, zero=2))
     ticks = _once([r for r in rows if scopes.PP_TICK in r.pp])
-    both = [r for r in ticks if set(UNITS.values()) <= set(r.pp)]
+    both = [r for r in ticks if {UNITS[FORWARD], UNITS[BACKWARD]} <= set(r.pp)]
     assert any(r.kind == "collective" for r in both)  # the case this checks is traced
     for stage in range(2):
         fwd = unit_rows(ticks, FORWARD, stage, 2, uniform=True)
@@ -227,9 +225,10 @@ def test_traced_pipeline_price_follows_the_bubble(layout):
 
 @pytest.mark.parametrize("layout", ["pp2xfsdp4", "pp4xfsdp2"])
 def test_memory_gpipe_stashes_m_and_1f1b_fewer(layout):
-    """The memory model: under remat full GPipe's peak exceeds 1F1B's by its more
-    stashed stage inputs, M - min(M, 2p - 1) (each [B/M, L, D] f32 on this device); under none and dots the stash holds a unit's residuals per slot, so the
-    gap is as many slots of those, and both policies stash more than full."""
+    """The memory model: GPipe's peak exceeds 1F1B's by its more stashed slots,
+    M - min(M, 2p - 1), each a unit's residuals: under remat full at least each of the
+    stage's layers' input [B/M, L, D] f32 on this device; none and dots stash more than
+    full, none the most."""
     from engine.cost import memory
 
     lay = Layout.parse(layout)
@@ -242,7 +241,8 @@ def test_memory_gpipe_stashes_m_and_1f1b_fewer(layout):
                 for s in ("gpipe", "1f1b") for remat in ("full", "dots", "none")}
         slots = m - min(m, 2 * pp - 1)
         x_micro = tcfg.batch // fsdp // m * tcfg.seq * PP_CFG.d_model * 4
-        assert peak["gpipe", "full"] - peak["1f1b", "full"] == slots * x_micro
+        layers = PP_CFG.n_layers // pp
+        assert peak["gpipe", "full"] - peak["1f1b", "full"] >= slots * layers * x_micro
         for remat in ("dots", "none"):
             assert peak["gpipe", remat] - peak["1f1b", remat] >= slots * x_micro
             assert peak["1f1b", remat] > peak["1f1b", "full"]

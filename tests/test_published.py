@@ -175,12 +175,14 @@ def test_a3_vms_share_their_network_and_maxtexts_gpu_rows_ran_on_them():
     assert maxtext_gpu and {r.hardware for r in maxtext_gpu} == {"h100-a3"}
 
 
-def test_the_pipelined_backward_unit_runs_the_stage_forward_twice_under_remat_full():
-    """What bench/published_mechanisms.py takes out as "second forward": under remat
-    full the pipelined backward unit's `jax.vjp` runs the stage's forward (its "fwd"
-    rows, the forward unit's matmul FLOPs) before the per-layer recompute (every layer
-    but the last, whose forward just ran): 3.75 forwards' worth with the backward on 4
-    layers, where one recompute makes 3. Under remat none it runs no forward."""
+def test_the_pipelined_backward_unit_runs_no_forward():
+    """Under every remat policy the pipelined backward unit applies the residuals its
+    forward unit stashed: it has no "fwd" rows (with the stage's input stashed instead,
+    its `jax.vjp` ran the stage's forward again: 3.75 forwards' worth with the backward
+    on 4 layers under full), its transpose is twice the forward's matmul FLOPs, and it
+    recomputes what the policy recomputes: under full each layer but the last, whose
+    residuals the scan's vjp keeps, as without pp (2.75 forwards' worth in all on 4
+    layers); under dots the matmuls it does not save; under none nothing."""
     import sys
     from pathlib import Path
 
@@ -194,19 +196,20 @@ def test_the_pipelined_backward_unit_runs_the_stage_forward_twice_under_remat_fu
         return sum(r.flops * r.count for r in rows
                    if r.kind == "matmul" and phase in (None, r.phase))
 
-    for remat in ("full", "none"):
+    recomputed = {}
+    for remat in ("full", "dots", "none"):
         cfg = dataclasses.replace(PP_CFG, remat=remat)
         rows = step_ledger(cfg, TCFG, Layout.parse("pp2xfsdp4"), ParallelConfig(microbatches=2))
         ticks = _once([r for r in rows if scopes.PP_TICK in r.pp])
         body = [r for r in ticks if not {scopes.PP_FIRST, scopes.PP_LAST} & set(r.pp)]
         fwd, bwd = (unit_rows(body, k, 0, 2) for k in (FORWARD, BACKWARD))
-        layers = PP_CFG.n_layers // 2
+        assert flops(bwd, "fwd") == 0 < flops(fwd), remat
+        assert flops(bwd, "bwd") == pytest.approx(2 * flops(fwd)), remat
+        recomputed[remat] = flops(bwd, "recompute")
         if remat == "full":
-            assert flops(bwd, "fwd") == pytest.approx(flops(fwd))
-            assert flops(bwd, "recompute") == pytest.approx(flops(fwd) * (layers - 1) / layers)
-            assert flops(bwd) == pytest.approx(3.75 * flops(fwd))
-        else:
-            assert flops(bwd, "fwd") == flops(bwd, "recompute") == 0 < flops(fwd)
+            layers = PP_CFG.n_layers // 2
+            assert recomputed[remat] == pytest.approx(flops(fwd) * (layers - 1) / layers)
+    assert recomputed["full"] > recomputed["dots"] > recomputed["none"] == 0
 
 
 def test_ring_factor():

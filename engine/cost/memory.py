@@ -193,11 +193,11 @@ def pipelined(cfg, tcfg, layout, platform: str = "cpu", parallel=None) -> Memory
 
         stash          stash_slots x what a unit leaves its backward, held once
                        (XLA:CPU, pp4xfsdp2 tiny, M = 8: gpipe's peak exceeds 1f1b's by
-                       its one more slot to 1 %): remat full, the units' inputs
-                       B_m·L_x·D·a; remat none / dots, the unit's residuals (the stage's
-                       `residuals` under the policy, which then leave the unit's own
-                       items, + `loss_residuals`; the peak grows 0.78 MiB a slot
-                       against 0.77 predicted under none)
+                       its one more slot to 1 %): the unit's residuals (the stage's
+                       `residuals` under the remat policy, which then leave the unit's
+                       own items, + `loss_residuals`; the peak grows 0.78 MiB a slot
+                       against 0.77 predicted under none); under a cp ring the units'
+                       inputs B_m·L_x·D·a
         shift buffers  2 x (x_slots + ct_slots) x B_m·L_x·D·a   arrived activations and
                        cotangents, held the same way
         grads          the scan carry's grads accumulator, f32 as differentiated (one
@@ -225,7 +225,7 @@ def pipelined(cfg, tcfg, layout, platform: str = "cpu", parallel=None) -> Memory
         stage = dataclasses.replace(stage, residuals=stage.residuals // V, items={
             k: v // V if k.startswith("residual") else v for k, v in stage.items.items()})
     K = the_plan.stash_slots
-    if pipeline.stash_residuals(cfg.remat, layout, parallel):  # a unit's residuals per slot, not its input
+    if pipeline.stash_residuals(layout, parallel):  # a unit's residuals per slot, not its input
         per_slot = stage.residuals + loss_residuals(scfg, stcfg, slayout, spar, x_micro,
                                                     platform)
         stash = {f"pipeline: stash, {K} units' vjp residuals": K * per_slot}

@@ -28,9 +28,10 @@ uniform plan runs the tick's slowest forward and slowest backward on every stage
 idle devices leave their cores to the busy ones: a tick costs the mean over stages of
 their work (each unit priced as if every device ran it) and idle slots cost no time.
 
-Under remat `none` / `dots` the forward unit runs the unit's `jax.vjp` and the backward
-applies the stashed residuals (no recompute: the backward's rows are the transpose's
-alone); under `full` the backward recomputes the unit. Both are read off the traced rows.
+The forward unit runs the unit's `jax.vjp` and the backward applies the stashed residuals
+(the backward's rows are the transpose's, with the per-layer recompute of `full`
+inside); under a cp ring the backward recomputes the unit. Both are read off the traced
+rows.
 
 `bubble` = 1 - (stage time in units) / (pp x the lock-step pipeline's time), the
 fraction of its time a stage waits, next to the schedule's idle fraction. On a shared
@@ -110,9 +111,9 @@ def unit_rows(rows: list[Row], kind: int, stage: int, pp: int,
 def unit_of(row: Row) -> int | None:
     """The unit (FORWARD, BACKWARD) that runs `row`, None outside both. A row carrying
     both units' scopes is a transpose traced inside the forward unit's `jax.vjp` and
-    applied by the backward one (remat none / dots: the pullback's rows keep the
-    forward's name, e.g. the reduce-scatter of a ZeRO-2 embedding's grad): it runs in
-    the backward unit, where its phase is "bwd"."""
+    applied by the backward one (the pullback's rows keep the forward's name, e.g. the
+    reduce-scatter of a ZeRO-2 embedding's grad): it runs in the backward unit, where its
+    phase is "bwd"."""
     units = [k for k, scope in UNITS.items() if scope in row.pp]
     if len(units) == 2:
         return BACKWARD if row.phase == "bwd" else FORWARD

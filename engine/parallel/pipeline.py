@@ -10,24 +10,23 @@ its forward output x [B/M, L, D] to stage s+1 and its input cotangent to stage s
 one `ppermute` each (`collectives.ring_shift`); what arrives waits in a small buffer
 until the table says it is used.
 
-The backward of a unit is the vjp of the unit, run at its tick; what the forward leaves
-it waits in a stash of `Plan.stash_slots` slots, by remat policy (`stash_residuals`):
-
-- `full`: the unit's input x only; the backward recomputes the unit under `jax.vjp`
-  (remat at stage granularity; the loss is taken there).
-- `none`, `dots`: the forward runs `jax.vjp` and stashes its residuals (what the blocks'
-  policy saves, per layer, and the head's on the last stage), the backward applies them:
-  no forward runs twice. The residuals are the leaves of the `jax.vjp` pullback (its
-  primal params are not stashed: the backward puts the live ones back).
+The backward of a unit is the vjp of the unit, run at its tick. The forward unit runs
+`jax.vjp` and stashes its residuals (`stash_residuals`) in `Plan.stash_slots` slots, and
+the backward applies them, so no forward runs twice: what the blocks' remat policy saves
+per layer (`full`: each layer's input, as Megatron-LM's pipelines keep; `dots`: also the
+named matmul outputs; `none`: everything) and the head's on the last stage. The residuals
+are the leaves of the `jax.vjp` pullback (its primal params are not stashed: the
+backward puts the live ones back). Under a cp ring the stash holds each unit's input
+instead and the backward recomputes the unit under `jax.vjp`.
 
 Parameter grads are accumulated over the microbatches in the scan carry and reduced
 once after it.
 
 A split schedule (zb1) runs each backward as two units (engine/parallel/backward_split.py
 cuts the pullback's jaxpr by dependency): B, at the backward's tick, gives the input
-cotangent (and under `full` the loss); W, in a third slot at a later tick, the
-params' grads. B leaves W what W reads of it (the crossing values) and the inputs W
-reads itself (residuals, the unit's input under `full`) in `Plan.w_slots` slots.
+cotangent (and, where the unit's input is stashed, the loss); W, in a third slot at a
+later tick, the params' grads. B leaves W what W reads of it (the crossing values) and
+the inputs W reads itself (residuals, or the unit's input) in `Plan.w_slots` slots.
 
 Interleaved (circular, `--pp-virtual V`): the model is cut into pp·V chunks of
 N/(pp·V) layers and device s runs chunks s, s + pp, ..., so a microbatch goes round the
@@ -72,13 +71,12 @@ from layers import scopes
 from layers.axes import Axes
 
 
-def stash_residuals(remat: str, layout, parallel) -> bool:
-    """Whether a pipeline under remat policy `remat` stashes the units' vjp residuals
-    (`none`, `dots`) rather than their inputs (`full`, recomputed in the backward).
-    Under a cp ring the inputs: the pullback replayed in the backward unit fails XLA's
-    verifier there (a broadcast in the head's norm, jax 0.10.2)."""
-    cp_ring = parallel.cp_comm == "ring" and layout.degree("cp") > 1
-    return remat != "full" and not cp_ring
+def stash_residuals(layout, parallel) -> bool:
+    """Whether a pipeline stashes the units' vjp residuals (under every remat policy)
+    rather than their inputs, recomputed in the backward. Under a cp ring the inputs:
+    the pullback replayed in the backward unit fails XLA's verifier there (a broadcast in
+    the head's norm, jax 0.10.2)."""
+    return not (parallel.cp_comm == "ring" and layout.degree("cp") > 1)
 
 
 def uniform_units(layout, parallel) -> bool:
@@ -246,7 +244,7 @@ def run(stages: Stages, params, inputs_MBL, targets_MBL, x_shape, x_axes, axes: 
 
     def pullback_flat(stashed, p, ct_BLD, i):
         """The backward of unit i from what its forward stashed: [*grads of p's leaves,
-        the input cotangent, the loss (taken here under `full`)]."""
+        the input cotangent, the loss (taken here when the unit's input is stashed)]."""
         if residuals:
             f_vjp, loss = _pullback(traced["structure"], stashed, p), loss0
         else:

@@ -194,8 +194,7 @@ class Trainer:
         return pipeline.run(stages, params, inputs_MBL, targets_MBL,
                             (inputs_MBL.shape[1], length, cfg.d_model), x_axes, self.axes,
                             the_plan, seen, cfg.act_dtype, docs_M,
-                            pipeline.stash_residuals(cfg.remat, self.layout,
-                                                     self.parallel))
+                            pipeline.stash_residuals(self.layout, self.parallel))
 
     def _train_step(self, params, opt_state, tokens_BL):
         loss, grads, grad_norm, metrics = self._loss_and_grads(params, tokens_BL, True)
