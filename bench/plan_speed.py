@@ -9,8 +9,9 @@ with --plan, the whole plan's wall clock from an empty ledger cache.
 With --plan it runs `engine.planner.search.plan` with an empty ledger cache (a fresh
 directory) and prints the candidates ranked, the wall clock, the candidates per second
 and how many ledgers were traced and how many derived from their structure's shapes
-(engine/planner/ledgers.py); --compare plans again, cold, tracing every program, and says
-whether the top 10 (layout, switches, predicted step) are identical. --axes and --max
+(engine/planner/ledgers.py), best-first by bound for the top 10 (engine/planner/best.py);
+--compare plans again, cold, pricing every program, and says whether the top 10
+(layout, switches, predicted step) are identical. --axes and --max
 restrict the space as `python -m engine.plan`'s do.
 
 Enumerates the plan's candidates (engine/planner/search.py) and, in this one process without
@@ -134,8 +135,10 @@ def main(argv=None) -> int:
     return 0
 
 
-def _cold_plan(cfg, tcfg, mine, shapes: bool):
-    """(Plan, wall seconds) of a plan from an empty ledger cache."""
+def _cold_plan(cfg, tcfg, mine, exhaustive: bool):
+    """(Plan, wall seconds, CPU seconds of this process and its workers) of a plan from
+    an empty ledger cache: best-first by bound for the top 10 (engine/planner/best.py),
+    or with `exhaustive` every program priced."""
     import tempfile
 
     from engine.cli.plan import search_space
@@ -145,11 +148,18 @@ def _cold_plan(cfg, tcfg, mine, shapes: bool):
     names, limits, _ = search_space(mine)
     with tempfile.TemporaryDirectory() as where:
         os.environ["SHARDWISE_LEDGER_CACHE"] = where
-        t = time.perf_counter()
+        t, cpu = time.perf_counter(), _cpu()
         got = search.plan(cfg, tcfg, mine.devices, hardware.get(mine.hardware),
                           pinned={"remat": mine.remat} if mine.remat else {},
-                          workers=mine.workers, names=names, limits=limits, shapes=shapes)
-        return got, time.perf_counter() - t
+                          workers=mine.workers, names=names, limits=limits,
+                          top=None if exhaustive else 10)
+        return got, time.perf_counter() - t, _cpu() - cpu
+
+
+def _cpu() -> float:
+    """CPU seconds of this process and its finished children (the plan's workers)."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
 
 
 def derive_cost(cfg, tcfg, mine) -> int:
@@ -197,17 +207,20 @@ def derive_cost(cfg, tcfg, mine) -> int:
 
 def whole_plan(cfg, tcfg, mine) -> int:
     top = {}
-    for shapes in (True, False) if mine.compare else (True,):
-        got, wall = _cold_plan(cfg, tcfg, mine, shapes)
+    for exhaustive in (False, True) if mine.compare else (False,):
+        got, wall, cpu = _cold_plan(cfg, tcfg, mine, exhaustive)
         traced = got.programs - got.cached - got.derived
-        how = "derived where a structure allows" if shapes else "every program traced"
-        print(f"{how}: {len(got.ranked)} candidates ranked in {wall:.1f} s "
-              f"({len(got.ranked) / wall:.1f} a second); {got.programs} programs: {traced} "
-              f"traced, {got.derived} derived; {len(got.refused)} refused, {len(got.over)} "
-              f"over memory; load average {os.getloadavg()[0]:.1f}")
-        top[shapes] = [(p.candidate.describe(), p.step_s) for p in got.ranked[:10]]
+        how = "every program priced" if exhaustive else "best-first by bound (top 10)"
+        ranked = len(got.ranked) + len(got.over) + got.pruned + len(got.refused)
+        print(f"{how}: {len(got.ranked)} candidates ranked in {wall:.1f} s, {cpu:.1f} "
+              f"CPU-s ({len(got.ranked) / wall:.1f} a second); {got.programs} programs: "
+              f"{traced} traced, {got.derived} derived; of {ranked} candidates "
+              f"{len(got.refused)} refused, {len(got.over)} over memory, {got.pruned} "
+              f"pruned by bound (cannot beat the 10th); load average "
+              f"{os.getloadavg()[0]:.1f}")
+        top[exhaustive] = [(p.candidate.describe(), p.step_s) for p in got.ranked[:10]]
     if mine.compare:
-        print(f"top 10 identical to the traced ranking: {top[True] == top[False]}")
+        print(f"top 10 identical to the exhaustive ranking: {top[False] == top[True]}")
     return 0
 
 

@@ -102,6 +102,8 @@ class Plan:
     derived: int = 0  # programs whose ledger was derived from shapes (engine/planner/ledgers.py)
     axes: tuple = ()  # the roles laid out
     left_out: dict = dataclasses.field(default_factory=dict)  # {role: why not laid out}
+    pruned: int = 0  # candidates never priced: their bound cannot reach the top (best.py)
+    top: int | None = None  # the ranking's length that is exact (None: every program priced)
 
 
 def predict_candidate(cand: Candidate, tcfg: TrainConfig, hw, mapped_bytes: int = 0):
@@ -275,13 +277,17 @@ def progress_line(say, every_s: float = 15.0, clock=time.perf_counter):
 def price(cands: list, tcfg: TrainConfig, hw, n: int, capacity: float | None,
           workers: int = 1, executor=None, progress=None,
           grow: bool = False, counts: dict | None = None,
-          shapes: bool = True) -> tuple[list, list, int, int, int]:
+          shapes: bool = True, top: int | None = None,
+          within: float = 0.0) -> tuple[list, list, int, int, int]:
     """Price candidates of n devices: grouped by program, and programs by structure
     (engine/planner/ledgers.py), each program's memory checked and its ledger read from
     the cache, derived from shapes or traced once (`_run`), every candidate priced; with
     `grow`, a step without pp over memory is priced at the fewest microbatches (2, 4,
-    ...) that fit (`_fitting`). counts: filled with how many ledgers came each way
-    ("cached", "traced", "derived"); shapes False: trace every program not cached.
+    ...) that fit (`_fitting`). top: price programs best-first by their lower bound
+    (engine/planner/best.py) until no program left can reach the `top` fastest (nor
+    come within `within` of the first); None: price every program. counts: filled with
+    how many ledgers came each way ("cached", "traced", "derived") and how many
+    candidates were "pruned" by the bound; shapes False: trace every program not cached.
     Returns (ranked: [Priced] fastest first, over: [(candidate, peak
     bytes)] over `capacity`, programs, programs whose ledger came from the cache,
     workers used)."""
@@ -291,28 +297,44 @@ def price(cands: list, tcfg: TrainConfig, hw, n: int, capacity: float | None,
     groups: dict[tuple, list] = {}
     for c in cands:
         groups.setdefault(c.program, []).append(c)
-    structures: dict[tuple, list] = {}
-    for group in groups.values():
-        structures.setdefault(structure(group[0]), []).append(group)
-    jobs = [(gs, tcfg, hw, capacity, grow, shapes) for gs in structures.values()]
+
+    def jobs_of(gs: list) -> list:
+        structures: dict[tuple, list] = {}
+        for group in gs:
+            structures.setdefault(structure(group[0]), []).append(group)
+        return [(s, tcfg, hw, capacity, grow, shapes) for s in structures.values()]
+
     if executor is None:
         workers = min(workers, max(1, len(groups) // 8))  # a worker costs a jax import
     ranked, over, programs = [], [], 0
     counts = {} if counts is None else counts
-    counts.update({h: 0 for h in HOW})
-    for priced, how, peaks, group in _run(jobs, workers, executor, progress):
-        if all(p is None for p in priced):
-            over.extend(zip(group, peaks))
-            continue
-        programs += 1
-        counts[how] += 1
-        for c, got, peak in zip(group, priced, peaks):
-            if got is None:
-                over.append((c, peak))
+    counts.update({h: 0 for h in HOW}, pruned=0)
+
+    def take(results):
+        nonlocal programs
+        for priced, how, peaks, group in results:
+            if all(p is None for p in priced):
+                over.extend(zip(group, peaks))
                 continue
-            step, compute, comm, exposed, mapped = got
-            ranked.append(Priced(c, step, compute, comm, exposed,
-                                 mfu(c.cfg, tcfg, hw, n, step), peak, mapped_bytes=mapped))
+            programs += 1
+            counts[how] += 1
+            for c, got, peak in zip(group, priced, peaks):
+                if got is None:
+                    over.append((c, peak))
+                    continue
+                step, compute, comm, exposed, mapped = got
+                ranked.append(Priced(c, step, compute, comm, exposed,
+                                     mfu(c.cfg, tcfg, hw, n, step), peak,
+                                     mapped_bytes=mapped))
+
+    if top is None:
+        take(_run(jobs_of(list(groups.values())), workers, executor, progress))
+    else:
+        from engine.planner.best import best_first
+
+        workers = best_first(list(groups.values()), jobs_of, take,
+                             lambda: [p.step_s for p in ranked], tcfg, hw, top, within,
+                             workers, executor, progress, counts)
     ranked.sort(key=_rank)
     return ranked, over, programs, counts["cached"], workers
 
@@ -386,7 +408,8 @@ def plan(cfg: ModelConfig, tcfg: TrainConfig, n: int, hw, hbm_bytes: float | Non
          pinned: dict | None = None, workers: int = 1, names: tuple[str, ...] = AXIS_ROLES,
          limits: dict | None = None, executor=None, progress=None, devices=None,
          within: float = REFINE_WITHIN, say=None,
-         base: ParallelConfig = ParallelConfig(), shapes: bool = True) -> Plan:
+         base: ParallelConfig = ParallelConfig(), shapes: bool = True,
+         top: int | None = 10) -> Plan:
     """Enumerate (`candidates`), validate, check memory, trace and price each program
     once (`price`), rank by predicted step. A candidate without pp over memory is
     priced at the fewest of 2, 4, ... microbatches that fit while they divide its batch
@@ -394,7 +417,9 @@ def plan(cfg: ModelConfig, tcfg: TrainConfig, n: int, hw, hbm_bytes: float | Non
     of them), the candidates within `within` of the first are priced again with their
     matmuls timed on those devices (`refine`; `say` gets one line before it). `base`:
     the ParallelConfig fields that are not the plan's switches (grad_reduce). shapes:
-    derive ledgers from their structure's shapes (False: trace every program)."""
+    derive ledgers from their structure's shapes (False: trace every program). top: the
+    ranking's length that must be exact: programs are priced best-first by their lower
+    bound until none left can reach it (`price`); None: price every program."""
     from engine.cost import fit
 
     t0 = time.perf_counter()
@@ -403,17 +428,20 @@ def plan(cfg: ModelConfig, tcfg: TrainConfig, n: int, hw, hbm_bytes: float | Non
     capacity = fit.capacity(hw, n, hbm_bytes)
     grow = "microbatches" not in (pinned or {})  # pinned microbatches stay as given
     counts: dict = {}
+    refining = hw.shared_host and devices is not None and len(devices) >= n and within > 0
     ranked, over, programs, cached, workers = price(ok, tcfg, hw, n, capacity, workers,
                                                     executor, progress, grow=grow,
-                                                    counts=counts, shapes=shapes)
+                                                    counts=counts, shapes=shapes, top=top,
+                                                    within=within if refining else 0.0)
     refined = 0
-    if ranked and hw.shared_host and devices is not None and len(devices) >= n and within > 0:
+    if ranked and refining:
         if say is not None:
             say(f"planning: timing the matmuls of the candidates predicted within "
                 f"{within:.0%} of the first on {n} host devices")
         ranked, hw, refined = refine(ranked, tcfg, hw, n, devices, within)
     return Plan(ranked, refused, over, capacity, programs, cached, workers,
-                time.perf_counter() - t0, hw, refined, counts["derived"], names, left_out)
+                time.perf_counter() - t0, hw, refined, counts["derived"], names, left_out,
+                counts["pruned"], top)
 
 
 def gib(x) -> str:
