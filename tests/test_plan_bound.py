@@ -92,6 +92,29 @@ def test_bound_holds_for_every_order_of_the_axes():
         assert bound.lower_bound(c, tcfg, hw) <= step, c.describe()
 
 
+def test_orders_priced_once_per_link_class(monkeypatch):
+    """`search._priced` prices a program's axis orders once per class that puts every
+    collective group on the same links: each candidate's step equals its own
+    `predict_step`, and fewer steps are priced than there are orders."""
+    from engine.cost import cache, pipeline
+
+    hw, tcfg = hardware.get("h100"), TrainConfig(batch=16, seq=32)
+    ok, _ = search.candidates(model_config("tiny"), tcfg, 16, {"remat": "none"})
+    cands = [c for c in ok if c.parallel.tp_comm == "allreduce" and c.parallel.zero == 3
+             and not c.parallel.prefetch and sorted(c.layout.mesh_axes()) == [
+                 ("dp", 2), ("fsdp", 2), ("tp", 4)]]
+    assert len(cands) == 6
+    rows, _ = cache.step_ledger(cands[0].cfg, tcfg, cands[0].layout, cands[0].parallel,
+                                hw.bf16_collectives_in_f32)
+    want = [pipeline.predict_step(rows, hw, c.layout, c.parallel)[0].step_s for c in cands]
+    calls = []
+    real = pipeline.predict_step
+    monkeypatch.setattr(pipeline, "predict_step", lambda *a, **k: calls.append(1) or real(*a, **k))
+    got = search._priced(rows, cands, [None] * 6, {cands[0].parallel: None}, hw, None)
+    assert [g[0] for g in got] == want
+    assert len(set(want)) > 1 and len(calls) < len(cands)
+
+
 def test_settled():
     # the 2nd of [1, 2, 3] is 2: a bound of 2.5 cannot beat it, 2.0 might tie it
     assert best.settled([3.0, 1.0, 2.0], 2, 0.0, 2.5)

@@ -142,22 +142,26 @@ def _fitting(cands: list, tcfg, hw, capacity, grow: bool) -> tuple[list, list, d
 
 def _priced(rows: list, cands: list, peaks: list, mem_of: dict, hw, capacity) -> list:
     """[(step, compute, comm, exposed comm, mapped bytes), or None when over memory] of
-    each candidate of one program priced from its ledger `rows`. On a shared host a step
+    each candidate of one program priced from its ledger `rows`, once per class of axis
+    orders that put every collective's group on the same links. On a shared host a step
     also pays the page faults of the temporaries it maps anew (`fit.mapped_bytes` of its
     memory prediction)."""
     from engine.cost import fit
     from engine.cost.pipeline import predict_step
 
-    # within one fast domain every axis is on the fast links whatever its place
-    # (price.link_for), so the orders of the axes price alike: once per switch setting
-    one_domain = cands[0].layout.size <= hw.fast_domain
+    # a collective's price reads the order of the axes only through which devices of
+    # its group share a fast domain (`price.domain_share`): orders alike in that for
+    # every group of the ledger price alike, so each such class is priced once
+    from engine.cost.price import domain_share
+
+    groups = sorted({r.axes for r in rows if r.kind == "collective" and r.axis_size > 1})
     out, seen = [], {}
     for c, peak in zip(cands, peaks):
         if capacity is not None and peak is not None and peak > capacity:
             out.append(None)
             continue
         axes = c.layout.mesh_axes()
-        key = (c.parallel, tuple(sorted(axes)) if one_domain else axes)
+        key = (c.parallel, tuple(domain_share(hw, axes, g) for g in groups))
         if key not in seen:
             mapped = fit.mapped_bytes(mem_of[c.parallel], hw)
             p = predict_step(rows, hw, c.layout, c.parallel, mapped)[0]
