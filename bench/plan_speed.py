@@ -3,6 +3,8 @@ with --plan, the whole plan's wall clock from an empty ledger cache.
 
     python bench/plan_speed.py --devices 8 --model small [--sample 30]
     python bench/plan_speed.py --devices 8 --model small --plan --compare
+    python bench/plan_speed.py --devices 256 --hardware h100 --model llama3-70b \
+        --seq 8192 --batch 512 --bounds 27.5
     python bench/plan_speed.py --devices 64 --hardware h100 --model small --batch 64 \
         --axes fsdp,cp --remat full --derive --sample 8
 
@@ -57,6 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--derive", action="store_true",
                    help="CPU seconds of a derived ledger against a traced one, over the "
                         "derivable programs of up to --sample structures")
+    g.add_argument("--bounds", type=float, default=None, metavar="STEP_S",
+                   help="the CPU seconds of every program's lower bound "
+                        "(engine/planner/bound.py), and how many programs and candidates "
+                        "have a bound below STEP_S (those a best-first plan must price "
+                        "when its 10th best step is STEP_S)")
     g.add_argument("--axes", default=",".join(AXIS_ROLES), help="as engine.plan's")
     g.add_argument("--max", default="", help="as engine.plan's")
     p = train_parser(prog="python bench/plan_speed.py", description=__doc__.split("\n\n")[0],
@@ -76,6 +83,8 @@ def main(argv=None) -> int:
         return whole_plan(cfg, tcfg, mine)
     if mine.derive:
         return derive_cost(cfg, tcfg, mine)
+    if mine.bounds is not None:
+        return bound_spread(cfg, tcfg, mine)
     os.environ["SHARDWISE_LEDGER_CACHE"] = "off"
     import subprocess
 
@@ -162,6 +171,35 @@ def _cpu() -> float:
     return t.user + t.system + t.children_user + t.children_system
 
 
+def bound_spread(cfg, tcfg, mine) -> int:
+    """CPU seconds to enumerate, group by program and bound every program; the programs
+    and candidates whose bound is below `--bounds`."""
+    from engine.cli.plan import search_space
+    from engine.cost import hardware
+    from engine.planner import bound, search
+
+    names, limits, _ = search_space(mine)
+    hw = hardware.get(mine.hardware)
+    t = time.process_time()
+    ok, _ = search.candidates(cfg, tcfg, mine.devices,
+                              {"remat": mine.remat} if mine.remat else {},
+                              search.considered(cfg, names)[0], limits)
+    groups: dict = {}
+    for c in ok:
+        groups.setdefault(c.program, []).append(c)
+    mid = time.process_time()
+    bounds = [(bound.lower_bound(g[0], tcfg, hw), len(g)) for g in groups.values()]
+    end = time.process_time()
+    below = [(b, k) for b, k in bounds if b < mine.bounds]
+    print(f"{len(ok)} candidates, {len(groups)} programs: enumerated and grouped in "
+          f"{mid - t:.1f} CPU-s, bounded in {end - mid:.1f} CPU-s "
+          f"({1e3 * (end - mid) / max(len(groups), 1):.2f} ms a program); bounds "
+          f"{min(b for b, _ in bounds):.4g} to {max(b for b, _ in bounds):.4g} s; below "
+          f"{mine.bounds:.4g} s: {len(below)} programs, {sum(k for _, k in below)} "
+          f"candidates")
+    return 0
+
+
 def derive_cost(cfg, tcfg, mine) -> int:
     """Per program of the plan's derivable structures: the derived ledger's CPU time
     and the trace and walk's, the two ledgers compared row by row."""
@@ -218,6 +256,9 @@ def whole_plan(cfg, tcfg, mine) -> int:
               f"{len(got.refused)} refused, {len(got.over)} over memory, {got.pruned} "
               f"pruned by bound (cannot beat the 10th); load average "
               f"{os.getloadavg()[0]:.1f}")
+        if len(got.ranked) >= 10:
+            print(f"  1st {got.ranked[0].step_s:.4g} s, 10th {got.ranked[9].step_s:.4g} s: "
+                  f"{got.ranked[0].candidate.describe()}")
         top[exhaustive] = [(p.candidate.describe(), p.step_s) for p in got.ranked[:10]]
     if mine.compare:
         print(f"top 10 identical to the exhaustive ranking: {top[False] == top[True]}")

@@ -46,9 +46,9 @@ def best_first(groups: list, jobs_of, take, steps, tcfg, hw, top: int, within: f
                 pool = own = Pool(workers)
             if pool is not None:
                 used = pool.workers
-            take(_run(jobs_of([groups[j] for j in part]), 1, pool))
+            take(_run(jobs_of([groups[j] for j in part]), 1, pool,
+                      lambda d, _, before=done: progress(before + d, len(order))))
             done += len(part)
-            progress(done, len(order))
             batch = max(FIRST, 2 * used)  # a check every program or two a worker
     finally:
         if own is not None:

@@ -13,9 +13,9 @@ parts of that step that no overlap in engine/cost/price.py hides:
   its bytes at HBM rate); on a shared host the devices' work adds up as it does there.
   FLOPs: 2 per param per token for the forward, 4 for the backward, 2 more for the
   blocks' recompute under remat `full`; the head's 6 per param per token; with experts,
-  `top_k` experts a token (times the capacity factor where it drops tokens). Attention,
-  where the profile runs a flash kernel, as `price.compute_seconds` prices its rows;
-  elsewhere left out.
+  `top_k` experts a token (times the capacity factor where it drops tokens). Attention
+  (`attention_seconds`): the reference kernel's dots at the larger of their FLOPs and
+  their score matrices' bytes, or a flash kernel's rows as priced.
   With a pp axis on lock-step accelerators, the blocks' matmuls take (M + pp - 1) / M
   as long (the schedule's bubble over M microbatches per stage's forward and backward).
 - collectives that run between dependent computations (`price.hideable` is False for
@@ -74,17 +74,28 @@ def matmul_flops(cfg, tcfg) -> tuple[float, float]:
 
 
 def attention_seconds(cfg, tcfg, hw) -> float:
-    """Seconds of the step's flash attention kernels on all devices together, as
-    `price.compute_seconds` prices a `kind="attention"` row (`price.attention_flops`
-    at `price.attention_rate`): per layer the forward's 4 B L L H K FLOPs (scores and
-    values), the backward's 8, the forward again under remat `full`; 0 without a
-    flash kernel (`hw.flash`: elsewhere the jnp scan's rows are priced as they are)."""
+    """Seconds of the step's attention on all devices together. With the reference
+    kernel (`ModelConfig.attention`, the [B, H, L, L] scores materialized) its dots as
+    `price.compute_seconds` prices a matmul: per layer the forward's 2 (scores, values),
+    the backward's 4, the forward's again under remat `full`, each of 2 B L L H K FLOPs
+    and moving at least one bf16 score matrix (B H L L x 2 bytes) where the profile
+    prices a dot's own bytes (no epilogue fusion); else with a flash kernel (`hw.flash`)
+    as `price.compute_seconds` prices a `kind="attention"` row (`price.attention_flops`
+    at `price.attention_rate`): the forward's 4 B L L H K FLOPs, the backward's 8, the
+    forward again under remat `full`; else 0."""
+    per = 2.0 * tcfg.batch * tcfg.seq * tcfg.seq * cfg.n_heads * cfg.head_dim * cfg.n_layers
+    recompute = cfg.remat == "full"
+    if cfg.attention == "reference":
+        dots = 6 + 2 * recompute
+        rate = max(hw.matmul_peak(d) for d in ("bfloat16", "float32")) * hw.matmul_eff
+        moved = 0.0 if hw.fusion and hw.epilogue_fusion else (
+            2.0 * tcfg.batch * tcfg.seq * tcfg.seq * cfg.n_heads * cfg.n_layers)
+        return dots * max(per / rate, moved / (hw.hbm * hw.mem_eff))
     if not hw.flash:
         return 0.0
-    fwd = 4.0 * tcfg.batch * tcfg.seq * tcfg.seq * cfg.n_heads * cfg.head_dim * cfg.n_layers
     dtype = np.dtype(cfg.compute_dtype).name
-    phases = [("fwd", fwd), ("bwd", 2 * fwd)] + ([("recompute", fwd)]
-                                                  if cfg.remat == "full" else [])
+    phases = [("fwd", 2 * per), ("bwd", 4 * per)] + ([("recompute", 2 * per)]
+                                                      if recompute else [])
     out = 0.0
     for phase, flops in phases:
         row = Row(scope=scopes.ATTENTION, phase=phase, kind="attention", primitive="flash",
