@@ -124,12 +124,13 @@ def test_settled():
     assert not best.settled([1.0, 1.0], 2, 0.15, 1.1)
 
 
+@pytest.mark.slow  # ~16 CPU-s: every program of the space traced once
 def test_best_first_top_equals_exhaustive():
     """tiny on 4 GPUs (dp, fsdp, tp, remat none): the best-first plan of the top 3
     prunes programs by their bound and its top 3 is the exhaustive plan's, step for
     step."""
     cfg, hw = model_config("tiny"), hardware.get("h100")
-    kw = dict(pinned={"remat": "none"}, names=("dp", "fsdp", "tp"))
+    kw = {"pinned": {"remat": "none"}, "names": ("dp", "fsdp", "tp")}
     fast = search.plan(cfg, TCFG, 4, hw, top=3, **kw)
     every = search.plan(cfg, TCFG, 4, hw, top=None, **kw)
     key = lambda p: (str(p.candidate.layout), p.candidate.describe(), p.step_s)  # noqa: E731

@@ -189,29 +189,28 @@ def activation_rows(cfg, tcfg, layout, parallel, axes, level, sizes) -> list:
     batch = tcfg.batch // m // math.prod(sizes[a] for a in roles.roles_sharding("batch"))
     seq = tcfg.seq // math.prod(sizes[a] for a in roles.roles_sharding("sequence"))
     residual = batch * seq * cfg.d_model * act.itemsize  # the tp group's whole residual
-    tp, cp = sizes["tp"], sizes["cp"]
-    if parallel.tp_comm == "allreduce":
-        rows.append(_all_reduce(("tp",), sizes, residual, act.name, 4 * n_layers,
-                                scopes.ATTENTION, "fwd"))
-    elif parallel.tp_comm == "sequence":
-        for prim in ("all_gather", "reduce_scatter"):
-            rows.append(_all_reduce(("tp",), sizes, residual, act.name, 4 * n_layers,
-                                    scopes.ATTENTION, "fwd", prim))
-    else:
-        rows.append(_all_reduce(("tp",), sizes, residual // tp, act.name,
-                                8 * (tp - 1) * n_layers, scopes.ATTENTION, "fwd", "ppermute"))
+    tp = sizes["tp"]
+    rows += _by_comm("tp", parallel.tp_comm, residual, act.name, 4 * n_layers, sizes)
     kv_heads = cfg.n_kv_heads // tp if tp <= cfg.n_kv_heads else 1
     kv = batch * tcfg.seq * kv_heads * cfg.head_dim * compute.itemsize  # K or V, whole L
-    if parallel.cp_comm == "allgather":
-        for prim in ("all_gather", "reduce_scatter"):
-            rows.append(_all_reduce(("cp",), sizes, kv, compute.name, 2 * n_layers,
-                                    scopes.ATTENTION, "fwd", prim))
-    else:
-        rows.append(_all_reduce(("cp",), sizes, kv // cp, compute.name,
-                                4 * (cp - 1) * n_layers, scopes.ATTENTION, "fwd", "ppermute"))
+    rows += _by_comm("cp", parallel.cp_comm, kv, compute.name, 2 * n_layers, sizes)
     if axes.fsdp is not None and level.level == 3:
         rows += _fsdp_rows(cfg, layout, sizes, compute, n_layers)
     return rows
+
+
+def _by_comm(axis: str, comm: str, nbytes: int, dtype: str, times: int, sizes) -> list:
+    """The rows of `times` collectives of a buffer of `nbytes` over `axis` by `comm`:
+    all-reduces (allreduce); all-gathers and reduce-scatters (sequence, allgather); or
+    as a ring, each of them size - 1 shifts of 1/size of it, twice (ring)."""
+    if comm == "allreduce":
+        return [_all_reduce((axis,), sizes, nbytes, dtype, times, scopes.ATTENTION, "fwd")]
+    if comm != "ring":
+        return [_all_reduce((axis,), sizes, nbytes, dtype, times, scopes.ATTENTION, "fwd", p)
+                for p in ("all_gather", "reduce_scatter")]
+    n = sizes[axis]
+    return [_all_reduce((axis,), sizes, nbytes // n, dtype, 2 * times * (n - 1),
+                        scopes.ATTENTION, "fwd", "ppermute")]
 
 
 def _fsdp_rows(cfg, layout, sizes, compute, n_layers) -> list:
