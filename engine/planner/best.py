@@ -46,7 +46,10 @@ def best_first(groups: list, jobs_of, take, steps, tcfg, hw, top: int, within: f
                 pool = own = Pool(workers)
             if pool is not None:
                 used = pool.workers
-            take(_run(jobs_of([groups[j] for j in part]), 1, pool,
+            jobs = jobs_of([groups[j] for j in part])
+            if len(jobs) < used:  # one structure's programs: spread over the workers
+                jobs = [job for j in part for job in jobs_of([groups[j]])]
+            take(_run(jobs, 1, pool,
                       lambda d, _, before=done: progress(before + d, len(order))))
             done += len(part)
             batch = max(FIRST, 2 * used)  # a check every program or two a worker
@@ -55,5 +58,4 @@ def best_first(groups: list, jobs_of, take, steps, tcfg, hw, top: int, within: f
             own.shutdown()
     if counts is not None:
         counts["pruned"] = sum(len(groups[j]) for j in order[i:])
-        counts["bound_programs"] = len(order) - i
     return used
