@@ -197,6 +197,21 @@ def bound_spread(cfg, tcfg, mine) -> int:
           f"{min(b for b, _ in bounds):.4g} to {max(b for b, _ in bounds):.4g} s; below "
           f"{mine.bounds:.4g} s: {len(below)} programs, {sum(k for _, k in below)} "
           f"candidates")
+    # the memory model on every len/--sample-th of those: how many a plan would trace
+    from engine.cost import fit
+
+    under = [g for g, (b, _) in zip(groups.values(), bounds) if b < mine.bounds]
+    step = max(1, len(under) // mine.sample)
+    picked = under[::step]
+    capacity = fit.capacity(hw, mine.devices)
+    t = time.process_time()
+    fits = sum(1 for g in picked
+               if (m := fit.predicted(g[0].cfg, tcfg, g[0].parallel, g[0].layout, hw))
+               is None or capacity is None or m.peak <= capacity)
+    spent = time.process_time() - t
+    print(f"memory model on {len(picked)} of them (every {step}th, {spent / len(picked):.3f} "
+          f"CPU-s each): {fits} fit (without more microbatches), so about "
+          f"{round(fits / len(picked) * len(under))} programs below the bound fit")
     return 0
 
 
