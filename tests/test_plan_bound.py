@@ -40,6 +40,10 @@ KINDS = [
     ("tiny", 4, "tp2xcp2 tp_comm allreduce cp_comm allgather remat none"),
     ("tiny", 4, "dp2xpp2 remat none pp_schedule gpipe microbatches 8"),
     ("tiny", 4, "pp2xtp2 tp_comm allreduce remat full pp_schedule 1f1b microbatches 8"),
+    ("tiny", 4, "pp2xtp2 tp_comm ring remat none pp_schedule gpipe microbatches 8"),
+    ("tiny", 4, "cp2xpp2 cp_comm ring remat full pp_schedule 1f1b microbatches 8"),
+    ("tiny4", 4, "pp2xtp2 tp_comm sequence remat dots pp_schedule interleaved pp_virtual 2 "
+     "microbatches 8"),
     ("tiny4", 4, "dp2xpp2 remat dots pp_schedule interleaved pp_virtual 2 microbatches 8"),
     ("moe-tiny", 4, "ep4 remat none"),
     ("moe-tiny", 4, "ep2xtp2 tp_comm allreduce remat full"),

@@ -16,14 +16,14 @@ parts of that step that no overlap in engine/cost/price.py hides:
   `top_k` experts a token (times the capacity factor where it drops tokens). Attention
   (`attention_seconds`): the reference kernel's dots at the larger of their FLOPs and
   their score matrices' bytes, or a flash kernel's rows as priced.
-  With a pp axis on lock-step accelerators, the blocks' matmuls take (M + pp - 1) / M
-  as long (the schedule's bubble over M microbatches per stage's forward and backward).
+  With a pp axis on lock-step accelerators, the blocks' matmuls take 1 / (1 - bubble)
+  as long, the bubble the schedule's table idles a stage (`Plan.bubble()`).
 - collectives that run between dependent computations (`price.hideable` is False for
   them: exposed in full on every profile): the grad all-reduces over the data axes each
   param is replicated on (engine/parallel/grads.py `all_reduce_grads`, its specs from
-  engine/parallel/zero.py) and the global norm's scalar all-reduces; with tp under the
-  all-reduce tp-comm, the residual stream's all-reduces over tp (two per layer in the
-  forward, two in the backward) of the local [B/M, L, D] activations. Each is priced
+  engine/parallel/zero.py) and the global norm's scalar all-reduces; tp's and cp's
+  per-layer collectives of activations and zero 3's weight gathers (`activation_rows`),
+  hideable ones at the least the overlap model leaves exposed. Each is priced
   by `price.collective_seconds`, its group innermost in the mesh (the order whose link
   tier is fastest: `price.domain_share`), so the bound holds for every order.
 """
@@ -38,7 +38,7 @@ from jax.sharding import PartitionSpec as P
 from collectives.ring import TP_COMMS
 from engine.cost import price
 from engine.cost.ledger import Row
-from engine.parallel import params as param_table, zero as zero_levels
+from engine.parallel import params as param_table, pipeline, zero as zero_levels
 from engine.parallel.grads import replicated_batch_axes, spec_axes
 from engine.parallel.layout import AXIS_ROLES
 from layers import roles, scopes
@@ -116,10 +116,9 @@ def compute_bound(cfg, tcfg, layout, parallel, hw) -> float:
     rate = max(hw.matmul_peak(d) for d in ("bfloat16", "float32")) * hw.matmul_eff
     block = block / rate + attention_seconds(cfg, tcfg, hw)
     head = head / rate
-    pp = layout.degree("pp")
-    if pp > 1 and not hw.shared_host:
-        m = parallel.microbatches
-        block *= (m + pp - 1) / m
+    the_plan = pipeline.step_plan(layout, parallel)
+    if the_plan is not None and not hw.shared_host:  # lock-step ticks: a stage idles
+        block /= 1 - the_plan.bubble()
     per_device = (block + head) / n
     return per_device * (n if hw.shared_host and not hw.concurrent_rates else 1)
 
@@ -163,27 +162,30 @@ def exposed_rows(cfg, tcfg, layout, parallel) -> list[Row]:
                                 "float32", 1, scopes.REDUCE_GRADS, "update"))
         rows.append(_all_reduce(spec_axes(spec), sizes, F32, "float32", 1,
                                 scopes.REDUCE_GRADS, "update"))
-    if sizes["pp"] == 1:  # a pipeline's units are priced tick by tick: grads only
-        rows += activation_rows(cfg, tcfg, layout, parallel, axes, level, sizes)
+    rows += activation_rows(cfg, tcfg, layout, parallel, axes, level, sizes)
     return [r for r in rows if r is not None]
 
 
 def activation_rows(cfg, tcfg, layout, parallel, axes, level, sizes) -> list:
-    """The step's collectives of activations and gathered weights (no pp), each as few
-    and as small as the step's own (module doc): the loss's scalar all-reduce over the
-    data axes the model sees; tp's per layer, forward and backward, by `tp_comm`: 2
+    """The step's collectives of activations and gathered weights, each as few and as
+    small as the step's own (module doc), on one device: with pp, of its stage's N / pp
+    layers for each of the M microbatches (a pipelined step's ticks sum at least one
+    stage's units: engine/cost/pipeline.py), and nothing of the loss or zero 3.
+    Without pp: the loss's scalar all-reduce over the data axes the model sees; tp's
+    per layer, forward and backward, by `tp_comm`: 2
     all-reduces of the residual (allreduce), 2 all-gathers and 2 reduce-scatters of it
     (sequence), 4 (tp - 1) ring shifts of its 1/tp chunks (ring, hideable); cp's per
     layer: K and V all-gathered in the forward and their grads reduce-scattered in the
     backward (allgather), or shifted cp - 1 times each way (ring, hideable); zero 3's
     per layer: its block weights all-gathered in the forward (hideable with prefetch)
     and their grads reduce-scattered in the backward (hideable), in the compute dtype."""
-    m = parallel.microbatches
-    n_layers = cfg.n_layers * m  # per step, every layer of every microbatch
+    m, pp = parallel.microbatches, sizes["pp"]
+    n_layers = cfg.n_layers // pp * m  # per step, every layer of every microbatch
     rows = []
     seen = level.model_axes(axes)
     data = tuple(a for a in (getattr(seen, r) for r in roles.data_roles()) if a is not None)
-    rows.append(_all_reduce(data, sizes, F32, "float32", 1, scopes.LOSS, "fwd"))
+    if pp == 1:
+        rows.append(_all_reduce(data, sizes, F32, "float32", 1, scopes.LOSS, "fwd"))
     compute = np.dtype(cfg.compute_dtype)
     act = np.dtype(cfg.act_dtype)
     batch = tcfg.batch // m // math.prod(sizes[a] for a in roles.roles_sharding("batch"))
@@ -194,7 +196,7 @@ def activation_rows(cfg, tcfg, layout, parallel, axes, level, sizes) -> list:
     kv_heads = cfg.n_kv_heads // tp if tp <= cfg.n_kv_heads else 1
     kv = batch * tcfg.seq * kv_heads * cfg.head_dim * compute.itemsize  # K or V, whole L
     rows += _by_comm("cp", parallel.cp_comm, kv, compute.name, 2 * n_layers, sizes)
-    if axes.fsdp is not None and level.level == 3:
+    if axes.fsdp is not None and level.level == 3 and pp == 1:
         rows += _fsdp_rows(cfg, layout, sizes, compute, n_layers)
     return rows
 
