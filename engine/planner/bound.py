@@ -30,6 +30,7 @@ parts of that step that no overlap in engine/cost/price.py hides:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import numpy as np
@@ -104,6 +105,13 @@ def attention_seconds(cfg, tcfg, hw) -> float:
     return out
 
 
+@functools.lru_cache(maxsize=4096)
+def _bubble(pp: int, schedule: str, microbatches: int, virtual: int, uniform: bool) -> float:
+    """The idle fraction of a stage under the schedule's table (`Plan.bubble()`)."""
+    return pipeline.plan(pipeline.SCHEDULES[schedule], pp, microbatches, True, virtual,
+                         uniform).bubble()
+
+
 def compute_bound(cfg, tcfg, layout, parallel, hw) -> float:
     """Seconds of the step's matmuls, their FLOPs spread evenly over the devices at the
     profile's best matmul rate, and of its flash attention (module doc); 0 when the
@@ -116,9 +124,10 @@ def compute_bound(cfg, tcfg, layout, parallel, hw) -> float:
     rate = max(hw.matmul_peak(d) for d in ("bfloat16", "float32")) * hw.matmul_eff
     block = block / rate + attention_seconds(cfg, tcfg, hw)
     head = head / rate
-    the_plan = pipeline.step_plan(layout, parallel)
-    if the_plan is not None and not hw.shared_host:  # lock-step ticks: a stage idles
-        block /= 1 - the_plan.bubble()
+    if layout.degree("pp") > 1 and not hw.shared_host:  # lock-step ticks: a stage idles
+        block /= 1 - _bubble(layout.degree("pp"), parallel.pp_schedule,
+                             parallel.microbatches, parallel.pp_virtual,
+                             pipeline.uniform_units(layout, parallel))
     per_device = (block + head) / n
     return per_device * (n if hw.shared_host and not hw.concurrent_rates else 1)
 
