@@ -179,7 +179,8 @@ def activation_rows(cfg, tcfg, layout, parallel, axes, level, sizes) -> list:
     """The step's collectives of activations and gathered weights, each as few and as
     small as the step's own (module doc), on one device: with pp, of its stage's N / pp
     layers for each of the M microbatches (a pipelined step's ticks sum at least one
-    stage's units: engine/cost/pipeline.py), and nothing of the loss or zero 3.
+    stage's units: engine/cost/pipeline.py) and the ticks' stage shifts (2 M of the
+    microbatch's residual, its 1/tp), and nothing of the loss or zero 3.
     Without pp: the loss's scalar all-reduce over the data axes the model sees; tp's
     per layer, forward and backward, by `tp_comm`: 2
     all-reduces of the residual (allreduce), 2 all-gathers and 2 reduce-scatters of it
@@ -202,6 +203,9 @@ def activation_rows(cfg, tcfg, layout, parallel, axes, level, sizes) -> list:
     residual = batch * seq * cfg.d_model * act.itemsize  # the tp group's whole residual
     tp = sizes["tp"]
     rows += _by_comm("tp", parallel.tp_comm, residual, act.name, 4 * n_layers, sizes)
+    # a pipeline's stage shifts: each tick one forward and one backward, M ticks at least
+    rows.append(_all_reduce(("pp",), sizes, residual // tp, act.name, 2 * m,
+                            scopes.scope_of(()), "fwd", "ppermute"))
     kv_heads = cfg.n_kv_heads // tp if tp <= cfg.n_kv_heads else 1
     kv = batch * tcfg.seq * kv_heads * cfg.head_dim * compute.itemsize  # K or V, whole L
     rows += _by_comm("cp", parallel.cp_comm, kv, compute.name, 2 * n_layers, sizes)
