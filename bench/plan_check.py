@@ -219,8 +219,10 @@ def main(argv=None) -> int:
     from engine.planner import search as plan
 
     pinned = {"remat": mine.remat} if mine.remat else {}
+    # every program priced (top None): the candidates measured beside the first are
+    # drawn from the whole ranking, not from the top a best-first plan stops at
     result = plan.plan(cfg, tcfg, mine.devices, hw, pinned=pinned, workers=2,
-                       devices=devices, within=mine.refine)
+                       devices=devices, within=mine.refine, top=None)
     if not result.ranked:
         print(f"error: {plan.no_plan_message(result, mine.devices)}", file=sys.stderr)
         return 2

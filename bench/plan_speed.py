@@ -3,14 +3,17 @@ with --plan, the whole plan's wall clock from an empty ledger cache.
 
     python bench/plan_speed.py --devices 8 --model small [--sample 30]
     python bench/plan_speed.py --devices 8 --model small --plan --compare
+    python bench/plan_speed.py --devices 256 --hardware h100 --model llama3-70b \
+        --seq 8192 --batch 512 --bounds 27.5
     python bench/plan_speed.py --devices 64 --hardware h100 --model small --batch 64 \
         --axes fsdp,cp --remat full --derive --sample 8
 
 With --plan it runs `engine.planner.search.plan` with an empty ledger cache (a fresh
 directory) and prints the candidates ranked, the wall clock, the candidates per second
 and how many ledgers were traced and how many derived from their structure's shapes
-(engine/planner/ledgers.py); --compare plans again, cold, tracing every program, and says
-whether the top 10 (layout, switches, predicted step) are identical. --axes and --max
+(engine/planner/ledgers.py), best-first by bound for the top 10 (engine/planner/best.py);
+--compare plans again, cold, pricing every program, and says whether the top 10
+(layout, switches, predicted step) are identical. --axes and --max
 restrict the space as `python -m engine.plan`'s do.
 
 Enumerates the plan's candidates (engine/planner/search.py) and, in this one process without
@@ -56,6 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--derive", action="store_true",
                    help="CPU seconds of a derived ledger against a traced one, over the "
                         "derivable programs of up to --sample structures")
+    g.add_argument("--bounds", type=float, default=None, metavar="STEP_S",
+                   help="the CPU seconds of every program's lower bound "
+                        "(engine/planner/bound.py), and how many programs and candidates "
+                        "have a bound below STEP_S (those a best-first plan must price "
+                        "when its 10th best step is STEP_S)")
     g.add_argument("--axes", default=",".join(AXIS_ROLES), help="as engine.plan's")
     g.add_argument("--max", default="", help="as engine.plan's")
     p = train_parser(prog="python bench/plan_speed.py", description=__doc__.split("\n\n")[0],
@@ -75,6 +83,8 @@ def main(argv=None) -> int:
         return whole_plan(cfg, tcfg, mine)
     if mine.derive:
         return derive_cost(cfg, tcfg, mine)
+    if mine.bounds is not None:
+        return bound_spread(cfg, tcfg, mine)
     os.environ["SHARDWISE_LEDGER_CACHE"] = "off"
     import subprocess
 
@@ -134,8 +144,10 @@ def main(argv=None) -> int:
     return 0
 
 
-def _cold_plan(cfg, tcfg, mine, shapes: bool):
-    """(Plan, wall seconds) of a plan from an empty ledger cache."""
+def _cold_plan(cfg, tcfg, mine, exhaustive: bool):
+    """(Plan, wall seconds, CPU seconds of this process and its workers) of a plan from
+    an empty ledger cache: best-first by bound for the top 10 (engine/planner/best.py),
+    or with `exhaustive` every program priced."""
     import tempfile
 
     from engine.cli.plan import search_space
@@ -145,11 +157,62 @@ def _cold_plan(cfg, tcfg, mine, shapes: bool):
     names, limits, _ = search_space(mine)
     with tempfile.TemporaryDirectory() as where:
         os.environ["SHARDWISE_LEDGER_CACHE"] = where
-        t = time.perf_counter()
+        t, cpu = time.perf_counter(), _cpu()
         got = search.plan(cfg, tcfg, mine.devices, hardware.get(mine.hardware),
                           pinned={"remat": mine.remat} if mine.remat else {},
-                          workers=mine.workers, names=names, limits=limits, shapes=shapes)
-        return got, time.perf_counter() - t
+                          workers=mine.workers, names=names, limits=limits,
+                          top=None if exhaustive else 10)
+        return got, time.perf_counter() - t, _cpu() - cpu
+
+
+def _cpu() -> float:
+    """CPU seconds of this process and its finished children (the plan's workers)."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
+def bound_spread(cfg, tcfg, mine) -> int:
+    """CPU seconds to enumerate, group by program and bound every program; the programs
+    and candidates whose bound is below `--bounds`."""
+    from engine.cli.plan import search_space
+    from engine.cost import hardware
+    from engine.planner import bound, search
+
+    names, limits, _ = search_space(mine)
+    hw = hardware.get(mine.hardware)
+    t = time.process_time()
+    ok, _ = search.candidates(cfg, tcfg, mine.devices,
+                              {"remat": mine.remat} if mine.remat else {},
+                              search.considered(cfg, names)[0], limits)
+    groups: dict = {}
+    for c in ok:
+        groups.setdefault(c.program, []).append(c)
+    mid = time.process_time()
+    bounds = [(bound.lower_bound(g[0], tcfg, hw), len(g)) for g in groups.values()]
+    end = time.process_time()
+    below = [(b, k) for b, k in bounds if b < mine.bounds]
+    print(f"{len(ok)} candidates, {len(groups)} programs: enumerated and grouped in "
+          f"{mid - t:.1f} CPU-s, bounded in {end - mid:.1f} CPU-s "
+          f"({1e3 * (end - mid) / max(len(groups), 1):.2f} ms a program); bounds "
+          f"{min(b for b, _ in bounds):.4g} to {max(b for b, _ in bounds):.4g} s; below "
+          f"{mine.bounds:.4g} s: {len(below)} programs, {sum(k for _, k in below)} "
+          f"candidates")
+    # the memory model on every len/--sample-th of those: how many a plan would trace
+    from engine.cost import fit
+
+    under = [g for g, (b, _) in zip(groups.values(), bounds) if b < mine.bounds]
+    step = max(1, len(under) // mine.sample)
+    picked = under[::step]
+    capacity = fit.capacity(hw, mine.devices)
+    t = time.process_time()
+    fits = sum(1 for g in picked
+               if (m := fit.predicted(g[0].cfg, tcfg, g[0].parallel, g[0].layout, hw))
+               is None or capacity is None or m.peak <= capacity)
+    spent = time.process_time() - t
+    print(f"memory model on {len(picked)} of them (every {step}th, {spent / len(picked):.3f} "
+          f"CPU-s each): {fits} fit (without more microbatches), so about "
+          f"{round(fits / len(picked) * len(under))} programs below the bound fit")
+    return 0
 
 
 def derive_cost(cfg, tcfg, mine) -> int:
@@ -197,17 +260,23 @@ def derive_cost(cfg, tcfg, mine) -> int:
 
 def whole_plan(cfg, tcfg, mine) -> int:
     top = {}
-    for shapes in (True, False) if mine.compare else (True,):
-        got, wall = _cold_plan(cfg, tcfg, mine, shapes)
+    for exhaustive in (False, True) if mine.compare else (False,):
+        got, wall, cpu = _cold_plan(cfg, tcfg, mine, exhaustive)
         traced = got.programs - got.cached - got.derived
-        how = "derived where a structure allows" if shapes else "every program traced"
-        print(f"{how}: {len(got.ranked)} candidates ranked in {wall:.1f} s "
-              f"({len(got.ranked) / wall:.1f} a second); {got.programs} programs: {traced} "
-              f"traced, {got.derived} derived; {len(got.refused)} refused, {len(got.over)} "
-              f"over memory; load average {os.getloadavg()[0]:.1f}")
-        top[shapes] = [(p.candidate.describe(), p.step_s) for p in got.ranked[:10]]
+        how = "every program priced" if exhaustive else "best-first by bound (top 10)"
+        ranked = len(got.ranked) + len(got.over) + got.pruned + len(got.refused)
+        print(f"{how}: {len(got.ranked)} candidates ranked in {wall:.1f} s, {cpu:.1f} "
+              f"CPU-s ({len(got.ranked) / wall:.1f} a second); {got.programs} programs: "
+              f"{traced} traced, {got.derived} derived; of {ranked} candidates "
+              f"{len(got.refused)} refused, {len(got.over)} over memory, {got.pruned} "
+              f"pruned by bound (cannot beat the 10th); load average "
+              f"{os.getloadavg()[0]:.1f}")
+        if len(got.ranked) >= 10:
+            print(f"  1st {got.ranked[0].step_s:.4g} s, 10th {got.ranked[9].step_s:.4g} s: "
+                  f"{got.ranked[0].candidate.describe()}")
+        top[exhaustive] = [(p.candidate.describe(), p.step_s) for p in got.ranked[:10]]
     if mine.compare:
-        print(f"top 10 identical to the traced ranking: {top[True] == top[False]}")
+        print(f"top 10 identical to the exhaustive ranking: {top[False] == top[True]}")
     return 0
 
 

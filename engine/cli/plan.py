@@ -131,7 +131,9 @@ def searched(result) -> str:
     why = "; ".join(f"{k} {r}" for k, r in reasons(result.refused))
     return (f"axes considered: {axes}{left}\npruned before pricing: {len(result.refused)} "
             f"refused by engine.parallel.validate" + (f" (most: {why})" if why else "")
-            + f", {len(result.over)} over memory (the memory model, before any ledger)")
+            + f", {len(result.over)} over memory (the memory model, before any ledger), "
+            f"{result.pruned} pruned by bound (cannot beat #{result.top}: "
+            f"engine/planner/bound.py)")
 
 
 def main(argv=None) -> int:
@@ -156,13 +158,13 @@ def main(argv=None) -> int:
         result = plan(cfg, tcfg, mine.devices, hw, mine.hbm_gib and mine.hbm_gib * 2**30,
                       pinned, mine.workers, names, limits, progress=progress_line(say),
                       devices=host_devices(mine, say), within=mine.refine, say=say,
-                      base=ParallelConfig(grad_reduce=mine.grad_reduce))
+                      base=ParallelConfig(grad_reduce=mine.grad_reduce), top=mine.top)
         if not result.ranked:
             raise ConfigError(no_plan_message(result, mine.devices))
     except (UsageError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    total = len(result.ranked) + len(result.over)
+    total = len(result.ranked) + len(result.over)  # priced: the memory model's included
     space = "" if names == AXIS_ROLES and not limits else "; axes " + ", ".join(
         f"{r} <= {limits[r]}" if r in limits else r for r in names)
     grads = "" if mine.grad_reduce == "compute" else f"; grads reduced in {mine.grad_reduce}"
@@ -174,7 +176,8 @@ def main(argv=None) -> int:
           f"{traced} traced with {result.workers} worker(s), {result.derived} derived from "
           f"their structure's shapes, {result.cached} from the ledger cache) in "
           f"{result.seconds:.1f} s; {len(result.refused)} refused by "
-          f"engine.parallel.validate, {len(result.over)} over memory")
+          f"engine.parallel.validate, {len(result.over)} over memory, {result.pruned} "
+          f"pruned by bound")
     print(searched(result))
     if result.refined:
         print(f"the first {result.refined} priced again with their matmuls timed on "
@@ -193,6 +196,7 @@ def main(argv=None) -> int:
                        "programs_cached": result.cached,
                        "programs_derived": result.derived,
                        "refused": len(result.refused), "over_memory": len(result.over),
+                       "pruned_by_bound": result.pruned,
                        "refined": result.refined, "grad_reduce": mine.grad_reduce,
                        "seconds": result.seconds, "axes": list(names), "max": limits,
                        "left_out": result.left_out,

@@ -31,11 +31,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 import multiprocessing
-import os
 import time
 from concurrent.futures import ProcessPoolExecutor
 
-from engine.config import ConfigError, ParallelConfig, TrainConfig
+from engine.config import ParallelConfig, TrainConfig
 from engine.parallel.layout import AXIS_ROLES
 from engine.planner.space import (  # noqa: F401  (the candidate space, as the planner's)
     SHARED_TRACE,
@@ -102,6 +101,8 @@ class Plan:
     derived: int = 0  # programs whose ledger was derived from shapes (engine/planner/ledgers.py)
     axes: tuple = ()  # the roles laid out
     left_out: dict = dataclasses.field(default_factory=dict)  # {role: why not laid out}
+    pruned: int = 0  # candidates never priced: their bound cannot reach the top (best.py)
+    top: int | None = None  # the ranking's length that is exact (None: every program priced)
 
 
 def predict_candidate(cand: Candidate, tcfg: TrainConfig, hw, mapped_bytes: int = 0):
@@ -140,22 +141,26 @@ def _fitting(cands: list, tcfg, hw, capacity, grow: bool) -> tuple[list, list, d
 
 def _priced(rows: list, cands: list, peaks: list, mem_of: dict, hw, capacity) -> list:
     """[(step, compute, comm, exposed comm, mapped bytes), or None when over memory] of
-    each candidate of one program priced from its ledger `rows`. On a shared host a step
+    each candidate of one program priced from its ledger `rows`, once per class of axis
+    orders that put every collective's group on the same links. On a shared host a step
     also pays the page faults of the temporaries it maps anew (`fit.mapped_bytes` of its
     memory prediction)."""
     from engine.cost import fit
     from engine.cost.pipeline import predict_step
 
-    # within one fast domain every axis is on the fast links whatever its place
-    # (price.link_for), so the orders of the axes price alike: once per switch setting
-    one_domain = cands[0].layout.size <= hw.fast_domain
+    # a collective's price reads the order of the axes only through which devices of
+    # its group share a fast domain (`price.domain_share`): orders alike in that for
+    # every group of the ledger price alike, so each such class is priced once
+    from engine.cost.price import domain_share
+
+    groups = sorted({r.axes for r in rows if r.kind == "collective" and r.axis_size > 1})
     out, seen = [], {}
     for c, peak in zip(cands, peaks):
         if capacity is not None and peak is not None and peak > capacity:
             out.append(None)
             continue
         axes = c.layout.mesh_axes()
-        key = (c.parallel, tuple(sorted(axes)) if one_domain else axes)
+        key = (c.parallel, tuple(domain_share(hw, axes, g) for g in groups))
         if key not in seen:
             mapped = fit.mapped_bytes(mem_of[c.parallel], hw)
             p = predict_step(rows, hw, c.layout, c.parallel, mapped)[0]
@@ -275,13 +280,17 @@ def progress_line(say, every_s: float = 15.0, clock=time.perf_counter):
 def price(cands: list, tcfg: TrainConfig, hw, n: int, capacity: float | None,
           workers: int = 1, executor=None, progress=None,
           grow: bool = False, counts: dict | None = None,
-          shapes: bool = True) -> tuple[list, list, int, int, int]:
+          shapes: bool = True, top: int | None = None,
+          within: float = 0.0) -> tuple[list, list, int, int, int]:
     """Price candidates of n devices: grouped by program, and programs by structure
     (engine/planner/ledgers.py), each program's memory checked and its ledger read from
     the cache, derived from shapes or traced once (`_run`), every candidate priced; with
     `grow`, a step without pp over memory is priced at the fewest microbatches (2, 4,
-    ...) that fit (`_fitting`). counts: filled with how many ledgers came each way
-    ("cached", "traced", "derived"); shapes False: trace every program not cached.
+    ...) that fit (`_fitting`). top: price programs best-first by their lower bound
+    (engine/planner/best.py) until no program left can reach the `top` fastest (nor
+    come within `within` of the first); None: price every program. counts: filled with
+    how many ledgers came each way ("cached", "traced", "derived") and how many
+    candidates were "pruned" by the bound; shapes False: trace every program not cached.
     Returns (ranked: [Priced] fastest first, over: [(candidate, peak
     bytes)] over `capacity`, programs, programs whose ledger came from the cache,
     workers used)."""
@@ -291,28 +300,44 @@ def price(cands: list, tcfg: TrainConfig, hw, n: int, capacity: float | None,
     groups: dict[tuple, list] = {}
     for c in cands:
         groups.setdefault(c.program, []).append(c)
-    structures: dict[tuple, list] = {}
-    for group in groups.values():
-        structures.setdefault(structure(group[0]), []).append(group)
-    jobs = [(gs, tcfg, hw, capacity, grow, shapes) for gs in structures.values()]
+
+    def jobs_of(gs: list) -> list:
+        structures: dict[tuple, list] = {}
+        for group in gs:
+            structures.setdefault(structure(group[0]), []).append(group)
+        return [(s, tcfg, hw, capacity, grow, shapes) for s in structures.values()]
+
     if executor is None:
         workers = min(workers, max(1, len(groups) // 8))  # a worker costs a jax import
     ranked, over, programs = [], [], 0
     counts = {} if counts is None else counts
-    counts.update({h: 0 for h in HOW})
-    for priced, how, peaks, group in _run(jobs, workers, executor, progress):
-        if all(p is None for p in priced):
-            over.extend(zip(group, peaks))
-            continue
-        programs += 1
-        counts[how] += 1
-        for c, got, peak in zip(group, priced, peaks):
-            if got is None:
-                over.append((c, peak))
+    counts.update({h: 0 for h in HOW}, pruned=0)
+
+    def take(results):
+        nonlocal programs
+        for priced, how, peaks, group in results:
+            if all(p is None for p in priced):
+                over.extend(zip(group, peaks))
                 continue
-            step, compute, comm, exposed, mapped = got
-            ranked.append(Priced(c, step, compute, comm, exposed,
-                                 mfu(c.cfg, tcfg, hw, n, step), peak, mapped_bytes=mapped))
+            programs += 1
+            counts[how] += 1
+            for c, got, peak in zip(group, priced, peaks):
+                if got is None:
+                    over.append((c, peak))
+                    continue
+                step, compute, comm, exposed, mapped = got
+                ranked.append(Priced(c, step, compute, comm, exposed,
+                                     mfu(c.cfg, tcfg, hw, n, step), peak,
+                                     mapped_bytes=mapped))
+
+    if top is None:
+        take(_run(jobs_of(list(groups.values())), workers, executor, progress))
+    else:
+        from engine.planner.best import best_first
+
+        workers = best_first(list(groups.values()), jobs_of, take,
+                             lambda: [p.step_s for p in ranked], tcfg, hw, top, within,
+                             workers, executor, progress, counts)
     ranked.sort(key=_rank)
     return ranked, over, programs, counts["cached"], workers
 
@@ -386,7 +411,8 @@ def plan(cfg: ModelConfig, tcfg: TrainConfig, n: int, hw, hbm_bytes: float | Non
          pinned: dict | None = None, workers: int = 1, names: tuple[str, ...] = AXIS_ROLES,
          limits: dict | None = None, executor=None, progress=None, devices=None,
          within: float = REFINE_WITHIN, say=None,
-         base: ParallelConfig = ParallelConfig(), shapes: bool = True) -> Plan:
+         base: ParallelConfig = ParallelConfig(), shapes: bool = True,
+         top: int | None = 10) -> Plan:
     """Enumerate (`candidates`), validate, check memory, trace and price each program
     once (`price`), rank by predicted step. A candidate without pp over memory is
     priced at the fewest of 2, 4, ... microbatches that fit while they divide its batch
@@ -394,7 +420,9 @@ def plan(cfg: ModelConfig, tcfg: TrainConfig, n: int, hw, hbm_bytes: float | Non
     of them), the candidates within `within` of the first are priced again with their
     matmuls timed on those devices (`refine`; `say` gets one line before it). `base`:
     the ParallelConfig fields that are not the plan's switches (grad_reduce). shapes:
-    derive ledgers from their structure's shapes (False: trace every program)."""
+    derive ledgers from their structure's shapes (False: trace every program). top: the
+    ranking's length that must be exact: programs are priced best-first by their lower
+    bound until none left can reach it (`price`); None: price every program."""
     from engine.cost import fit
 
     t0 = time.perf_counter()
@@ -403,89 +431,29 @@ def plan(cfg: ModelConfig, tcfg: TrainConfig, n: int, hw, hbm_bytes: float | Non
     capacity = fit.capacity(hw, n, hbm_bytes)
     grow = "microbatches" not in (pinned or {})  # pinned microbatches stay as given
     counts: dict = {}
+    refining = hw.shared_host and devices is not None and len(devices) >= n and within > 0
     ranked, over, programs, cached, workers = price(ok, tcfg, hw, n, capacity, workers,
                                                     executor, progress, grow=grow,
-                                                    counts=counts, shapes=shapes)
+                                                    counts=counts, shapes=shapes, top=top,
+                                                    within=within if refining else 0.0)
     refined = 0
-    if ranked and hw.shared_host and devices is not None and len(devices) >= n and within > 0:
+    if ranked and refining:
         if say is not None:
             say(f"planning: timing the matmuls of the candidates predicted within "
                 f"{within:.0%} of the first on {n} host devices")
         ranked, hw, refined = refine(ranked, tcfg, hw, n, devices, within)
     return Plan(ranked, refused, over, capacity, programs, cached, workers,
-                time.perf_counter() - t0, hw, refined, counts["derived"], names, left_out)
+                time.perf_counter() - t0, hw, refined, counts["derived"], names, left_out,
+                counts["pruned"], top)
 
 
-def gib(x) -> str:
-    return "-" if x is None else f"{x / 2**30:.3g} GiB" if x >= 2**30 else f"{x / 2**20:.3g} MiB"
-
-
-def hardware_profile(name: str, calibration=None, say=print):
-    """The profile to plan with; for the cpu without a calibration file, one line saying
-    that the built-in defaults are used (engine/cost/hardware.py CPU_DEFAULTS)."""
-    from engine.cost import hardware
-
-    if name == "cpu" and calibration is None and not hardware.CALIBRATION_PATH.exists():
-        say(f"no cpu calibration at {hardware.CALIBRATION_PATH} (bench/calibrate.py writes "
-            f"it): planning with the built-in defaults (engine/cost/hardware.py CPU_DEFAULTS)")
-    return hardware.get(name, calibration)
-
-
-def no_plan_message(result: Plan, n: int) -> str:
-    """Why no candidate is left, in one line."""
-    if result.over:
-        least = min(peak for _, peak in result.over)
-        return (f"no layout of {n} devices fits {gib(result.capacity)} per device: "
-                f"{len(result.over)} candidates predicted over it (the smallest peak is "
-                f"{gib(least)}); {len(result.refused)} refused by engine.parallel.validate")
-    reason = result.refused[0][1] if result.refused else "no candidates" + "".join(
-        f"; {r} left out: {w}" for r, w in result.left_out.items())
-    return (f"no layout of {n} devices can run this model ({len(result.refused)} "
-            f"refused; first: {reason})")
-
-
-# `--layout auto` on a host without accelerators plans for this many forced host-CPU
-# devices unless XLA_FLAGS already forces a count (the 8 the tests and benches use)
-AUTO_HOST_DEVICES = 8
-# substrings of a jax device_kind -> hardware profile
-DEVICE_KINDS = {"h100": "h100", "a100": "a100", "v5 lite": "v5e", "v5e": "v5e", "v5p": "v5p",
-                "v4": "v4"}
-
-
-def device_profile(devices, say=print):
-    """The cost model's profile of `devices`: the cpu profile on the host (`hardware_profile`),
-    else the profile of the accelerator's kind; None when that kind has none."""
-    kind = devices[0].device_kind.lower()
-    name = "cpu" if devices[0].platform == "cpu" else next(
-        (p for k, p in DEVICE_KINDS.items() if k in kind), None)
-    return None if name is None else hardware_profile(name, None, say)
-
-
-def auto(cfg: ModelConfig, tcfg: TrainConfig, say=print,
-         base: ParallelConfig = ParallelConfig(), pinned: dict | None = None):
-    """`--layout auto`: plan for every device jax finds (the cpu profile on the host,
-    else the profile of the accelerator's kind) and return the first choice as (model
-    config with its remat, ParallelConfig, Layout); raises ConfigError (one line) when
-    nothing fits or the accelerator has no profile. base, pinned: as `plan`'s (the
-    switches the user gave)."""
-    import jax
-
-    devices = jax.devices()
-    hw = device_profile(devices, say)
-    if hw is None:
-        raise ConfigError(f"--layout auto: no hardware profile for {devices[0].device_kind!r} "
-                          f"(known: cpu, {', '.join(sorted(set(DEVICE_KINDS.values())))}); "
-                          f"name a layout")
-    result = plan(cfg, tcfg, len(devices), hw, pinned=pinned, workers=os.cpu_count() or 1,
-                  progress=progress_line(say), devices=devices, say=say, base=base)
-    if not result.ranked:
-        raise ConfigError(no_plan_message(result, len(devices)))
-    best = result.ranked[0]
-    timed = ", its matmuls timed here" if best.dots_timed else ""
-    say(f"layout auto: {best.candidate.describe()}, predicted {best.step_s:.4g} s/step"
-        f"{timed}, MFU {100 * best.mfu:.1f}%, peak {gib(best.peak_bytes)} per device on {hw.name}; "
-        f"first of {len(result.ranked)} candidates for {len(devices)} devices "
-        f"({result.seconds:.1f} s; python -m engine.plan ranks them)")
-    c = best.candidate
-    return c.cfg, c.parallel, c.layout
-
+# the plan's printing helpers and `--layout auto`, kept where their callers import them
+from engine.planner.auto import (  # noqa: F401
+    AUTO_HOST_DEVICES,
+    DEVICE_KINDS,
+    auto,
+    device_profile,
+    gib,
+    hardware_profile,
+    no_plan_message,
+)

@@ -1,0 +1,279 @@
+"""A lower bound on a program's priced step, from the model's dims and the layout, no trace.
+
+The planner (engine/planner/search.py) prices programs in the order of this bound and
+stops once the K-th best priced step is at most the smallest bound left: no program left
+can reach the top K. The bound must never exceed the step `engine.cost.pipeline.predict_step`
+prices from the traced ledger of any of the program's candidates (any order of its axes);
+tests/test_plan_bound.py checks it over every kind of structure. It is the sum of two
+parts of that step that no overlap in engine/cost/price.py hides:
+
+- matmuls: the step's matmul FLOPs spread evenly over the devices (no layout does less
+  per device than its share: replicated work only adds), each at the profile's matmul
+  peak x `matmul_eff` (`price.compute_seconds` prices a matmul at the max of that and
+  its bytes at HBM rate); on a shared host the devices' work adds up as it does there.
+  FLOPs: 2 per param per token for the forward, 4 for the backward, 2 more for the
+  blocks' recompute under remat `full`; the head's 6 per param per token; with experts,
+  `top_k` experts a token (times the capacity factor where it drops tokens). Attention
+  (`attention_seconds`): the reference kernel's dots at the larger of their FLOPs and
+  their score matrices' bytes, or a flash kernel's rows as priced.
+  With a pp axis on lock-step accelerators, the blocks' matmuls take 1 / (1 - bubble)
+  as long, the bubble the schedule's table idles a stage (`Plan.bubble()`).
+- collectives that run between dependent computations (`price.hideable` is False for
+  them: exposed in full on every profile): the grad all-reduces over the data axes each
+  param is replicated on (engine/parallel/grads.py `all_reduce_grads`, its specs from
+  engine/parallel/zero.py) and the global norm's scalar all-reduces; tp's and cp's
+  per-layer collectives of activations and zero 3's weight gathers (`activation_rows`),
+  hideable ones at the least the overlap model leaves exposed. Each is priced
+  by `price.collective_seconds`, its group innermost in the mesh (the order whose link
+  tier is fastest: `price.domain_share`), so the bound holds for every order.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from collectives.ring import TP_COMMS
+from engine.cost import price
+from engine.cost.ledger import Row
+from engine.parallel import params as param_table, pipeline, zero as zero_levels
+from engine.parallel.grads import replicated_batch_axes, spec_axes
+from engine.parallel.layout import AXIS_ROLES
+from layers import roles, scopes
+
+F32 = 4  # bytes of a grad element (params and their grads are f32)
+
+
+def _leaves(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in tree.items():
+        out.update(_leaves(v, f"{prefix}{k}/") if isinstance(v, dict) else {prefix + k: v})
+    return out
+
+
+def matmul_flops(cfg, tcfg) -> tuple[float, float]:
+    """(the blocks' matmul FLOPs, the head's) of one step over all devices: 6 per param
+    per token (forward 2, backward 4), 8 for the blocks under remat `full`; with experts
+    the routed experts' params count `top_k` times, times the capacity factor when it
+    is below 1 (dropped assignments are not computed)."""
+    tokens = tcfg.batch * tcfg.seq
+    dims = param_table._dims(cfg)
+    block = 0.0
+    for name, (letters, _, _) in param_table.table(cfg).items():
+        if not name.startswith("blocks/") or letters in ("ND",):  # the norm scales
+            continue
+        n = math.prod(dims[c] for c in letters)
+        if "E" in letters and name != "blocks/router":
+            n = n / cfg.experts * cfg.top_k * (min(1.0, cfg.capacity_factor)
+                                               if cfg.capacity_factor else 1.0)
+        block += n
+    passes = 8 if cfg.remat == "full" else 6
+    return passes * block * tokens, 6.0 * cfg.d_model * cfg.padded_vocab * tokens
+
+
+def attention_seconds(cfg, tcfg, hw) -> float:
+    """Seconds of the step's attention on all devices together. With the reference
+    kernel (`ModelConfig.attention`, the [B, H, L, L] scores materialized) its dots as
+    `price.compute_seconds` prices a matmul: per layer the forward's 2 (scores, values),
+    the backward's 4, the forward's again under remat `full`, each of 2 B L L H K FLOPs
+    and moving at least one bf16 score matrix (B H L L x 2 bytes) where the profile
+    prices a dot's own bytes (no epilogue fusion); else with a flash kernel (`hw.flash`)
+    as `price.compute_seconds` prices a `kind="attention"` row (`price.attention_flops`
+    at `price.attention_rate`): the forward's 4 B L L H K FLOPs, the backward's 8, the
+    forward again under remat `full`; else 0."""
+    per = 2.0 * tcfg.batch * tcfg.seq * tcfg.seq * cfg.n_heads * cfg.head_dim * cfg.n_layers
+    recompute = cfg.remat == "full"
+    if cfg.attention == "reference":
+        dots = 6 + 2 * recompute
+        rate = max(hw.matmul_peak(d) for d in ("bfloat16", "float32")) * hw.matmul_eff
+        moved = 0.0 if hw.fusion and hw.epilogue_fusion else (
+            2.0 * tcfg.batch * tcfg.seq * tcfg.seq * cfg.n_heads * cfg.n_layers)
+        return dots * max(per / rate, moved / (hw.hbm * hw.mem_eff))
+    if not hw.flash:
+        return 0.0
+    dtype = np.dtype(cfg.compute_dtype).name
+    phases = [("fwd", 2 * per), ("bwd", 4 * per)] + ([("recompute", 2 * per)]
+                                                      if recompute else [])
+    out = 0.0
+    for phase, flops in phases:
+        row = Row(scope=scopes.ATTENTION, phase=phase, kind="attention", primitive="flash",
+                  dtype=dtype, shape=(1, tcfg.seq), flops=flops, bytes=0.0, count=1)
+        out += price.attention_flops(row, hw) / price.attention_rate(row, hw)
+    return out
+
+
+@functools.lru_cache(maxsize=4096)
+def _bubble(pp: int, schedule: str, microbatches: int, virtual: int, uniform: bool) -> float:
+    """The idle fraction of a stage under the schedule's table (`Plan.bubble()`)."""
+    return pipeline.plan(pipeline.SCHEDULES[schedule], pp, microbatches, True, virtual,
+                         uniform).bubble()
+
+
+def compute_bound(cfg, tcfg, layout, parallel, hw) -> float:
+    """Seconds of the step's matmuls, their FLOPs spread evenly over the devices at the
+    profile's best matmul rate, and of its flash attention (module doc); 0 when the
+    profile has measured dots (`Hardware.dot_seconds`, which may run faster than its
+    rate)."""
+    if hw.dot_seconds:
+        return 0.0
+    n = layout.size
+    block, head = matmul_flops(cfg, tcfg)
+    rate = max(hw.matmul_peak(d) for d in ("bfloat16", "float32")) * hw.matmul_eff
+    block = block / rate + attention_seconds(cfg, tcfg, hw)
+    head = head / rate
+    if layout.degree("pp") > 1 and not hw.shared_host:  # lock-step ticks: a stage idles
+        block /= 1 - _bubble(layout.degree("pp"), parallel.pp_schedule,
+                             parallel.microbatches, parallel.pp_virtual,
+                             pipeline.uniform_units(layout, parallel))
+    per_device = (block + head) / n
+    return per_device * (n if hw.shared_host and not hw.concurrent_rates else 1)
+
+
+def _all_reduce(axes: tuple, sizes: dict, nbytes: float, dtype: str, count: int,
+                scope: str, phase: str, primitive: str = "psum") -> Row | None:
+    """A collective row (`primitive` over `axes`), None over one device."""
+    n = math.prod(sizes[a] for a in axes)
+    if n <= 1 or nbytes <= 0 or count <= 0:
+        return None
+    return Row(scope=scope, phase=phase, kind="collective", primitive=primitive,
+               dtype=dtype, shape=(), flops=0.0, bytes=float(nbytes), count=count,
+               axes=tuple(axes), axis_size=n)
+
+
+def _local(shape: tuple, spec: P, sizes: dict) -> int:
+    """Elements of one device's shard of a leaf of `shape` stored as `spec`."""
+    out = 1
+    for i, d in enumerate(shape):
+        entry = spec[i] if i < len(spec) else None
+        names = (entry,) if isinstance(entry, str) else (entry or ())
+        out *= d // math.prod(sizes[a] for a in names)
+    return out
+
+
+def exposed_rows(cfg, tcfg, layout, parallel) -> list[Row]:
+    """The collectives of the step that no overlap hides (module doc), as ledger rows."""
+    axes = layout.role_axes(tp_comm=TP_COMMS[parallel.tp_comm], cp_comm=parallel.cp_comm,
+                            prefetch=parallel.prefetch, grad_reduce=parallel.grad_reduce)
+    sizes = {r: layout.degree(r) for r in AXIS_ROLES}
+    level = zero_levels.level(parallel.zero, axes.fsdp)
+    shard_specs = param_table.param_specs(cfg, layout)
+    grad_specs = _leaves(level.grad_specs(level.storage_specs(shard_specs, axes.fsdp),
+                                          shard_specs))
+    dims = param_table._dims(cfg)
+    rows = []
+    for name, (letters, _, _) in param_table.table(cfg).items():
+        spec = grad_specs[name]
+        local = _local(tuple(dims[c] for c in letters), spec, sizes)
+        rows.append(_all_reduce(replicated_batch_axes(spec, axes), sizes, local * F32,
+                                "float32", 1, scopes.REDUCE_GRADS, "update"))
+        rows.append(_all_reduce(spec_axes(spec), sizes, F32, "float32", 1,
+                                scopes.REDUCE_GRADS, "update"))
+    rows += activation_rows(cfg, tcfg, layout, parallel, axes, level, sizes)
+    return [r for r in rows if r is not None]
+
+
+def activation_rows(cfg, tcfg, layout, parallel, axes, level, sizes) -> list:
+    """The step's collectives of activations and gathered weights, each as few and as
+    small as the step's own (module doc), on one device: with pp, of its stage's N / pp
+    layers for each of the M microbatches (a pipelined step's ticks sum at least one
+    stage's units: engine/cost/pipeline.py) and the ticks' stage shifts (2 M of the
+    microbatch's residual, its 1/tp), and nothing of the loss or zero 3.
+    Without pp: the loss's scalar all-reduce over the data axes the model sees; tp's
+    per layer, forward and backward, by `tp_comm`: 2
+    all-reduces of the residual (allreduce), 2 all-gathers and 2 reduce-scatters of it
+    (sequence), 4 (tp - 1) ring shifts of its 1/tp chunks (ring, hideable); cp's per
+    layer: K and V all-gathered in the forward and their grads reduce-scattered in the
+    backward (allgather), or shifted cp - 1 times each way (ring, hideable); zero 3's
+    per layer: its block weights all-gathered in the forward (hideable with prefetch)
+    and their grads reduce-scattered in the backward (hideable), in the compute dtype."""
+    m, pp = parallel.microbatches, sizes["pp"]
+    n_layers = cfg.n_layers // pp * m  # per step, every layer of every microbatch
+    rows = []
+    seen = level.model_axes(axes)
+    data = tuple(a for a in (getattr(seen, r) for r in roles.data_roles()) if a is not None)
+    if pp == 1:
+        rows.append(_all_reduce(data, sizes, F32, "float32", 1, scopes.LOSS, "fwd"))
+    compute = np.dtype(cfg.compute_dtype)
+    act = np.dtype(cfg.act_dtype)
+    batch = tcfg.batch // m // math.prod(sizes[a] for a in roles.roles_sharding("batch"))
+    seq = tcfg.seq // math.prod(sizes[a] for a in roles.roles_sharding("sequence"))
+    residual = batch * seq * cfg.d_model * act.itemsize  # the tp group's whole residual
+    tp = sizes["tp"]
+    rows += _by_comm("tp", parallel.tp_comm, residual, act.name, 4 * n_layers, sizes)
+    # a pipeline's stage shifts: each tick one forward and one backward, M ticks at least
+    rows.append(_all_reduce(("pp",), sizes, residual // tp, act.name, 2 * m,
+                            scopes.scope_of(()), "fwd", "ppermute"))
+    kv_heads = cfg.n_kv_heads // tp if tp <= cfg.n_kv_heads else 1
+    kv = batch * tcfg.seq * kv_heads * cfg.head_dim * compute.itemsize  # K or V, whole L
+    rows += _by_comm("cp", parallel.cp_comm, kv, compute.name, 2 * n_layers, sizes)
+    if axes.fsdp is not None and level.level == 3 and pp == 1:
+        rows += _fsdp_rows(cfg, layout, sizes, compute, n_layers)
+    return rows
+
+
+def _by_comm(axis: str, comm: str, nbytes: int, dtype: str, times: int, sizes) -> list:
+    """The rows of `times` collectives of a buffer of `nbytes` over `axis` by `comm`:
+    all-reduces (allreduce); all-gathers and reduce-scatters (sequence, allgather); or
+    as a ring, each of them size - 1 shifts of 1/size of it, twice (ring)."""
+    if comm == "allreduce":
+        return [_all_reduce((axis,), sizes, nbytes, dtype, times, scopes.ATTENTION, "fwd")]
+    if comm != "ring":
+        return [_all_reduce((axis,), sizes, nbytes, dtype, times, scopes.ATTENTION, "fwd", p)
+                for p in ("all_gather", "reduce_scatter")]
+    n = sizes[axis]
+    return [_all_reduce((axis,), sizes, nbytes // n, dtype, 2 * times * (n - 1),
+                        scopes.ATTENTION, "fwd", "ppermute")]
+
+
+def _fsdp_rows(cfg, layout, sizes, compute, n_layers) -> list:
+    """Zero 3's per-layer gathers of the block weights it shards (forward) and the
+    reduce-scatters of their grads (backward), each of the layer's fsdp-whole shards."""
+    dims = param_table._dims(cfg)
+    specs = _leaves(param_table.param_specs(cfg, layout))
+    whole = 0
+    for name, (letters, _, _) in param_table.table(cfg).items():
+        spec = specs[name]
+        if not name.startswith("blocks/") or "fsdp" not in spec_axes(spec):
+            continue
+        kept = P(*(None if e == "fsdp" else e for e in spec))
+        whole += _local(tuple(dims[c] for c in letters), kept, sizes) // cfg.n_layers
+    nbytes = whole * np.dtype(compute).itemsize
+    gather = _all_reduce(("fsdp",), sizes, nbytes, np.dtype(compute).name, n_layers,
+                         scopes.GATHER_PARAMS, "fwd", "all_gather")
+    scatter = _all_reduce(("fsdp",), sizes, nbytes, np.dtype(compute).name, n_layers,
+                          scopes.GATHER_PARAMS, "bwd", "reduce_scatter")
+    return [gather, scatter]
+
+
+_SECONDS: dict = {}
+
+
+def _seconds(row: Row, hw) -> float:
+    """`price.collective_seconds` of one execution of `row`, its group innermost in the
+    mesh (one axis of the group's size: the fastest link tier any order gives it)."""
+    memo = _SECONDS.setdefault(id(hw), (hw, {}))[1]  # hw kept: its id stays its own
+    key = (row.primitive, row.axis_size, row.bytes, row.dtype)
+    if key not in memo:
+        one = dataclasses.replace(row, axes=("group",))
+        memo[key] = price.collective_seconds(one, hw, (("group", row.axis_size),))
+    return memo[key]
+
+
+def comm_bound(cfg, tcfg, layout, parallel, hw) -> float:
+    """Seconds of `exposed_rows`, each priced at its fastest link tier; a row the
+    overlap model may hide (`price.hideable`) counts what it leaves exposed at the
+    least: `hidden_comm_share` of it with overlap, else 1 + `beside_cost` times it."""
+    hidden = hw.hidden_comm_share if hw.overlap else 1 + hw.beside_cost
+    return sum(_seconds(r, hw) * r.count * (hidden if price.hideable(r, parallel.prefetch)
+                                             else 1.0)
+               for r in exposed_rows(cfg, tcfg, layout, parallel))
+
+
+def lower_bound(cand, tcfg, hw) -> float:
+    """A lower bound on the priced step of `cand` (a planner Candidate) and of every
+    candidate of its program (module doc)."""
+    return (compute_bound(cand.cfg, tcfg, cand.layout, cand.parallel, hw)
+            + comm_bound(cand.cfg, tcfg, cand.layout, cand.parallel, hw))
