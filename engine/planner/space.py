@@ -176,13 +176,11 @@ class Candidate:
 def considered(cfg: ModelConfig, names: tuple[str, ...]) -> tuple[tuple[str, ...], dict]:
     """(the roles of `names` the plan lays out, {role: why it is left out}): roles that
     `engine.parallel.validate` refuses for the model whatever their size (ep without
-    experts, pp with them, pp over one layer) are left out before the space is
+    experts, pp over one layer) are left out before the space is
     enumerated, not enumerated and refused one layout at a time."""
     why = {}
     if not cfg.moe:
         why["ep"] = "the model has no experts"
-    else:
-        why["pp"] = "the pipeline's stages do not carry the router's losses"
     if cfg.n_layers < 2:
         why["pp"] = "the model has one layer"
     left = {r: w for r, w in why.items() if r in names}
