@@ -19,12 +19,16 @@ a whole train step (embedding, layers, head, loss, grads, AdamW) on 8 host devic
                                           forward iteration, then autodiff's reverse scan
     maxtext circular V=2                  num_pipeline_repeats = 2 (8/(2p) layers per
                                           stage): the layers pass round the stages twice
+    ours / maxtext fsdp8 (--baseline)     each one's step without pp (fsdp 8, one
+                                          microbatch): what each pays for its pipeline
 
 The steps run in turn (`bench.timing.round_robin`, --rounds passes of one step each),
 so a slow spell of the shared cores falls on all of them; each row gives the median
-step, its ratio to ours gpipe's in the same passes (`paired_ratio`), and the per-device
+step, its ratio to ours gpipe's in the same passes (`paired_ratio`), the per-device
 peak of `memory_analysis()` (argument + temp + output - alias, as
-`engine.cost.memory.measure`).
+`engine.cost.memory.measure`) and the matmul FLOPs per device the compiled step
+executes (`matmul_flops`), but for ours under pp, whose units run under conditionals
+that the HLO text cannot count.
 """
 from __future__ import annotations
 
@@ -66,28 +70,64 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--remat", default="full", choices=tuple(REMAT),
                    help="ours; MaxText runs full as full, dots as minimal")
     p.add_argument("--rounds", type=_positive, default=3, help="timed passes")
+    p.add_argument("--baseline", action="store_true",
+                   help="also time each one's step without pp (fsdp8) in the same passes")
     return p
 
 
+def matmul_flops(text: str) -> float:
+    """2·(output elements)·(contracted size) summed over the compiled HLO's dots, each
+    times its computation's executions per step (`engine.cost.hlo.parse`: while trip
+    counts, calls, fusions). Exact for a program without conditionals."""
+    import math
+    import re
+
+    from engine.cost import hlo
+
+    array = re.compile(r"\w+\[([\d,]*)\]")
+
+    def dims(result: str) -> list[int]:
+        return [int(d) for d in array.search(result).group(1).split(",") if d]
+
+    module = hlo.parse(text)
+    total = 0.0
+    for comp, instrs in module.computations.items():
+        result_of = {ins.name: ins.result for ins in instrs}
+        for ins in instrs:
+            if ins.opcode != "dot":
+                continue
+            lhs = dims(result_of[ins.attributes.split(",")[0].strip().lstrip("%")])
+            contracted = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", ins.attributes)
+            k = math.prod(lhs[int(i)] for i in contracted.group(1).split(",") if i)
+            total += 2 * math.prod(dims(ins.result)) * k * module.multiplicity.get(comp, 0)
+    return total
+
+
 def our_step(cfg, tcfg, pp: int, M: int, schedule: str) -> tuple:
-    """(label, [step, params, opt_state, tokens], peak bytes) of this engine's step."""
+    """(label, [step, params, opt_state, tokens], peak bytes, matmul FLOPs) of this
+    engine's step (pp = 1: fsdp8 with one microbatch; FLOPs None under pp, whose units
+    run under conditionals)."""
     from bench.timing import compiled_step
     from engine.config import ParallelConfig
     from engine.cost import memory
     from engine.parallel.layout import Layout
     from engine.run.step import Trainer
 
-    layout = Layout.parse(f"pp{pp}xfsdp{8 // pp}")
+    layout = Layout.parse(f"pp{pp}xfsdp{8 // pp}" if pp > 1 else "fsdp8")
     V = 2 if schedule == "interleaved" else 1
-    par = ParallelConfig(microbatches=M, pp_schedule=schedule, pp_virtual=V)
-    step, params, opt_state, tokens, _ = compiled_step(Trainer(cfg, tcfg, layout, layout.mesh(), par))
-    label = f"ours {schedule}" + (f" V={V}" if V > 1 else "")
-    return label, [step, params, opt_state, tokens], memory.measure(step)["peak"]
+    par = ParallelConfig(microbatches=M, pp_schedule=schedule, pp_virtual=V) if pp > 1 \
+        else ParallelConfig()
+    trainer = Trainer(cfg, tcfg, layout, layout.mesh(), par)
+    step, params, opt_state, tokens, _ = compiled_step(trainer)
+    label = (f"ours {schedule}" + (f" V={V}" if V > 1 else "")) if pp > 1 else "ours fsdp8"
+    flops = matmul_flops(step.as_text()) if pp == 1 else None
+    return label, [step, params, opt_state, tokens], memory.measure(step)["peak"], flops
 
 
 def maxtext_step(root: Path, cfg, args, pp: int, M: int, repeats: int) -> tuple:
-    """(label, [step, state, rng, batch], peak bytes) of MaxText's own train step on the
-    same model, mesh shape, batch and microbatches."""
+    """(label, [step, state, rng, batch], peak bytes, matmul FLOPs) of MaxText's own
+    train step on the same model, mesh shape, batch and microbatches (pp = 1: fsdp8, no
+    pipeline)."""
     import jax
     import numpy as np
     from flax.linen import partitioning as nn_partitioning
@@ -140,8 +180,10 @@ def maxtext_step(root: Path, cfg, args, pp: int, M: int, repeats: int) -> tuple:
         state, metrics = compiled(state, batch, rng)
         return state, rng, metrics
 
-    label = "maxtext" + (f" circular V={repeats}" if repeats > 1 else "")
-    return label, [step, state, rng, batch], memory.measure(compiled)["peak"]
+    label = "maxtext" + (f" circular V={repeats}" if repeats > 1 else "") + \
+        ("" if pp > 1 else " fsdp8")
+    return (label, [step, state, rng, batch], memory.measure(compiled)["peak"],
+            matmul_flops(compiled.as_text()))
 
 
 def parse(argv=None) -> argparse.Namespace:
@@ -189,15 +231,19 @@ def main(argv=None) -> int:
             runs = [our_step(cfg, tcfg, pp, M, s) for s in ("gpipe", "1f1b", "interleaved")]
             with contextlib.redirect_stdout(sys.stderr):
                 runs += [maxtext_step(root, cfg, args, pp, M, r) for r in (1, 2)]
+                if args.baseline:
+                    runs += [our_step(cfg, tcfg, 1, 1, "gpipe"),
+                             maxtext_step(root, cfg, args, 1, 1, 1)]
             held = [r[1] for r in runs]
             for h in held:  # a first, untimed call of each
                 h[1], h[2], _ = h[0](*h[1:])
                 jax.block_until_ready(h[1])
             say = functools.partial(print, file=sys.stderr, flush=True)
             times = round_robin(held, args.rounds, say=say)
-            for (label, _, peak), t in zip(runs, times):
+            for (label, _, peak, flops), t in zip(runs, times):
                 rows.append([pp, M, label, f"{statistics.median(t):.3g}",
-                             f"{paired_ratio(t, times[0]):.2f}", f"{peak / MiB:.1f}"])
+                             f"{paired_ratio(t, times[0]):.2f}", f"{peak / MiB:.1f}",
+                             "-" if flops is None else f"{flops / 1e9:.2f}"])
             del runs, held
             say(f"  done pp={pp} M={M} at {time.strftime('%H:%M:%S')}")
     load = os.getloadavg()
@@ -205,7 +251,8 @@ def main(argv=None) -> int:
           f"{REMAT[args.remat]}), batch {args.batch} x seq {args.seq}, "
           f"pp{{p}}xfsdp{{8/p}} on 8 host devices, {args.rounds} rounds; load average "
           f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
-    print(tabulate(rows, ["pp", "M", "program", "step s", "/ ours gpipe", "peak MiB"],
+    print(tabulate(rows, ["pp", "M", "program", "step s", "/ ours gpipe", "peak MiB",
+                          "matmul GFLOP"],
                    disable_numparse=True))
     return 0
 
