@@ -51,25 +51,19 @@ LAYERS = 8
 REMAT = {"full": "full", "dots": "minimal"}  # ours -> MaxText's nearest policy
 
 
-def _positive(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return int(text)
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="python bench/maxtext_pipeline.py",
                       description=__doc__.split("\n\n")[0])
     p.add_argument("--maxtext", required=True, help="an unpacked MaxText source tree")
     p.add_argument("--pp", nargs="+", type=int, default=[2, 4], choices=(2, 4))
-    p.add_argument("--factors", nargs="+", type=_positive, default=[2, 4],
+    p.add_argument("--factors", nargs="+", type=int, default=[2, 4],
                    help="microbatches M = factor x pp")
-    p.add_argument("--batch", type=_positive, default=32, help="global batch")
-    p.add_argument("--seq", type=_positive, default=32)
+    p.add_argument("--batch", type=int, default=32, help="global batch")
+    p.add_argument("--seq", type=int, default=32)
     p.add_argument("--model", default="medium", choices=("tiny", "medium"))
     p.add_argument("--remat", default="full", choices=tuple(REMAT),
                    help="ours; MaxText runs full as full, dots as minimal")
-    p.add_argument("--rounds", type=_positive, default=3, help="timed passes")
+    p.add_argument("--rounds", type=int, default=3, help="timed passes")
     p.add_argument("--baseline", action="store_true",
                    help="also time each one's step without pp (fsdp8) in the same passes")
     return p
@@ -189,6 +183,8 @@ def maxtext_step(root: Path, cfg, args, pp: int, M: int, repeats: int) -> tuple:
 def parse(argv=None) -> argparse.Namespace:
     """The arguments; raises UsageError when a configuration cannot run."""
     args = build_parser().parse_args(argv)
+    if min(*args.factors, args.batch, args.seq, args.rounds) < 1:
+        raise UsageError("--factors, --batch, --seq and --rounds must be positive")
     for pp in args.pp:
         for f in args.factors:
             if args.batch % (8 // pp * f * pp):
