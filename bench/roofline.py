@@ -236,11 +236,12 @@ def main(argv=None) -> int:
     if orows:
         print(report.format_ops(orows))
     if pipe is not None:
-        fwd, bwd = pipe.unit_s.max(axis=1)
+        fwd, bwd, weight = pipe.unit_s.max(axis=1)
+        split = f", weight grads {weight:.4g} s" if weight else ""
         print(f"pipeline {parallel.pp_schedule}, pp={layout.degree('pp')}, "
               f"M={parallel.microbatches}: {len(pipe.tick_s)} ticks of {pipe.tick_s.min():.4g}-"
               f"{pipe.tick_s.max():.4g} s (slowest stage's forward {fwd:.4g} s, backward "
-              f"{bwd:.4g} s, shifts {pipe.shift_s:.4g} s); predicted bubble "
+              f"{bwd:.4g} s{split}, shifts {pipe.shift_s:.4g} s); predicted bubble "
               f"{pipe.bubble:.3f} of stage time, the schedule's idle fraction "
               f"{pipe.schedule_bubble:.3f}" + (
                   " (uniform: every stage runs each tick's units and keeps its own, so that "
