@@ -29,6 +29,16 @@ CALLS = ("jit", "pjit", "closed_call", "core_call", "remat2", "checkpoint",
          "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr")
 
 
+def scan_counts(eqn) -> tuple[int, int]:
+    """(consts, carry) operand counts of a `scan` equation: jax 0.10 names them in its
+    params; newer jax keeps one flat tree of (consts, carry, xs) (`ft_in`)."""
+    p = eqn.params
+    if "num_carry" in p:
+        return p["num_consts"], p["num_carry"]
+    consts, carry, _ = p["ft_in"].update(list(eqn.invars)).unpack()
+    return len(list(consts)), len(list(carry))
+
+
 def _sub_jaxpr(eqn):
     """(jaxpr, consts) a call equation runs."""
     for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
@@ -79,7 +89,7 @@ def _eval_inlined(jaxpr, consts, args):
 def _scan(eqn, ins, body_fn):
     """A scan equation run by `lax.scan` over `body_fn(body, consts, body args)`."""
     p = eqn.params
-    nc, ncar = p["num_consts"], p["num_carry"]
+    nc, ncar = scan_counts(eqn)
     closed = p["jaxpr"]
     consts, init, xs = ins[:nc], ins[nc:nc + ncar], ins[nc + ncar:]
 
@@ -171,7 +181,7 @@ def analyze(jaxpr, need_b: list, need_w: list) -> Plan:
 def _analyze_scan(eqn, outs_b, outs_w):
     """(ScanPlan, outer invars B reads, outer invars W reads) of a scan equation."""
     p = eqn.params
-    nc, ncar = p["num_consts"], p["num_carry"]
+    nc, ncar = scan_counts(eqn)
     body = p["jaxpr"].jaxpr
     nys = len(body.outvars) - ncar
     b_carry, b_ys = list(outs_b[:ncar]), list(outs_b[ncar:])
@@ -225,7 +235,7 @@ def _scan_part(eqn, i, s: ScanPlan, env, part: str):
     `env`: B's carries and ys, and the body's crossing values stacked under (i, j); W's
     carries and ys from its inputs and those stacked crossing values."""
     p = eqn.params
-    nc, ncar = p["num_consts"], p["num_carry"]
+    nc, ncar = scan_counts(eqn)
     closed = p["jaxpr"]
     body, bplan = closed.jaxpr, s.body
     carry_mask, ys_mask = (s.b_carry, s.b_ys) if part == "B" else (s.w_carry, s.w_ys)
