@@ -64,7 +64,7 @@ def single(init, cfg, layout, m):
     return _singles[key]
 
 
-CASES = [  # (layout, cfg, parallel); the default suite keeps the first four
+CASES = [  # (layout, cfg, parallel); the default suite keeps the first two
     ("pp2xep4", MOE_CFG, dict(pp_schedule="1f1b", microbatches=2)),
     ("pp2xfsdp2xep2", CAPPED, dict(pp_schedule="gpipe", microbatches=2)),
     ("pp2xep4", CAPPED, dict(pp_schedule="interleaved", pp_virtual=2, microbatches=2)),
@@ -84,7 +84,7 @@ CASES = [  # (layout, cfg, parallel); the default suite keeps the first four
 
 
 @pytest.mark.parametrize("layout, cfg, parallel", [
-    case if i < 4 else pytest.param(*case, marks=pytest.mark.slow)
+    case if i < 2 else pytest.param(*case, marks=pytest.mark.slow)
     for i, case in enumerate(CASES)])
 def test_pp_with_experts_matches_single(layout, cfg, parallel, init):
     """pp alone, pp x ep, pp x fsdp x ep, pp x tp x ep; gpipe, 1f1b and interleaved;
