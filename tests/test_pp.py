@@ -194,7 +194,8 @@ def test_pp_matches_single(layout, schedule, m, init, single):
     assert "collective-permute" in got[3], got[3]
 
 
-@pytest.mark.parametrize("remat", ["full", "none", pytest.param("dots", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("remat", ["full", *(pytest.param(r, marks=pytest.mark.slow)
+                                           for r in ("none", "dots"))])
 @pytest.mark.parametrize("layout, parallel", [
     ("pp2xfsdp4", dict(microbatches=2)),
     pytest.param("pp4xtp2", dict(microbatches=4), marks=pytest.mark.slow),
