@@ -189,13 +189,13 @@ def host_profile(n: int, calibration: str | None) -> tuple:
     import jax
 
     from engine.cost.hardware import ProfileError
-    from engine.planner import search as plan
+    from engine.planner.auto import hardware_profile
 
     if len(jax.devices()) < n:
         return None, (f"{n} devices wanted, {len(jax.devices())} available (XLA_FLAGS sets "
                       f"another count)")
     try:
-        return jax.devices()[:n], plan.hardware_profile("cpu", calibration)
+        return jax.devices()[:n], hardware_profile("cpu", calibration)
     except ProfileError as e:
         return None, str(e)
 
@@ -217,6 +217,7 @@ def main(argv=None) -> int:
 
     from bench.timing import paired_ratio, split_half_noise
     from engine.planner import search as plan
+    from engine.planner.auto import no_plan_message
 
     pinned = {"remat": mine.remat} if mine.remat else {}
     # every program priced (top None): the candidates measured beside the first are
@@ -224,7 +225,7 @@ def main(argv=None) -> int:
     result = plan.plan(cfg, tcfg, mine.devices, hw, pinned=pinned, workers=2,
                        devices=devices, within=mine.refine, top=None)
     if not result.ranked:
-        print(f"error: {plan.no_plan_message(result, mine.devices)}", file=sys.stderr)
+        print(f"error: {no_plan_message(result, mine.devices)}", file=sys.stderr)
         return 2
     chosen = result.ranked[:mine.top]
     rest = result.ranked[mine.top:]

@@ -20,6 +20,7 @@ from engine.cost.price import predict  # noqa: E402
 from engine.parallel import validate
 from engine.parallel.layout import Layout  # noqa: E402
 from engine.planner import search as plan  # noqa: E402
+from engine.planner.auto import hardware_profile  # noqa: E402
 from layers import roles
 
 pytestmark = pytest.mark.usefixtures("own_ledger_cache")
@@ -287,7 +288,7 @@ def test_worker_processes_price_as_this_process_does():
     from engine.cost import fit
 
     cfg, tcfg = model_config("tiny"), TrainConfig(batch=4, seq=32)
-    hw = plan.hardware_profile("cpu", say=lambda s: None)
+    hw = hardware_profile("cpu", say=lambda s: None)
     here = plan.plan(cfg, tcfg, 2, hw, None, {"remat": "full"})
     with plan.Pool(2) as ex:
         there = plan.plan(cfg, tcfg, 2, hw, None, {"remat": "full"}, executor=ex)

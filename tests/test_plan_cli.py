@@ -17,6 +17,7 @@ from bench import roofline  # noqa: E402
 from engine.cli import plan as plan_cli
 from engine.config import TrainConfig, model_config  # noqa: E402
 from engine.planner import search as plan  # noqa: E402
+from engine.planner.auto import hardware_profile  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("own_ledger_cache")
 
@@ -121,7 +122,7 @@ def test_layout_auto_trains_with_the_first_choice():
     assert run.returncode == 0, run.stderr
     cfg, tcfg = model_config("tiny"), TrainConfig(batch=4, seq=32)
     # the host's timings rank the candidates near the first at the one matmul rate
-    ranked = plan.plan(cfg, tcfg, 2, plan.hardware_profile("cpu", say=lambda s: None)).ranked
+    ranked = plan.plan(cfg, tcfg, 2, hardware_profile("cpu", say=lambda s: None)).ranked
     near = {p.candidate.describe(): p.candidate for p in ranked
             if p.step_s <= (1 + plan.REFINE_WITHIN) * ranked[0].step_s}
     lines = run.stdout.splitlines()

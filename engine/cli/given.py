@@ -19,7 +19,7 @@ def given_flags(parser: argparse.ArgumentParser, argv) -> set[str]:
 
 
 def auto_pins(cfg, parallel, given: set[str]) -> tuple[dict, object]:
-    """(pinned switches, base ParallelConfig) for `engine.planner.search.auto`: every
+    """(pinned switches, base ParallelConfig) for `engine.planner.auto.auto`: every
     switch the user gave keeps its value, and the search leaves out layouts where it
     would take no effect; the fields that are not switches come from `parallel`."""
     import dataclasses

@@ -14,14 +14,8 @@ import sys
 
 from engine.config import GRAD_REDUCES, ConfigError, ParallelConfig
 from engine.parallel.layout import AXIS_ROLES
-from engine.planner.search import (
-    REFINE_WITHIN,
-    gib,
-    hardware_profile,
-    no_plan_message,
-    plan,
-    progress_line,
-)
+from engine.planner.auto import gib, hardware_profile, no_plan_message
+from engine.planner.search import REFINE_WITHIN, plan, progress_line
 
 
 def build_parser():

@@ -377,7 +377,7 @@ def _step_prediction(cfg, layout, parallel, session, say) -> list:
     (engine/cost/predicted.py), priced on the profile of the run's devices; none, with a
     note, for an accelerator the cost model has no profile of."""
     from engine.cost.predicted import StepPrediction
-    from engine.planner.search import device_profile
+    from engine.planner.auto import device_profile
 
     devices = list(session.trainer.mesh.devices.flat)
     hw = device_profile(devices, lambda *a, **k: None)  # the hook's line names its source
@@ -420,7 +420,7 @@ def main(argv=None) -> int:
                                                   auto=True)
         check_apart(*run_paths(args))  # before anything is planned, read or written
         if layout is None:
-            from engine.planner import search as plan
+            from engine.planner import auto as plan
 
             force_host_devices(plan.AUTO_HOST_DEVICES)
             pinned, base = auto_pins(cfg, parallel, args.given)

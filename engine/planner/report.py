@@ -3,7 +3,8 @@ predicted difference split into compute and exposed communication, by category).
 from __future__ import annotations
 
 from engine.config import TrainConfig
-from engine.planner.search import Priced, gib, predict_candidate
+from engine.planner.auto import gib
+from engine.planner.search import Priced, predict_candidate
 
 
 def _categories(pred) -> dict:

@@ -446,14 +446,3 @@ def plan(cfg: ModelConfig, tcfg: TrainConfig, n: int, hw, hbm_bytes: float | Non
                 time.perf_counter() - t0, hw, refined, counts["derived"], names, left_out,
                 counts["pruned"], top)
 
-
-# the plan's printing helpers and `--layout auto`, kept where their callers import them
-from engine.planner.auto import (  # noqa: F401
-    AUTO_HOST_DEVICES,
-    DEVICE_KINDS,
-    auto,
-    device_profile,
-    gib,
-    hardware_profile,
-    no_plan_message,
-)
