@@ -47,13 +47,6 @@ from layers import roles, scopes
 F32 = 4  # bytes of a grad element (params and their grads are f32)
 
 
-def _leaves(tree: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in tree.items():
-        out.update(_leaves(v, f"{prefix}{k}/") if isinstance(v, dict) else {prefix + k: v})
-    return out
-
-
 def matmul_flops(cfg, tcfg) -> tuple[float, float]:
     """(the blocks' matmul FLOPs, the head's) of one step over all devices: 6 per param
     per token (forward 2, backward 4), 8 for the blocks under remat `full`; with experts
@@ -160,12 +153,11 @@ def exposed_rows(cfg, tcfg, layout, parallel) -> list[Row]:
     sizes = {r: layout.degree(r) for r in AXIS_ROLES}
     level = zero_levels.level(parallel.zero, axes.fsdp)
     shard_specs = param_table.param_specs(cfg, layout)
-    grad_specs = _leaves(level.grad_specs(level.storage_specs(shard_specs, axes.fsdp),
-                                          shard_specs))
+    grad_specs = level.grad_specs(level.storage_specs(shard_specs, axes.fsdp), shard_specs)
     dims = param_table._dims(cfg)
     rows = []
     for name, (letters, _, _) in param_table.table(cfg).items():
-        spec = grad_specs[name]
+        spec = param_table._lookup(grad_specs, name)
         local = _local(tuple(dims[c] for c in letters), spec, sizes)
         rows.append(_all_reduce(replicated_batch_axes(spec, axes), sizes, local * F32,
                                 "float32", 1, scopes.REDUCE_GRADS, "update"))
@@ -232,10 +224,10 @@ def _fsdp_rows(cfg, layout, sizes, compute, n_layers) -> list:
     """Zero 3's per-layer gathers of the block weights it shards (forward) and the
     reduce-scatters of their grads (backward), each of the layer's fsdp-whole shards."""
     dims = param_table._dims(cfg)
-    specs = _leaves(param_table.param_specs(cfg, layout))
+    specs = param_table.param_specs(cfg, layout)
     whole = 0
     for name, (letters, _, _) in param_table.table(cfg).items():
-        spec = specs[name]
+        spec = param_table._lookup(specs, name)
         if not name.startswith("blocks/") or "fsdp" not in spec_axes(spec):
             continue
         kept = P(*(None if e == "fsdp" else e for e in spec))
