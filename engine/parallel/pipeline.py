@@ -300,6 +300,11 @@ def run(stages: Stages, params, inputs_MBL, targets_MBL, x_shape, x_axes, axes: 
                  for buf, r in zip(c["stash"], leaves)]
         return y_BLD, dict(c, stash=stash, loss=c["loss"] + keep(active, loss, 0.0))
 
+    def add_flat(grads, d_flat):
+        """`grads` plus a part's grads, given as params' leaves (None: none from it)."""
+        return jax.tree.unflatten(jax.tree.structure(grads), [
+            g if d is None else g + d for g, d in zip(jax.tree.leaves(grads), d_flat)])
+
     @jax.named_scope(scopes.PP_BACKWARD)
     def backward_(c, i, active=True):
         slot, v = i % the_plan.stash_slots, i % V
@@ -312,9 +317,7 @@ def run(stages: Stages, params, inputs_MBL, targets_MBL, x_shape, x_axes, axes: 
             dx_BLD, loss = outs[n_params], outs[n_params + 1]
             grads = c["grads"]
             if any(the_split.need_b[:n_params]):  # grads B gives (the embedding's, head's)
-                grads = jax.tree.unflatten(jax.tree.structure(params), [
-                    g if d is None else g + d
-                    for g, d in zip(jax.tree.leaves(grads), outs[:n_params])])
+                grads = add_flat(grads, outs[:n_params])
             c = dict(c, grads=keep(active, grads, c["grads"]))
             w_slot = i % the_plan.w_slots
             wstash = [buf.at[w_slot].set(keep(active, value, buf[w_slot])) for buf, value
@@ -340,9 +343,7 @@ def run(stages: Stages, params, inputs_MBL, targets_MBL, x_shape, x_axes, axes: 
             flat[k] = value
         for k, value in zip(w_own, held[n_cross:]):
             flat[k] = value
-        d_params = the_split.w(flat, held[:n_cross])[:n_params]
-        grads = jax.tree.unflatten(jax.tree.structure(params), [
-            g if d is None else g + d for g, d in zip(jax.tree.leaves(c["grads"]), d_params)])
+        grads = add_flat(c["grads"], the_split.w(flat, held[:n_cross])[:n_params])
         return zeros_x, dict(c, grads=keep(active, grads, c["grads"]))
 
     def slot_unit(c, unit_fn, item, anywhere):
