@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engine.parallel.validate import ATTENTIONS  # noqa: E402 (imports jax; no backend started)
-from layers.block import REMAT  # noqa: E402
+from layers.block import REMAT_MODES  # noqa: E402
 
 LAYOUTS = ["single", "fsdp8", "tp8", "fsdp4xtp2", "dp2xfsdp2xtp2"]
 
@@ -131,7 +131,7 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--dtype", default="bf16", choices=("bf16", "f32"))
-    p.add_argument("--remat", default="full", choices=REMAT)
+    p.add_argument("--remat", default="full", choices=REMAT_MODES)
     p.add_argument("--attention", default="auto", choices=ATTENTIONS,
                    help="attention kernel of both builds (the CLI's --attention)")
     args = p.parse_args(argv)

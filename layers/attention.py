@@ -95,7 +95,10 @@ def out_projection(o_BLHK: jax.Array, p: dict, cfg: ModelConfig, axes: Axes) -> 
                                 out=cfg.act_dtype)
     # partial sums {U_tp}: all-reduce (allreduce), reduce-scatter along L (sequence),
     # or reduce-scatter as ppermutes interleaved with the matmuls (ring)
-    y_BLD = collectives.row_parallel(o_BLHK, out, axes.tp, dim=1, comm=axes.tp_comm)
+    y_BLD = collectives.row_parallel(checkpoint_name(o_BLHK, scopes.CONTEXT), out, axes.tp,
+                                     dim=1, comm=axes.tp_comm)
+    if axes.tp is not None and axes.tp_size > 1:  # the sum crossed devices
+        y_BLD = checkpoint_name(y_BLD, scopes.ATTN_OUT_TP)
     return checkpoint_name(y_BLD, scopes.ATTN_OUT)
 
 

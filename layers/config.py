@@ -42,7 +42,7 @@ class ModelConfig:
     # dtype of the activations between matmuls: matmul results, the residual stream and
     # what the forward saves for the backward (norms, softmax and the loss compute in f32)
     activations: str = "f32"
-    remat: str = "full"  # none | full | dots (layers/block.py REMAT)
+    remat: str = "full"  # none | full | dots | alternate (layers/block.py REMAT_MODES)
     attention: str = "reference"  # auto | reference | chunked | blocked | pallas (layers/attention.py)
     rope_theta: float = 10_000.0
     norm_eps: float = 1e-5

@@ -1,5 +1,5 @@
 """The named scopes (`jax.named_scope`) the step opens, which the cost model reads back,
-and the names of the values remat `dots` saves (`SAVED_BY_DOTS`).
+and the names of the values the remat policies save (`SAVED_BY_DOTS`, `SAVED_BY_ALTERNATE`).
 
 The ledger (from the jaxpr's name stacks), the trace attribution (from HLO `op_name`
 metadata) and the pricing group rows by these names; layers/ and engine/run/step.py open
@@ -36,6 +36,14 @@ PP_SCOPES = (PP_TICK, PP_FORWARD, PP_BACKWARD, PP_WEIGHT, PP_FIRST, PP_LAST)
 Q, K, V, GATE, UP = "q", "k", "v", "gate", "up"
 ATTN_OUT, ROUTER_LOGITS = "attn_out", "router_logits"
 SAVED_BY_DOTS = (Q, K, V, GATE, UP, ATTN_OUT, ROUTER_LOGITS)
+
+# The values remat `alternate` saves (layers/block.py `REMAT_POLICIES`): every second
+# projection in forward order (q, v, gate: wk, wo and wu run again in the backward), the
+# attention kernel's output o (before wo), and, only where the out projection's partial
+# sums cross tp, their reduced sum, so that no tp collective of the forward runs again.
+CONTEXT = "context"  # the attention kernel's output o [B, L, H_tp, K]
+ATTN_OUT_TP = "attn_out_tp"  # the out projection summed over tp (named only when tp > 1)
+SAVED_BY_ALTERNATE = (Q, V, CONTEXT, GATE, ATTN_OUT_TP)
 
 # Outermost first: the order a name stack is searched in.
 SCOPES = (EMBED, GATHER_PARAMS, ATTENTION, MLP, LOSS, REDUCE_GRADS, OPTIMIZER)

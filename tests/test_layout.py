@@ -106,7 +106,8 @@ def test_allowed_values_come_from_their_registries():
     from layers.kernels import KERNELS
 
     assert validate.ATTENTIONS == ("auto", *KERNELS)
-    assert block.REMAT == ("none", *block.REMAT_POLICIES)
+    assert block.REMAT_MODES == ("none", *block.REMAT_POLICIES)
+    assert set(block.REMAT) < set(block.REMAT_MODES)
     assert zero.ZERO == tuple(zero.ZERO_LEVELS) == (1, 2, 3)
     assert tuple(TP_COMMS) == ("allreduce", "sequence", "ring")
 

@@ -32,7 +32,7 @@ from engine.run import distributed
 from engine.run.data import BIN_DTYPES
 from engine.text.documents import ERRORS
 from layers import roles
-from layers.block import REMAT
+from layers.block import REMAT_MODES
 from layers.config import DTYPES
 from layers.kernels.context import CP_COMMS
 
@@ -115,8 +115,9 @@ def build_parser(prog: str = "python -m engine.train", description: str | None =
                         "dtype of the activations between matmuls: matmul results, the "
                         "residual stream and what the backward keeps (bf16 halves "
                         "activation memory; norms, softmax and the loss compute in f32)")
-    m.add_argument("--remat", default="full", choices=REMAT,
-                   help="what the backward recomputes (see layers/block.py)")
+    m.add_argument("--remat", default="full", choices=REMAT_MODES,
+                   help="what the backward recomputes; alternate: torchtitan's per-op selective "
+                        "checkpointing (see layers/block.py)")
     m.add_argument("--attention", default="auto", choices=validate.ATTENTIONS,
                    help="auto: blocked flash from 1024 tokens, else chunked (dense scores, "
                         "causal tiles skipped, flash backward); reference: plain dense "

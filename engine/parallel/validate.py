@@ -18,7 +18,7 @@ from engine.config import GRAD_REDUCES, ConfigError, ParallelConfig, TrainConfig
 from engine.parallel.pipeline import SCHEDULES
 from engine.parallel.zero import ZERO
 from layers import roles
-from layers.block import REMAT
+from layers.block import REMAT_MODES
 from layers.config import DTYPES, ModelConfig
 from layers.kernels import KERNELS
 from layers.kernels.context import CP_COMMS, CP_KERNELS
@@ -46,7 +46,7 @@ def config_problems(cfg: ModelConfig, tcfg: TrainConfig,
         problems.append(f"heads={cfg.n_heads} not divisible by kv_heads={cfg.n_kv_heads}")
     # each setting named by a registry: its value must be one of the registry's names
     for name, value, allowed in (
-            ("dtype", cfg.dtype, sorted(DTYPES)), ("remat", cfg.remat, list(REMAT)),
+            ("dtype", cfg.dtype, sorted(DTYPES)), ("remat", cfg.remat, list(REMAT_MODES)),
             ("attention", cfg.attention, list(ATTENTIONS)),
             ("tp_comm", parallel.tp_comm, list(COMMS)),
             ("cp_comm", parallel.cp_comm, list(CP_COMMS)),
