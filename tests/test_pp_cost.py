@@ -34,9 +34,10 @@ def test_the_pp_step_runs_no_forward_twice(layout, parallel):
     lay = Layout.parse(layout)
     pp = lay.degree("pp")
     others = lay.size // pp
-    flat = Layout.parse(f"fsdp{lay.size}")
+    tp = lay.degree("tp")  # kept: remat alternate saves wo's output only where it crosses tp
+    flat = Layout.parse(f"fsdp{lay.size // tp}" + (f"xtp{tp}" if tp > 1 else ""))
     matmul = lambda rows: sum(r.flops * r.count for r in rows if r.kind == "matmul")  # noqa: E731
-    for remat in ("none", "dots", "full"):
+    for remat in ("none", "dots", "alternate", "full"):
         cfg = dataclasses.replace(PP_CFG, remat=remat)
         rows = step_ledger(cfg, TCFG, lay, parallel)
         the_plan = pipeline.step_plan(lay, parallel)
