@@ -41,9 +41,11 @@ Rules, fact -> setting:
 - MP Mode / reduce dtype -> `--grad-reduce`: PyTorch FSDP's DEFAULT mixed precision
   and torchtitan's `mixed_precision_reduce = "float32"` reduce in f32, Composer's PURE in
   bf16; not stated -> the engine's default (the compute dtype).
-- activation checkpointing -> `--remat`: none, full, or a policy that saves the
-  matmul outputs (MaxText's `minimal`, torchtitan's per-op selective AC) -> `dots`; an
-  offloading policy keeps nothing on the chip -> `full`; not stated -> `full`.
+- activation checkpointing -> `--remat`: none, full; a policy that saves the matmul
+  outputs (MaxText's `minimal`) -> `dots`; torchtitan's per-op selective AC, which saves
+  the matmul outputs but every second one (wk, wo and w3 are recomputed) and the
+  attention's output -> `alternate` (layers/block.py); an offloading policy keeps
+  nothing on the chip -> `full`; not stated -> `full`.
 - microbatches: stated (Megatron's GBS / (MBS x dp)) -> `--microbatches`; PyTorch FSDP
   reduces grads on every microbatch, so its rows are priced per microbatch (batch =
   microbatch x ranks); not stated -> the engine's default, raised to pp on a pipelined

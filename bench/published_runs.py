@@ -49,7 +49,7 @@ class Run:
     MaxText's convention ("maxtext_tflops"), hardware TFLOP/s per GPU in Megatron's
     ("megatron_tflops"), or TFLOP/s per GPU in a convention the source does not state,
     read as this engine's ("engine_tflops"). source_mfu: the source's own MFU figure.
-    remat: none | full | dots (the engine's policy the source's maps to). zero: 0 for
+    remat: none | full | dots | alternate (the engine's policy the source's maps to). zero: 0 for
     plain data parallelism. microbatches: accumulated per step (0: not stated).
     grad_reduce: the dtype fsdp reduces grads in ("compute" or "f32"; "" not stated).
     tp_overlap: the source overlaps its tp collectives with compute. schedule / virtual:
@@ -230,7 +230,7 @@ def _titan(size, chips, batch, layout, remat, tps, source, compiled=True, async_
               ("chips", f"{chips} GPUs"), ("batch", f"global batch size {batch}"),
               ("seq", "seq_len 8192 (the run's llama3 toml)"),
               ("layout", layout), ("precision", "bfloat16"),
-              ("remat", {"dots": "Selective activation checkpointing / per op SAC",
+              ("remat", {"alternate": "Selective activation checkpointing / per op SAC",
                          "full": "Full activation checkpointing"}[remat]),
               ("grad_reduce", 'mixed_precision_reduce = "float32"'),
               ("framework", "torchtitan" + (", torch.compile" if compiled else " (eager)")))
@@ -329,9 +329,9 @@ RUNS = (
     _megatron("529.6B", 105, 20480, 128, 8, 35, 2520, 2520, 1, 163, 52, layers_virtual=1),
     _megatron("1T", 128, 25600, 160, 8, 64, 3072, 3072, 1, 163, 52),
     # torchtitan, Llama 3.1 8B / 70B, bf16, torch.compile
-    _titan("8B", 8, 16, "fsdp8", "dots", 6667, TITAN_2412),
-    _titan("8B", 128, 256, "fsdp128", "dots", 6514, TITAN_2412),
-    _titan("8B", 64, 96, "fsdp8xtp8", "dots", 4378, TITAN_ASYNC, note=TITAN_NOTE),
+    _titan("8B", 8, 16, "fsdp8", "alternate", 6667, TITAN_2412),
+    _titan("8B", 128, 256, "fsdp128", "alternate", 6514, TITAN_2412),
+    _titan("8B", 64, 96, "fsdp8xtp8", "alternate", 4378, TITAN_ASYNC, note=TITAN_NOTE),
     _titan("70B", 256, 512, "fsdp32xtp8", "full", 597.3, TITAN_ASYNC, note=TITAN_NOTE),
     # Llama 3 405B pre-training, Table 4: 8K sequences, and 128K with context parallelism
     _llama3(8192, 1, 64, 8192, 32, 430, 43),
@@ -366,8 +366,8 @@ HELD_OUT = (
     _v5p(1024, 4096, 2, 2, 16, "full", 279, 60.83),
     _a3_llama2_7b(2, 422),
     _a3_llama2_7b(8, 409),
-    _titan("8B", 8, 16, "fsdp8", "dots", 5762, TITAN_2412, compiled=False),
-    _titan("8B", 128, 256, "fsdp128", "dots", 5605, TITAN_2412, compiled=False),
-    _titan("8B", 64, 96, "fsdp8xtp8", "dots", 4809.4, TITAN_ASYNC, async_tp=True),
+    _titan("8B", 8, 16, "fsdp8", "alternate", 5762, TITAN_2412, compiled=False),
+    _titan("8B", 128, 256, "fsdp128", "alternate", 5605, TITAN_2412, compiled=False),
+    _titan("8B", 64, 96, "fsdp8xtp8", "alternate", 4809.4, TITAN_ASYNC, async_tp=True),
     _titan("70B", 256, 512, "fsdp32xtp8", "full", 652.4, TITAN_ASYNC, async_tp=True),
 )

@@ -30,7 +30,9 @@ CASES = {"zero1": (dict(), dict(zero=1)), "zero2": (dict(), dict(zero=2)),
          "zero3 sequence": (dict(), dict(zero=3, tp_comm="sequence")),
          # the training CLI's default kernel below 1024 tokens (attention="auto")
          "zero3 chunked": (dict(attention="chunked"), dict(zero=3)),
-         "zero3 sequence chunked": (dict(attention="chunked"), dict(zero=3, tp_comm="sequence"))}
+         "zero3 sequence chunked": (dict(attention="chunked"), dict(zero=3, tp_comm="sequence")),
+         # torchtitan's per-op selective checkpointing (layers/block.py)
+         "zero3 alternate": (dict(remat="alternate"), dict(zero=3))}
 FAST = {"xla_backend_optimization_level": 0}
 TOLERANCE = 0.15
 RESOLUTION = 0.05  # peaks closer than this are ties for the ordering test

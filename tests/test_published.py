@@ -411,7 +411,7 @@ def test_a_fact_the_source_does_not_state_takes_the_engine_default():
     titan = next(r for r in RUNS if r.framework == "torchtitan-compile" and "tp" in r.layout)
     stated = source_settings(titan)
     assert (_flag(stated, "--remat"), _flag(stated, "--grad-reduce"),
-            _flag(stated, "--tp-comm")) == ("dots", "f32", "sequence")
+            _flag(stated, "--tp-comm")) == ("alternate", "f32", "sequence")
     # the same row with its remat and reduce dtype unquoted: the engine's defaults
     silent = dataclasses.replace(titan, quotes=tuple(
         (k, v) for k, v in titan.quotes if k not in ("remat", "grad_reduce")))

@@ -99,3 +99,21 @@ def test_alternate_recomputes_wk_wo_and_up(layout, parallel, tp):
     again = wk + wu + (wo if tp == 1 else 0) - pv
     assert alternate - dots == c.n_layers * again
     assert alternate_sums == dots_sums == 0
+
+
+@pytest.mark.parametrize("layout", ["fsdp8", "fsdp4xtp2"])
+def test_memory_model_puts_alternate_between_dots_and_full(layout):
+    """alternate saves less than dots (no k, u; wo's output only where it crosses tp)
+    and more than full (q, v, o, gate besides the carry): its predicted residuals and
+    peak sit between theirs (tests/test_memory.py holds its peak to the compiler's)."""
+    from engine.cost import memory
+
+    tcfg = TrainConfig(batch=16, seq=64)
+    peak, saved = {}, {}
+    for remat in ("dots", "alternate", "full"):
+        cfg = model_config("tiny", dtype="bf16", remat=remat, attention="reference")
+        pred = memory.predict(cfg, tcfg, Layout.parse(layout), "cpu")
+        peak[remat] = pred.peak
+        saved[remat] = sum(v for k, v in pred.items.items() if k.startswith("residual"))
+    assert peak["dots"] > peak["alternate"] > peak["full"]
+    assert saved["dots"] > saved["alternate"] > saved["full"]

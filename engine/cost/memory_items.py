@@ -64,7 +64,7 @@ def kernel_priced(cfg: ModelConfig, tcfg: TrainConfig, layout: Layout, platform:
         raise Unsupported(f"no memory model for the {kernel!r} attention kernel (only "
                           f"'reference' and 'chunked' were checked against the compiler; "
                           f"engine.cost.liveness walks any traced step)")
-    if cfg.remat not in ("full", "dots", "none"):
+    if cfg.remat not in ("full", "dots", "alternate", "none"):
         raise Unsupported(f"no memory model for remat={cfg.remat!r}")
     if cfg.moe:
         raise Unsupported("no memory model for a mixture of experts (its dispatch buffers "
@@ -298,8 +298,8 @@ def saved_by_remat(d: Dims, cfg: ModelConfig, par, trans_full: dict,
     n = d.N - 1 if saves_weights else d.N
     # prefetch: the backward is a scan of its own that gathers the weights again, one
     # layer ahead, and holds two layers' gathered weights (layers.block.
-    # prefetched_full_remat under `full`, prefetched_saving under `dots` / `none`, which
-    # save what the policy keeps but the weights). With one layer under `dots` / `none`
+    # prefetched_full_remat under `full`, prefetched_saving under the others, which
+    # save what the policy keeps but the weights). With one layer under all but `full`
     # the scan is differentiated as written: it runs layers 1..N-1 and saves each one's
     # gathered weights (its carry); the last layer follows it, not rematted.
     prefetched = ({f"prefetched weights saved by the scan ({n} layers, f32 on cpu)":
@@ -315,6 +315,16 @@ def saved_by_remat(d: Dims, cfg: ModelConfig, par, trans_full: dict,
                **prefetched}
         return res, {**without_mlp_g,
                      **({"mlp sigmoid(g) (recomputed)": d.mlp} if d.cpu else {})}
+    if cfg.remat == "alternate":
+        # x, q, v, the attention kernel's output o (compute dtype) and g; where wo's sum
+        # crosses tp its reduced output too (layers/scopes.py `SAVED_BY_ALTERNATE`)
+        crosses_tp = cfg.n_heads // Htp > 1
+        per = ((1 + crosses_tp) * d.x_stream + B * L * (Htp + Gtp) * K * a + d.q_c + d.mlp)
+        what = "attention o, g" + (", wo's output reduced over tp" if crosses_tp else "")
+        res = {f"carry x, q, v, {what} ({n} layers)": n * per, **prefetched}
+        return res, {**without_mlp_g,
+                     ("mlp u, sigmoid(g) (recomputed)" if d.cpu else "mlp u (recomputed)"):
+                         (2 if d.cpu else 1) * d.mlp}
     # none: the saved dot operands, stacked: us, u unless the host's XLA:CPU slices a
     # bf16 stack as it is (jax 0.12; asked only here, where stacks are priced)
     us = d.c if d.cpu and not cpu_upcasts_bf16_stacks() else d.u
