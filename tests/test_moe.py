@@ -242,7 +242,8 @@ def test_zero_levels_and_prefetch_on_ep(parallel, init, single):
     assert_tree_close(grads, want_grads, what="ep4xfsdp2 grads ")
 
 
-@pytest.mark.parametrize("remat", ["none", pytest.param("dots", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("remat", ["none", *(pytest.param(r, marks=pytest.mark.slow)
+                                            for r in ("dots", "alternate"))])
 def test_remat_policies_compute_the_same(remat, init, single):
     cfg = CFG.__class__(**{**CFG.__dict__, "remat": remat})
     loss, grads, _, _ = run("ep8", init, cfg)
