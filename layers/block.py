@@ -26,19 +26,21 @@ from layers.norm import rms_norm
 # attention scores, norms and activations are recomputed, and no tp collective of the
 # forward runs again in the backward. Under every policy (and `none`) the norms and
 # SwiGLU keep only their inputs (layers/norm.py).
-# `alternate`: torchtitan's per-op selective activation checkpointing (`--activation_
-# checkpoint.mode selective`, `SelectiveAC._wrap_block` in torchtitan/distributed/
-# activation_checkpoint.py). Its policy saves the outputs of the ops in
-# `_get_default_save_ops` (matmuls, SDPA, reduce-scatter, all-to-all) but recomputes
-# every second matmul: it counts a block's mms from 1 and recomputes those whose count is
-# even. A Llama block runs seven, wq wk wv wo w1 w3 w2, so it saves wq, wv, w1 (gate) and
-# w2, recomputes wk, wo and w3 (up), and saves the SDPA's output. Here that is q, v,
-# gate and the attention kernel's output o (`scopes.SAVED_BY_ALTERNATE`); w2's output is
-# read by no backward, so nothing is lost by not naming it. The backward runs wk, wo and
-# wu again (and the attention's score matmul, as under `dots`, not its o = p v). Where
-# the out projection's sum crosses tp, its reduced output is saved too, as torchtitan
-# saves its reduce-scatter's output, and then wo need not run again either. The MoE
-# router's logits are recomputed: torchtitan forces its router matmul to recompute
+# `alternate`: torchtitan's per-op selective activation checkpointing (mode "selective",
+# option "op": `SelectiveAC._wrap_block` in torchtitan/distributed/activation_checkpoint.py;
+# in Dec 2024 `_apply_ac_to_transformer_block` in torchtitan/parallelisms/
+# parallelize_llama.py, the same rule). Its policy saves the outputs of the ops in its
+# save list (mm, SDPA, reduce-scatter, ...) but every second mm: it counts a block's mms
+# from 1, afresh per block, and recomputes those whose count is even. A Llama block runs
+# seven, wq wk wv wo w1 w3 w2, so it saves wq, wv, w1 (gate) and w2, recomputes wk, wo and
+# w3 (up), and saves the SDPA's output. Here that is q, v, gate and the attention
+# kernel's output o (`scopes.SAVED_BY_ALTERNATE`); w2's output is read by no backward, so
+# nothing is lost by not naming it. The backward runs wk, wo and wu again, and the
+# attention's score matmul as under `dots` (with `reference`, not its o = p v; the flash
+# kernels' custom_vjp residuals carry no name, so their forward runs again whole, as
+# under `dots`). Where the out projection's sum crosses tp, its reduced output is saved
+# too, as torchtitan saves its reduce-scatter's output, and wo does not run again. The
+# MoE router's logits are recomputed, as torchtitan forces its router matmul to
 # (`force_recompute_mm_shapes_by_fqns`, "moe.router.gate"); the experts' matmuls are
 # recomputed as under `dots`.
 REMAT_POLICIES = {
