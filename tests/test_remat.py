@@ -42,8 +42,8 @@ def references(init):
             for remat in ("full", "none")}
 
 
-@pytest.mark.parametrize("layout, parallel", [
-    ("fsdp8", {}),
+@pytest.mark.parametrize("layout, parallel", [  # fsdp also in the other two: fsdp8 slow
+    pytest.param("fsdp8", {}, marks=pytest.mark.slow),
     ("fsdp2xtp4", dict(tp_comm="sequence")),
     ("pp2xfsdp4", dict(pp_schedule="1f1b", microbatches=2)),
 ])
