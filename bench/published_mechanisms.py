@@ -119,7 +119,8 @@ def breakdown(r) -> list[str]:
     once = cp._once([x for x in rows if scopes.PP_TICK in x.pp])
     lines = [f"{r.name}: {' '.join(s.flags)}",
              f"  step {pipe.step_s:.3f} s = {T} ticks {pipe.tick_s.sum():.3f} s + outside "
-             f"{pipe.outside_s:.3f} s; {plan.units} units of each kind a device; bubble "
+             f"{pipe.outside_s:.3f} s (forward shifts hidden under backward slots: "
+             f"{pipe.hidden_shift_s:.3f} s); {plan.units} units of each kind a device; bubble "
              f"{pipe.bubble:.3f} of stage time (the table's {pipe.schedule_bubble:.3f})"]
     for kind, name in ((cp.FORWARD, "forward"), (cp.BACKWARD, "backward")):
         stage = int(pipe.unit_s[kind].argmax())
