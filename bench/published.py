@@ -48,8 +48,11 @@ Rules, fact -> setting:
   reduces grads on every microbatch, so its rows are priced per microbatch (batch =
   microbatch x ranks); not stated -> the engine's default, raised to pp on a pipelined
   layout (the fewest its 1F1B schedule accepts). Pipeline schedule: interleaved where
-  the source states virtual stages (`--pp-virtual`; their number not stated: 2, the
-  fewest), else 1F1B.
+  the source states virtual stages, else 1F1B. Chunks per device (`--pp-virtual`): as
+  stated (Megatron's `--num-layers-per-virtual-pipeline-stage` n: layers / (pp x n));
+  a source that removes one layer from its first stage and says that leaves the
+  stage's first chunk with the embedding alone states chunks of one layer: layers per
+  stage (Llama 3: 8); neither stated: 2, the fewest.
 - precision: every source runs bf16 (or fp16, the same two bytes) -> `--activations bf16`.
 
 FLOP conventions. Every MFU here is this engine's: engine/run/mfu.py's model FLOPs per
