@@ -119,6 +119,14 @@ def _pp_microbatches(r: Run) -> int:
     return r.pp if r.pp > 1 else 1
 
 
+def _chunks(r: Run) -> int:
+    """Chunks per device of an interleaved row: as its source states them (Megatron's
+    layers per virtual stage in its schedule quote, Llama 3's in its "virtual" one),
+    else the fewest."""
+    said = stated(r, "virtual") or "virtual-pipeline-stage" in r.quote("schedule")
+    return r.virtual if said and r.virtual > 1 else FEWEST_CHUNKS
+
+
 def _tp_comm(r: Run, fw: dict) -> str:
     if "tp" not in r.layout:
         return "allreduce"
@@ -149,7 +157,7 @@ def source_settings(r: Run) -> Settings:
         interleaved = r.schedule == "interleaved" and stated(r, "schedule")
         flags += ["--pp-schedule", "interleaved" if interleaved else "1f1b"]
         if interleaved:
-            flags += ["--pp-virtual", str(r.virtual or FEWEST_CHUNKS)]
+            flags += ["--pp-virtual", str(_chunks(r))]
     return Settings(tuple(flags + (["--prefetch"] if prefetch else [])), fw["kernel"],
                     fw["fused"], fw.get("loss", ""))
 

@@ -424,13 +424,17 @@ def test_a_fact_the_source_does_not_state_takes_the_engine_default():
     overlapped = dataclasses.replace(overlapped, quotes=titan.quotes + (("tp_overlap", "x"),))
     assert _flag(source_settings(overlapped), "--tp-comm") == "ring"
     # Llama 3 states no microbatch count (the fewest the schedule takes), an interleaved
-    # schedule without its chunk count (the fewest, 2), no activation checkpointing at
-    # 8K and none stated at 128K (the default, full)
+    # schedule and its chunks by their layers (one each: 8), no activation checkpointing
+    # at 8K and none stated at 128K (the default, full); without the chunks' quote, the
+    # fewest (2)
     llamas = [r for r in RUNS if r.framework == "meta-llama3"]
     for llama in llamas:
         s = source_settings(llama)
         assert (_flag(s, "--microbatches"), _flag(s, "--zero"), _flag(s, "--pp-schedule"),
-                _flag(s, "--pp-virtual")) == (str(llama.pp), "2", "interleaved", "2")
+                _flag(s, "--pp-virtual")) == (str(llama.pp), "2", "interleaved", "8")
+        no_chunks = dataclasses.replace(llama, quotes=tuple(
+            (k, v) for k, v in llama.quotes if k != "virtual"))
+        assert _flag(source_settings(no_chunks), "--pp-virtual") == "2"
         assert _flag(s, "--remat") == ("none" if llama.seq <= 8192 else "full")
         assert (llama.quote("remat") == "not stated") == (llama.seq > 8192)
     unstated = dataclasses.replace(llamas[0], quotes=tuple(
