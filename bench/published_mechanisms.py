@@ -52,20 +52,27 @@ def mechanisms(plan) -> dict:
     }
 
 
-def row_figures(r) -> list[float]:
-    """[published, as priced, less each mechanism, less both, and no bubble] MFU %."""
+def traced(r):
+    """(settings, cfg, tcfg, parallel, layout, hw, ledger rows, plan) of `r` as its
+    source ran it."""
     from engine.cli.args import build_parser, parse_or_exit
     from engine.cost.ledger import step_ledger
-    from engine.cost.pipeline import predict_pipeline
-    from engine.cost.price import predicted_mfu
     from engine.parallel import pipeline
-    from engine.run.mfu import flops_per_token
 
     s = published.source_settings(r)
     cfg, tcfg, parallel, layout, _ = parse_or_exit(published.argv(r, s), build_parser())
     hw = published.profile(r, s)
     rows = step_ledger(cfg, tcfg, layout, parallel, hw.bf16_collectives_in_f32)
-    plan = pipeline.step_plan(layout, parallel)
+    return s, cfg, tcfg, parallel, layout, hw, rows, pipeline.step_plan(layout, parallel)
+
+
+def row_figures(r) -> list[float]:
+    """[published, as priced, less each mechanism, less both, and no bubble] MFU %."""
+    from engine.cost.pipeline import predict_pipeline
+    from engine.cost.price import predicted_mfu
+    from engine.run.mfu import flops_per_token
+
+    _, cfg, tcfg, parallel, layout, hw, rows, plan = traced(r)
 
     def mfu(kept):
         pipe = predict_pipeline(kept, hw, layout.mesh_axes(), plan, parallel.prefetch)
@@ -100,19 +107,12 @@ def _fmt(parts: dict, scale: float = 1e3, unit: str = "ms") -> str:
 
 def breakdown(r) -> list[str]:
     """The row's predicted step and memory peak in parts (module doc), as lines."""
-    from engine.cli.args import build_parser, parse_or_exit
     from engine.cost import pipeline as cp
     from engine.cost.fit import predicted
-    from engine.cost.ledger import step_ledger
     from engine.cost.price import predict
-    from engine.parallel import pipeline
     from layers import scopes
 
-    s = published.source_settings(r)
-    cfg, tcfg, parallel, layout, _ = parse_or_exit(published.argv(r, s), build_parser())
-    hw = published.profile(r, s)
-    rows = step_ledger(cfg, tcfg, layout, parallel, hw.bf16_collectives_in_f32)
-    plan = pipeline.step_plan(layout, parallel)
+    s, cfg, tcfg, parallel, layout, hw, rows, plan = traced(r)
     mesh = layout.mesh_axes()
     pipe = cp.predict_pipeline(rows, hw, mesh, plan, parallel.prefetch)
     T, pp = plan.forward_TP.shape
