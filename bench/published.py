@@ -50,8 +50,11 @@ Rules, fact -> setting:
   reduces grads on every microbatch, so its rows are priced per microbatch (batch =
   microbatch x ranks); not stated -> the engine's default, raised to pp on a pipelined
   layout (the fewest its 1F1B schedule accepts). Pipeline schedule: interleaved where
-  the source states virtual stages (`--pp-virtual`; their number not stated: 2, the
-  fewest), else 1F1B.
+  the source states virtual stages, else 1F1B. Chunks per device (`--pp-virtual`): as
+  stated (Megatron's `--num-layers-per-virtual-pipeline-stage` n: layers / (pp x n));
+  a source that removes one layer from its first stage and says that leaves the
+  stage's first chunk with the embedding alone states chunks of one layer: layers per
+  stage (Llama 3: 8); neither stated: 2, the fewest.
 - precision: every source runs bf16 (or fp16, the same two bytes) -> `--activations bf16`.
 
 FLOP conventions. Every MFU here is this engine's: engine/run/mfu.py's model FLOPs per
@@ -118,6 +121,14 @@ def _pp_microbatches(r: Run) -> int:
     return r.pp if r.pp > 1 else 1
 
 
+def _chunks(r: Run) -> int:
+    """Chunks per device of an interleaved row: as its source states them (Megatron's
+    layers per virtual stage in its schedule quote, Llama 3's in its "virtual" one),
+    else the fewest."""
+    said = stated(r, "virtual") or "virtual-pipeline-stage" in r.quote("schedule")
+    return r.virtual if said and r.virtual > 1 else FEWEST_CHUNKS
+
+
 def _tp_comm(r: Run, fw: dict) -> str:
     if "tp" not in r.layout:
         return "allreduce"
@@ -148,7 +159,7 @@ def source_settings(r: Run) -> Settings:
         interleaved = r.schedule == "interleaved" and stated(r, "schedule")
         flags += ["--pp-schedule", "interleaved" if interleaved else "1f1b"]
         if interleaved:
-            flags += ["--pp-virtual", str(r.virtual or FEWEST_CHUNKS)]
+            flags += ["--pp-virtual", str(_chunks(r))]
     return Settings(tuple(flags + (["--prefetch"] if prefetch else [])), fw["kernel"],
                     fw["fused"], fw.get("loss", ""))
 

@@ -2,6 +2,7 @@
 
     python bench/published_mechanisms.py             # every pipelined row of the table
     python bench/published_mechanisms.py --only "Megatron 310"
+    python bench/published_mechanisms.py --breakdown      # each row's step and peak in parts
 
 Each column prices the row as bench/published.py's "as the source ran it" column does,
 from the same ledger rows less the rows of one mechanism the engine runs, to say how
@@ -13,6 +14,12 @@ table prices them):
   stack, and its transposes (the whole stage's grads zero-filled, updated, accumulated);
 - no bubble: every unit back to back (M·V forward and backward units of the slowest
   stage, plus the rows outside the ticks), both mechanisms out.
+`--breakdown` prints, per pipelined row, the predicted step in parts (ticks x the
+slowest stage's forward and backward units, each split into matmul, attention,
+elementwise and exposed collectives by kind and axes; the tick's own shifts and buffer
+writes; the bubble; the rows outside the ticks by scope) and the memory peak in parts
+(params, optimizer state, grads, the stash as slots x per slot, shift buffers, the
+transient of the unit's backward).
 Results: bench/results/2026-11-28-published-cpu.md.
 """
 from __future__ import annotations
@@ -45,20 +52,27 @@ def mechanisms(plan) -> dict:
     }
 
 
-def row_figures(r) -> list[float]:
-    """[published, as priced, less each mechanism, less both, and no bubble] MFU %."""
+def traced(r):
+    """(settings, cfg, tcfg, parallel, layout, hw, ledger rows, plan) of `r` as its
+    source ran it."""
     from engine.cli.args import build_parser, parse_or_exit
     from engine.cost.ledger import step_ledger
-    from engine.cost.pipeline import predict_pipeline
-    from engine.cost.price import predicted_mfu
     from engine.parallel import pipeline
-    from engine.run.mfu import flops_per_token
 
     s = published.source_settings(r)
     cfg, tcfg, parallel, layout, _ = parse_or_exit(published.argv(r, s), build_parser())
     hw = published.profile(r, s)
     rows = step_ledger(cfg, tcfg, layout, parallel, hw.bf16_collectives_in_f32)
-    plan = pipeline.step_plan(layout, parallel)
+    return s, cfg, tcfg, parallel, layout, hw, rows, pipeline.step_plan(layout, parallel)
+
+
+def row_figures(r) -> list[float]:
+    """[published, as priced, less each mechanism, less both, and no bubble] MFU %."""
+    from engine.cost.pipeline import predict_pipeline
+    from engine.cost.price import predicted_mfu
+    from engine.run.mfu import flops_per_token
+
+    _, cfg, tcfg, parallel, layout, hw, rows, plan = traced(r)
 
     def mfu(kept):
         pipe = predict_pipeline(kept, hw, layout.mesh_axes(), plan, parallel.prefetch)
@@ -75,16 +89,79 @@ def row_figures(r) -> list[float]:
     return [publ, *out, rest, rest * pipe.step_s / back_to_back]
 
 
+def _parts(pred) -> dict:
+    """{part: seconds} of a `price.Prediction`: compute by kind, collectives exposed by
+    (primitive, axes)."""
+    out = {}
+    names = {"matmul": "matmul", "attention": "attention", "memory": "elementwise"}
+    for p in pred.rows:
+        key = (f"{p.row.primitive} {','.join(p.row.axes)}" if p.bound == "comm"
+               else names.get(p.row.kind, p.row.kind))
+        out[key] = out.get(key, 0.0) + (p.exposed if p.bound == "comm" else p.seconds)
+    return {k: v for k, v in sorted(out.items(), key=lambda kv: -kv[1]) if v > 0}
+
+
+def _fmt(parts: dict, scale: float = 1e3, unit: str = "ms") -> str:
+    return ", ".join(f"{k} {v * scale:.3g}" for k, v in parts.items()) + f" ({unit})"
+
+
+def breakdown(r) -> list[str]:
+    """The row's predicted step and memory peak in parts (module doc), as lines."""
+    from engine.cost import pipeline as cp
+    from engine.cost.fit import predicted
+    from engine.cost.price import predict
+    from layers import scopes
+
+    s, cfg, tcfg, parallel, layout, hw, rows, plan = traced(r)
+    mesh = layout.mesh_axes()
+    pipe = cp.predict_pipeline(rows, hw, mesh, plan, parallel.prefetch)
+    T, pp = plan.forward_TP.shape
+    once = cp._once([x for x in rows if scopes.PP_TICK in x.pp])
+    lines = [f"{r.name}: {' '.join(s.flags)}",
+             f"  step {pipe.step_s:.3f} s = {T} ticks {pipe.tick_s.sum():.3f} s + outside "
+             f"{pipe.outside_s:.3f} s (forward shifts hidden under backward slots: "
+             f"{pipe.hidden_shift_s:.3f} s); {plan.units} units of each kind a device; bubble "
+             f"{pipe.bubble:.3f} of stage time (the table's {pipe.schedule_bubble:.3f})"]
+    for kind, name in ((cp.FORWARD, "forward"), (cp.BACKWARD, "backward")):
+        stage = int(pipe.unit_s[kind].argmax())
+        part = predict(cp.unit_rows(once, kind, stage, pp), hw, mesh, parallel.prefetch)
+        lines.append(f"  {name} unit, slowest stage {stage}: {1e3 * pipe.unit_s[kind, stage]:.3g}"
+                     f" ms = {_fmt(_parts(part))}")
+    shift = [x for x in once if not set(cp.UNITS.values()) & set(x.pp)]
+    lines.append(f"  a tick's own rows: {1e3 * pipe.shift_s:.3g} ms = "
+                 f"{_fmt(_parts(predict(shift, hw, mesh, parallel.prefetch)))}")
+    outside = predict([x for x in rows if scopes.PP_TICK not in x.pp], hw, mesh,
+                      parallel.prefetch)
+    lines.append(f"  outside the ticks: {_fmt(_parts(outside), 1, 's')}")
+    mem = predicted(cfg, tcfg, parallel, layout, hw)
+    if mem is not None:
+        gib = 2 ** 30
+        lines.append(f"  peak {mem.peak / gib:.1f} GiB ({mem.phase}): params "
+                     f"{mem.params / gib:.2f}, optimizer state {mem.opt_state / gib:.2f}, "
+                     f"grads live {mem.grads_live / gib:.2f}, transient "
+                     f"{mem.transient / gib:.2f}")
+        lines += [f"    {v / gib:8.2f} GiB {k}" for k, v in mem.items.items()
+                  if k.startswith("pipeline:")]
+    return lines
+
+
 def main(argv=None) -> int:
     from tabulate import tabulate
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--only", default=None, help="rows whose name contains this text")
+    p.add_argument("--breakdown", action="store_true",
+                   help="print each row's step and memory peak in parts instead")
     args = p.parse_args(argv)
     rows = [r for r in RUNS if r.pp > 1 and (args.only is None or args.only in r.name)]
     if not rows:
         print(f"error: no pipelined row matches {args.only!r}", file=sys.stderr)
         return 2
+    if args.breakdown:
+        published._plans_once()
+        for r in rows:
+            print("\n".join(breakdown(r)))
+        return 0
     print(tabulate([[r.name, *row_figures(r)] for r in rows],
                    ["run", "published", "priced", "no embedding RS", "no chunk copies",
                     "neither", "and no bubble"], floatfmt=".1f"))

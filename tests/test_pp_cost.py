@@ -208,7 +208,8 @@ def test_traced_pipeline_price_follows_the_bubble(layout):
         pred, pipe = predict_step(rows, h100, lay, par)
         fwd, bwd = pipe.unit_s[0], pipe.unit_s[1]
         assert (fwd > 0).all() and (bwd > fwd).all() and bwd[-1] > bwd[0]  # the loss
-        units = pred.step_s - pipe.outside_s - len(pipe.tick_s) * pipe.shift_s
+        units = (pred.step_s - pipe.outside_s - len(pipe.tick_s) * pipe.shift_s
+                 + pipe.hidden_shift_s)  # the forward shifts under backward slots
         the_plan = pipeline.plan(pipeline.SCHEDULES["gpipe"], pp, m)
         assert units == pytest.approx(the_plan.lockstep_T(fwd, bwd).sum())
         assert ((m + pp - 1) * (fwd.min() + bwd.min()) <= units

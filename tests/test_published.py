@@ -424,13 +424,17 @@ def test_a_fact_the_source_does_not_state_takes_the_engine_default():
     overlapped = dataclasses.replace(overlapped, quotes=titan.quotes + (("tp_overlap", "x"),))
     assert _flag(source_settings(overlapped), "--tp-comm") == "ring"
     # Llama 3 states no microbatch count (the fewest the schedule takes), an interleaved
-    # schedule without its chunk count (the fewest, 2), no activation checkpointing at
-    # 8K and none stated at 128K (the default, full)
+    # schedule and its chunks by their layers (one each: 8), no activation checkpointing
+    # at 8K and none stated at 128K (the default, full); without the chunks' quote, the
+    # fewest (2)
     llamas = [r for r in RUNS if r.framework == "meta-llama3"]
     for llama in llamas:
         s = source_settings(llama)
         assert (_flag(s, "--microbatches"), _flag(s, "--zero"), _flag(s, "--pp-schedule"),
-                _flag(s, "--pp-virtual")) == (str(llama.pp), "2", "interleaved", "2")
+                _flag(s, "--pp-virtual")) == (str(llama.pp), "2", "interleaved", "8")
+        no_chunks = dataclasses.replace(llama, quotes=tuple(
+            (k, v) for k, v in llama.quotes if k != "virtual"))
+        assert _flag(source_settings(no_chunks), "--pp-virtual") == "2"
         assert _flag(s, "--remat") == ("none" if llama.seq <= 8192 else "full")
         assert (llama.quote("remat") == "not stated") == (llama.seq > 8192)
     unstated = dataclasses.replace(llamas[0], quotes=tuple(
@@ -485,3 +489,22 @@ def test_a_fused_cross_entropy_holds_the_logits_and_their_grad_in_the_compute_dt
     assert gpu.peak - xent.peak == 2 * logits * 4 - 2 * logits * 2
     for r in RUNS:
         assert (profile(r).memory_platform == XENTROPY) == (r.framework == "composer"), r.name
+
+
+def test_interleaved_chunks_are_what_each_source_states():
+    """--pp-virtual by the module rule: Megatron's layers per virtual stage n gives
+    layers / (pp x n); Llama 3's first chunk left with the embedding alone once one layer
+    leaves the first stage gives chunks of one layer (V = layers per stage, 8)."""
+    from bench.published import source_settings
+    from bench.published_runs import RUNS
+
+    def virtual(r):
+        flags = source_settings(r).flags
+        return int(flags[flags.index("--pp-virtual") + 1]) if "--pp-virtual" in flags else 1
+
+    llama = [r for r in RUNS if r.framework == "meta-llama3"]
+    assert llama and all("only the embedding" in r.quote("virtual") for r in llama)
+    assert {virtual(r) for r in llama} == {r.layers // r.pp for r in llama} == {8}
+    megatron = {r.name.split()[1]: virtual(r) for r in RUNS if r.framework == "megatron-2021"}
+    assert megatron["76.1B"] == 60 // (4 * 5) and megatron["310.1B"] == 96 // (16 * 3)
+    assert megatron["529.6B"] == 105 // 35 and megatron["1T"] == 1

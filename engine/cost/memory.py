@@ -174,15 +174,33 @@ def loss_residuals(cfg, tcfg, layout, par, x_micro: int, platform: str = "cpu") 
     """What the vjp of the head and loss leaves for its backward, one microbatch (the
     pipeline's forward unit stashes it on every stage: the unit's cond keeps both
     branches' residuals): the final norm's input and output, the logits' softmax
-    [B, L, V_tp] f32, and the unembedding as gathered over fsdp (compute dtype; a
-    primal, not stashed, when nothing gathers it). `platform` as `predict`'s (the
-    attention kernel it resolves does not enter these items)."""
+    [B, L, V_tp] f32, and the unembedding in the compute dtype as the head's matmul
+    reads it: gathered over fsdp under ZeRO-3, else cast from the f32 param (a primal,
+    not stashed, only when the compute dtype is f32 and nothing gathers it; traced:
+    pp2xtp2 and pp2xfsdp2 under ZeRO-2 stash a bf16 [D, V_tp] per slot). `platform` as
+    `predict`'s (the attention kernel it resolves does not enter these items)."""
     from engine.parallel.params import param_shapes
 
     d = dims(cfg, tcfg, layout, platform, par,
              kernel_priced(cfg, tcfg, layout, platform, par), param_shapes(cfg))
-    gathered = d.D * d.Vtp * d.c if par.zero == 3 and layout.degree("fsdp") > 1 else 0
-    return 2 * x_micro + d.B * d.L * d.Vtp * F32 + gathered
+    gathered = par.zero == 3 and layout.degree("fsdp") > 1
+    unembed = d.D * d.Vtp * d.c if gathered or d.c < F32 else 0
+    return 2 * x_micro + d.B * d.L * d.Vtp * F32 + unembed
+
+
+def chunk_params(cfg, tcfg, layout, par, virtual: int) -> int:
+    """Bytes of one interleaved unit's chunk of its stage's blocks as stored (f32; fsdp
+    shards under ZeRO-3, whole under ZeRO-1/2): the unit slices them out of the stage's
+    stack inside its `jax.vjp`, so the slice is a residual and every stash slot holds
+    one (traced: pp2xtp2, pp2xfsdp2 under ZeRO-2 and 3, V = 2). `cfg` and `layout`
+    are the stage's (`stage_problem`)."""
+    from engine.parallel.params import param_shapes
+    from engine.run.step import Trainer
+
+    t = Trainer(cfg, tcfg, layout, layout.abstract_mesh(), par)
+    blocks = _tree_bytes(param_shapes(cfg), t.specs, dict(layout.mesh_axes()),
+                         keep=lambda path: path.startswith("['blocks']"))
+    return blocks // virtual
 
 
 def pipelined(cfg, tcfg, layout, platform: str = "cpu", parallel=None) -> MemoryPrediction:
@@ -196,8 +214,9 @@ def pipelined(cfg, tcfg, layout, platform: str = "cpu", parallel=None) -> Memory
                        its one more slot to 1 %): the unit's residuals (the stage's
                        `residuals` under the remat policy, which then leave the unit's
                        own items, + `loss_residuals`; the peak grows 0.78 MiB a slot
-                       against 0.77 predicted under none); under a cp ring the units'
-                       inputs B_m·L_x·D·a
+                       against 0.77 predicted under none); interleaved (V > 1), also
+                       the unit's chunk of the stage's weights, f32 as stored
+                       (`chunk_params`); under a cp ring the units' inputs B_m·L_x·D·a
         shift buffers  2 x (x_slots + ct_slots) x B_m·L_x·D·a   arrived activations and
                        cotangents, held the same way
         grads          the scan carry's grads accumulator, f32 as differentiated (one
@@ -229,6 +248,9 @@ def pipelined(cfg, tcfg, layout, platform: str = "cpu", parallel=None) -> Memory
         per_slot = stage.residuals + loss_residuals(scfg, stcfg, slayout, spar, x_micro,
                                                     platform)
         stash = {f"pipeline: stash, {K} units' vjp residuals": K * per_slot}
+        if V > 1:
+            stash[f"pipeline: stash, {K} units' chunk of the stage's weights (f32)"] = (
+                K * chunk_params(scfg, stcfg, slayout, spar, V))
         stage = dataclasses.replace(stage, residuals=0, items={
             k: v for k, v in stage.items.items() if not k.startswith("residual")})
     else:

@@ -15,6 +15,8 @@ layers/scopes.py) that say which unit runs them and which parts only the first s
                   its W a unit of its own)
     tick(t)     = max over stages s of work(t, s)      (accelerators: lock-step ticks)
                   + the tick's own rows (the stage shifts' ppermutes, buffer writes)
+                  - the forward shift's part hidden under the tick's backward
+                  (`hidden_shift_T`: accelerators, whose collectives are async)
     step        = sum over ticks of tick(t) + the rows outside the scan (grad
                   reductions, optimizer)
 
@@ -70,7 +72,9 @@ class PipelinePrediction:
     outside_s: the rows outside the tick scan (grad reductions, optimizer).
     bubble: the fraction of a stage's time spent waiting, ticks in lock-step.
     schedule_bubble: the table's idle fraction, units of equal length (`Plan.bubble()`).
-    uniform: every stage runs each tick's units (`Plan.uniform`)."""
+    uniform: every stage runs each tick's units (`Plan.uniform`).
+    hidden_shift_s: the forward shifts' time hidden under backward slots, all ticks
+        (`hidden_shift_T`; tick_s is net of it)."""
 
     prediction: Prediction
     unit_s: np.ndarray
@@ -80,6 +84,7 @@ class PipelinePrediction:
     bubble: float
     schedule_bubble: float
     uniform: bool = False
+    hidden_shift_s: float = 0.0
 
     @property
     def step_s(self) -> float:
@@ -122,8 +127,9 @@ def unit_of(row: Row) -> int | None:
 
 def _parts(rows: list[Row], T: int, M: int, pp: int, hw, mesh_axes, prefetch: bool,
            uniform: bool, virtual: int = 1):
-    """(unit_s [3, pp], shift_s, the rows outside the ticks' Prediction, the report's
-    flat Prediction) of `rows` priced with (hw, mesh_axes, prefetch), module doc. With V
+    """(unit_s [3, pp], shift_s, the forward shift's exposed seconds (the tick's first
+    ppermute over pp: `hidden_shift_T`), the rows outside the ticks' Prediction, the
+    report's flat Prediction) of `rows` priced with (hw, mesh_axes, prefetch), module doc. With V
     chunks per stage a unit's first- and last-stage parts count 1/V: a chunk's mean."""
     inside = [r for r in rows if scopes.PP_TICK in r.pp]
     outside = [r for r in rows if scopes.PP_TICK not in r.pp]
@@ -139,12 +145,30 @@ def _parts(rows: list[Row], T: int, M: int, pp: int, hw, mesh_axes, prefetch: bo
                                             if body else 0.0)
                 unit_s[kind, s] -= edge_s * (virtual - 1) / virtual
     shift = [r for r in once if not set(UNITS.values()) & set(r.pp)]
-    shift_s = predict(shift, hw, mesh_axes, prefetch).step_s
+    shift_pred = predict(shift, hw, mesh_axes, prefetch)
+    x_shift = next((p for p in shift_pred.rows if p.bound == "comm"
+                    and p.row.primitive == "ppermute" and p.row.axes == ("pp",)), None)
     out = predict(outside, hw, mesh_axes, prefetch)
     # the report's rows: every unit's rows M times, the rest as traced
     shown = [r.replace(count=r.count * M) for r in once if set(UNITS.values()) & set(r.pp)]
     shown += [r.replace(count=r.count * T) for r in shift] + outside
-    return unit_s, shift_s, out, predict(shown, hw, mesh_axes, prefetch)
+    return (unit_s, shift_pred.step_s, x_shift.exposed if x_shift else 0.0, out,
+            predict(shown, hw, mesh_axes, prefetch))
+
+
+def hidden_shift_T(the_plan: pipeline.Plan, backward_P, x_shift_s: float, hw) -> np.ndarray:
+    """[T] seconds of each tick's forward shift hidden under its backward slot. The tick
+    shifts the forward slot's output x to the next stage before the backward slot's
+    cotangent (engine/parallel/pipeline.py `run`); nothing in the backward slot reads x,
+    so with async collectives and XLA's latency-hiding scheduler (`hw.overlap`) the x
+    shift runs while the tick's backward computes: min(x shift, the tick's slowest
+    backward) of it hides, less the share the compute it hides under runs slower
+    (`Hardware.hidden_comm_share`). The cotangent's shift follows the backward that
+    makes it and is read by the next tick: exposed. On a shared host both are."""
+    if not hw.overlap or not x_shift_s:
+        return np.zeros(the_plan.ticks)
+    backward_T = the_plan.lockstep_T(np.zeros_like(backward_P), backward_P)
+    return np.minimum(x_shift_s, backward_T) * (1 - hw.hidden_comm_share)
 
 
 def predict_pipeline(rows: list[Row], hw, mesh_axes, the_plan: pipeline.Plan,
@@ -152,18 +176,19 @@ def predict_pipeline(rows: list[Row], hw, mesh_axes, the_plan: pipeline.Plan,
     """Price `rows` (the ledger of a pp step) tick by tick along `the_plan` (module doc)."""
     T, pp = the_plan.forward_TP.shape
     M = the_plan.units  # units of each kind per device: M x V
-    unit_s, shift_s, out, flat = _parts(rows, T, M, pp, hw, mesh_axes, prefetch,
-                                        the_plan.uniform, the_plan.virtual)
+    unit_s, shift_s, x_shift_s, out, flat = _parts(rows, T, M, pp, hw, mesh_axes, prefetch,
+                                                   the_plan.uniform, the_plan.virtual)
     work_TP = the_plan.work_TP(unit_s[FORWARD], unit_s[BACKWARD], unit_s[WEIGHT])
     lockstep_T = the_plan.lockstep_T(unit_s[FORWARD], unit_s[BACKWARD], unit_s[WEIGHT])
     units_T = (work_TP.mean(axis=1) if hw.shared_host and not the_plan.uniform
                else lockstep_T)
-    tick_s = units_T + shift_s
+    hidden_T = hidden_shift_T(the_plan, unit_s[BACKWARD], x_shift_s, hw)
+    tick_s = units_T + shift_s - hidden_T
     bubble = 1.0 - work_TP.sum() / (pp * lockstep_T.sum()) if lockstep_T.sum() else 0.0
     step_s = float(tick_s.sum()) + out.step_s
     return PipelinePrediction(dataclasses.replace(flat, step_s=step_s), unit_s, tick_s,
                               shift_s, out.step_s, float(bubble), the_plan.bubble(),
-                              the_plan.uniform)
+                              the_plan.uniform, float(hidden_T.sum()))
 
 
 def predict_step(rows: list[Row], hw, layout, parallel, mapped_bytes: float = 0.0):

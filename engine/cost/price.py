@@ -28,7 +28,9 @@ scheduler on accelerators; on CPU every collective is synchronous and exposed). 
 collective can hide under the scanned blocks' compute when nothing that compute needs
 waits for it:
 - FSDP grad reduce-scatters (scope `gather_params`, backward): layer i's grads reduce
-  while layer i-1's backward computes;
+  while layer i-1's backward computes; the unembedding's (scope `loss`, backward, over
+  the params' axes: made before any layer's backward, read by nothing but the update)
+  while the layers' backward computes (not the embedding's, made last);
 - FSDP weight all-gathers (scope `gather_params`, forward and remat recompute) only
   with prefetch, which issues layer i+1's gather before layer i's compute; without it
   the gather feeds the very next matmul and is exposed;
@@ -64,7 +66,10 @@ import os
 from engine.cost import nccl
 from engine.cost.hardware import Hardware, Link
 from engine.cost.ledger import COLLECTIVES, WIDENED_KINDS, Row
+from layers.roles import roles_sharding
 from layers.scopes import BLOCK_SCOPES
+
+PARAM_AXES = frozenset(roles_sharding("params"))  # the axes param grads are scattered over
 
 # Elementwise ops XLA evaluates by a polynomial or rational approximation, tens of vector
 # instructions an element (XLA:CPU's `exp` and `log` lowerings, `tanh` and `logistic`
@@ -299,6 +304,9 @@ def hideable(row: Row, prefetch: bool = False) -> bool:
     """Whether the overlap model lets this collective run under block compute."""
     if row.scope == "gather_params":
         return row.phase == "bwd" or prefetch
+    if (row.scope == "loss" and row.phase == "bwd" and set(row.axes) <= PARAM_AXES
+            and COLLECTIVES.get(row.primitive) == "reduce-scatter"):
+        return True  # the unembedding's grad: reduced while the layers' backward runs
     return COLLECTIVES.get(row.primitive) == "collective-permute" and row.scope in BLOCK_SCOPES
 
 

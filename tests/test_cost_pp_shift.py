@@ -1,0 +1,53 @@
+"""The pipelined step's stage shifts in the price (engine/cost/pipeline.py): the forward
+shift runs under the tick's backward slot where collectives are async, the cotangent's
+shift is exposed, and on a host without overlap both are."""
+import dataclasses
+
+import numpy as np
+import pytest
+
+from engine.cli.args import build_parser, parse_or_exit
+from engine.cost import hardware
+from engine.cost import pipeline as cp
+from engine.cost.ledger import step_ledger
+from engine.cost.price import collective_seconds
+from engine.parallel import pipeline
+from layers import scopes
+
+ARGS = ["--model", "tiny", "--layers", "4", "--d-model", "256", "--heads", "4",
+        "--kv-heads", "2", "--head-dim", "64", "--mlp-dim", "512", "--vocab", "512",
+        "--seq", "256", "--batch", "32", "--layout", "pp2xtp2", "--microbatches", "4",
+        "--pp-schedule", "1f1b", "--activations", "bf16"]
+
+
+@pytest.fixture(scope="module")
+def traced():
+    cfg, tcfg, parallel, layout, _ = parse_or_exit(ARGS, build_parser())
+    return step_ledger(cfg, tcfg, layout, parallel), layout, pipeline.step_plan(layout, parallel)
+
+
+def test_the_forward_shift_hides_under_the_backward_slot_where_collectives_are_async(traced):
+    """Each tick = its slowest units + its own rows (two ppermutes of [B/M, L, D] over
+    pp, the buffer writes) - the forward shift's time hidden under the tick's slowest
+    backward, hand-counted here from the shift row's ring price (collective-permute:
+    bytes / bw + latency) and the hidden share of the H100 profile; the warm-up ticks,
+    which hold no backward, hide nothing."""
+    rows, layout, plan = traced
+    hw = hardware.get("h100")
+    mesh = layout.mesh_axes()
+    pipe = cp.predict_pipeline(rows, hw, mesh, plan)
+    once = cp._once([r for r in rows if scopes.PP_TICK in r.pp])
+    shifts = [r for r in once if r.primitive == "ppermute" and r.axes == ("pp",)
+              and not set(cp.UNITS.values()) & set(r.pp)]
+    assert len(shifts) == 2  # x forward, the cotangent back
+    x = collective_seconds(shifts[0], hw, mesh) * shifts[0].count
+    f, b = pipe.unit_s[cp.FORWARD], pipe.unit_s[cp.BACKWARD]
+    backward_T = ((plan.backward_TP != pipeline.NONE) * b[None, :]).max(axis=1)
+    hidden_T = np.minimum(x, backward_T) * (1 - hw.overlap_slowdown / (1 + hw.overlap_slowdown))
+    expected_T = plan.lockstep_T(f, b) + pipe.shift_s - hidden_T
+    np.testing.assert_allclose(pipe.tick_s, expected_T, rtol=1e-9)
+    assert 0 < hidden_T.max() and hidden_T[~plan.any_backward_T].max() == 0
+    # without async collectives nothing hides: ticks are units + their own rows
+    serial = dataclasses.replace(hw, overlap=False)
+    np.testing.assert_allclose(cp.predict_pipeline(rows, serial, mesh, plan).tick_s,
+                               plan.lockstep_T(f, b) + pipe.shift_s, rtol=1e-9)
