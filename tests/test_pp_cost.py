@@ -77,6 +77,38 @@ def test_pullback_rows_priced_once_in_the_backward_unit():
         assert len(fwd) + len(bwd) == len(in_units)
 
 
+
+@pytest.mark.parametrize("remat", ["none", pytest.param("full", marks=pytest.mark.slow)])
+def test_zb1_rows_keep_the_layers_scopes_and_phases(remat):
+    """zb1's B and W units (the backward's jaxpr cut and bound again,
+    engine/parallel/backward_split.py) run the equations 1f1b's backward unit runs, and
+    their rows keep the scopes and phases the cost model prices them by: the FLOPs per
+    (scope, phase, kind, kernel) of the units' rows equal 1f1b's, the flash kernel's
+    backward ("attention" rows under blocked attention) and the per-layer recompute
+    included. Exact: the same equations on the same shapes. Scalar rows are left out:
+    the item's index arithmetic, which W computes again for itself."""
+    import collections
+
+    from engine.cost.ledger import step_ledger
+    from engine.cost.pipeline import _once, unit_of
+    from layers import scopes
+
+    cfg = dataclasses.replace(PP_CFG, remat=remat, attention="blocked")
+    tcfg = dataclasses.replace(TCFG, seq=32)  # two key blocks of blocked attention
+
+    def flops(schedule):
+        rows = step_ledger(cfg, tcfg, Layout.parse("pp2xfsdp4"),
+                           ParallelConfig(microbatches=2, pp_schedule=schedule))
+        by = collections.Counter()
+        for r in _once([r for r in rows if scopes.PP_TICK in r.pp]):
+            if unit_of(r) is not None and r.shape:
+                by[r.scope, r.phase, r.kind, r.kernel] += r.flops * r.count
+        return {k: v for k, v in by.items() if v}
+
+    want = flops("1f1b")
+    assert ("attention", "bwd", "attention", "") in want  # the kernel's backward is traced
+    assert flops("zb1") == want
+
 # -- the cost model -----------------------------------------------------------------------
 def _unit_row(unit, flops, ticks):
     from engine.cost.ledger import Row
