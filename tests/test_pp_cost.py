@@ -109,6 +109,7 @@ def test_zb1_rows_keep_the_layers_scopes_and_phases(remat):
     assert ("attention", "bwd", "attention", "") in want  # the kernel's backward is traced
     assert flops("zb1") == want
 
+
 # -- the cost model -----------------------------------------------------------------------
 def _unit_row(unit, flops, ticks):
     from engine.cost.ledger import Row
@@ -159,11 +160,22 @@ def test_pipeline_price_is_ticks_of_the_slowest_stage(name, v, pp):
             assert shared.bubble == pytest.approx(formula)  # the devices still wait
 
 
+def _shift_row(ticks, nbytes, pp):
+    from engine.cost.ledger import Row
+    from layers import scopes
+
+    return Row("other", "fwd", "collective", "ppermute", "float32", (nbytes // 4,), 0.0,
+               float(nbytes), ticks, ("pp",), pp, pp=(scopes.PP_TICK,))
+
+
 @pytest.mark.parametrize("pp", [2, 4])
 def test_zb1_price_is_one_unit_ticks_and_beats_1f1b_with_balanced_units(pp):
     """zb1 priced from rows of a forward, a B and a W unit: each tick costs its slowest
-    stage's one unit plus the tick's row. With F = B = W the units take (3M + p - 1)
-    ticks for M = p, and below 1F1B's (M + p - 1)(F + B + W) at every M."""
+    stage's one unit plus the tick's row, and each of its two shifts (the activation's,
+    the cotangent's: the tick's ppermutes in that order) only on the ticks where some
+    stage sends one (`Plan.send_x_T`, `send_ct_T`): a W tick moves nothing. With
+    F = B = W the units take (3M + p - 1) ticks for M = p, and below 1F1B's
+    (M + p - 1)(F + B + W) at every M."""
     from engine.cost import hardware
     from engine.cost.pipeline import predict_pipeline
     from engine.cost.price import predict
@@ -175,13 +187,16 @@ def test_zb1_price_is_one_unit_ticks_and_beats_1f1b_with_balanced_units(pp):
         one_f_one_b = pipeline.plan(pipeline.SCHEDULES["1f1b"], pp, m)
         T = zb1.ticks
         rows = [_unit_row(scopes.PP_FORWARD, 1e12, T), _unit_row(scopes.PP_BACKWARD, 1e12, T),
-                _unit_row(scopes.PP_WEIGHT, 1e12, T), _unit_row(None, 1e9, T)]
-        F, B, W, tick = (predict([dataclasses.replace(r, count=1)], h100, mesh).step_s
-                         for r in rows)
+                _unit_row(scopes.PP_WEIGHT, 1e12, T), _unit_row(None, 1e9, T),
+                _shift_row(T, 2 ** 20, pp), _shift_row(T, 2 ** 24, pp)]
+        F, B, W, tick, x, ct = (predict([dataclasses.replace(r, count=1)], h100, mesh).step_s
+                                for r in rows)
         got = predict_pipeline(rows, h100, mesh, zb1)
         units = ((zb1.forward_TP != pipeline.NONE) * F + (zb1.backward_TP != pipeline.NONE) * B
                  + (zb1.weight_TP != pipeline.NONE) * W).max(axis=1).sum()
-        assert got.step_s == pytest.approx(units + T * tick)
+        assert zb1.send_x_T.sum() + zb1.send_ct_T.sum() < 2 * T  # ticks that send nothing
+        assert got.step_s == pytest.approx(
+            units + T * tick + zb1.send_x_T.sum() * x + zb1.send_ct_T.sum() * ct)
         if m == pp:
             assert units == pytest.approx((3 * m + pp - 1) * F)
         assert units < one_f_one_b.ticks * (F + B + W)
@@ -239,7 +254,7 @@ def test_traced_pipeline_price_follows_the_bubble(layout):
         pred, pipe = predict_step(rows, h100, lay, par)
         fwd, bwd = pipe.unit_s[0], pipe.unit_s[1]
         assert (fwd > 0).all() and (bwd > fwd).all() and bwd[-1] > bwd[0]  # the loss
-        units = pred.step_s - pipe.outside_s - len(pipe.tick_s) * pipe.shift_s
+        units = pred.step_s - pipe.outside_s - pipe.shift_T.sum()
         the_plan = pipeline.plan(pipeline.SCHEDULES["gpipe"], pp, m)
         assert units == pytest.approx(the_plan.lockstep_T(fwd, bwd).sum())
         assert ((m + pp - 1) * (fwd.min() + bwd.min()) <= units
