@@ -30,6 +30,10 @@ configuration:
     peak MiB      per device: `memory_analysis()` of the compiled step
                   (engine/cost/memory.py `measure`) and `memory.predict`
 
+A second table splits a tick's traced time per device (`tick_parts`): the units, the
+stage shifts' transfer and wait, the conds' dispatch and the buffer writes, and says
+how many of the 2T possible shifts the table runs.
+
 Forced host devices are threads sharing the host's cores: a stage with nothing to do in
 a tick gives its cores to the busy ones, so the wall clock does not show the bubble the
 way a chip per device would, and a busy unit is stretched by the other threads.
