@@ -30,6 +30,10 @@ configuration:
     peak MiB      per device: `memory_analysis()` of the compiled step
                   (engine/cost/memory.py `measure`) and `memory.predict`
 
+A second table splits a tick's traced time per device (`tick_parts`): the units, the
+stage shifts' transfer and wait, the conds' dispatch and the buffer writes, and says
+how many of the 2T possible shifts the table runs.
+
 Forced host devices are threads sharing the host's cores: a stage with nothing to do in
 a tick gives its cores to the busy ones, so the wall clock does not show the bubble the
 way a chip per device would, and a busy unit is stretched by the other threads.
@@ -111,13 +115,64 @@ def unit_intervals(text: str, events) -> dict[int, float]:
     return busy
 
 
+def tick_parts(text: str, events, devices, ticks: int) -> dict[str, float]:
+    """A tick's mean time per device (seconds) split by what the tick body runs, from
+    the trace's op events of one step (`engine.cost.trace.op_events`):
+
+        unit      ops inside the forward / backward / W units (union of intervals)
+        shift     the stage shifts' collective-permutes, each occurrence's fastest
+                  device (what moving the data costs once every device has arrived)
+        wait      the rest of the collective-permutes' time: devices waiting at the
+                  shift for a slower neighbour (the lock-step idle)
+        dispatch  the tick's conditionals (slot units, shifts) less the ops inside them
+        buffers   the tick body's other ops (slot writes into the x / ct / stash / W
+                  buffers, the table lookups)"""
+    from engine.cost import hlo
+    from layers import scopes
+
+    module = hlo.parse(text)
+    by_name = {i.name: i for i in module.instructions()}
+    unit_names = (scopes.PP_FORWARD, scopes.PP_BACKWARD, scopes.PP_WEIGHT)
+    in_unit = lambda i: any(u in i.op_name for u in unit_names)  # noqa: E731
+    # the tick body: the computation holding the slot conditionals
+    bodies = [i.computation for i in module.instructions() if i.opcode == "conditional"
+              and scopes.PP_TICK in i.op_name and not in_unit(i)]
+    body = max(set(bodies), key=bodies.count)
+    parts = dict(unit=0.0, shift=0.0, wait=0.0, dispatch=0.0, buffers=0.0)
+    per_dev = {d: sorted((e for e in events if e[1] == d), key=lambda e: e[2]) for d in devices}
+    permutes: dict[str, list] = {}
+    for d, evs in per_dev.items():
+        for op, _, start, dur in evs:
+            i = by_name.get(op)
+            if i is None:
+                continue
+            if i.opcode == "collective-permute" and not in_unit(i) and scopes.PP_TICK in i.op_name:
+                permutes.setdefault(op, []).append((d, dur))
+            elif i.computation == body and i.opcode == "conditional":
+                inner = sum(e[3] for e in evs if start <= e[2] and e[2] + e[3] <= start + dur
+                            and e[0] != op)
+                parts["dispatch"] += max(dur - inner, 0)
+            elif i.computation == body and i.opcode not in ("collective-permute", "while"):
+                parts["buffers"] += dur
+    for occurrences in permutes.values():
+        by_dev: dict = {}
+        for d, dur in occurrences:
+            by_dev.setdefault(d, []).append(dur)
+        n = min(len(v) for v in by_dev.values())
+        fastest = sum(min(by_dev[d][k] for d in by_dev) for k in range(n))
+        parts["shift"] += fastest * len(by_dev)
+        parts["wait"] += sum(sum(v) for v in by_dev.values()) - fastest * len(by_dev)
+    parts["unit"] = sum(unit_intervals(text, events).values()) * 1e9
+    return {k: v / 1e9 / len(devices) / ticks for k, v in parts.items()}
+
+
 def _with_shifts(pipe, the_plan) -> float:
     """The predicted idle fraction of a device when every tick lasts its slowest stage's
     work plus the tick's shifts (the ops outside the units, which the trace counts as
     idle)."""
     pp = pipe.unit_s.shape[1]
     work_TP = the_plan.work_TP(*pipe.unit_s)
-    return 1 - work_TP.sum() / (pp * (the_plan.lockstep_T(*pipe.unit_s) + pipe.shift_s).sum())
+    return 1 - work_TP.sum() / (pp * (the_plan.lockstep_T(*pipe.unit_s) + pipe.shift_T).sum())
 
 
 def run_one(cfg, tcfg, layout, par, args) -> dict:
@@ -142,6 +197,9 @@ def run_one(cfg, tcfg, layout, par, args) -> dict:
                 jax.block_until_ready(m)
         events = trace.op_events(d)
     busy = unit_intervals(step.as_text(), events)
+    the_plan = pipeline.step_plan(layout, par)
+    tick = tick_parts(step.as_text(), events, [d.id for d in trainer.mesh.devices.flat],
+                      the_plan.ticks * args.trace_steps)
     wall = [e[2] for e in events], [e[2] + e[3] for e in events]
     traced_s = (max(wall[1]) - min(wall[0])) / 1e9 / args.trace_steps
     devices = [d.id for d in trainer.mesh.devices.flat]
@@ -151,7 +209,6 @@ def run_one(cfg, tcfg, layout, par, args) -> dict:
     _, h100 = predict_step(rows, hardware.get("h100"), layout, par)
     pp, M = layout.degree("pp"), par.microbatches
     V = par.pp_virtual
-    the_plan = pipeline.step_plan(layout, par)
     return dict(pp=pp, microbatches=M, schedule=par.pp_schedule, virtual=V,
                 ticks=the_plan.ticks, bubble_formula=(pp - 1) / (
                     (3 if the_plan.split else V) * M + pp - 1),
@@ -162,7 +219,9 @@ def run_one(cfg, tcfg, layout, par, args) -> dict:
                 predicted_idle=cpu_pipe.bubble,
                 predicted_idle_shifts=_with_shifts(cpu_pipe, the_plan),
                 h100_bubble=h100.bubble, stash_slots=the_plan.stash_slots,
-                measured_peak_bytes=measured_mem, predicted_peak_bytes=predicted_mem)
+                measured_peak_bytes=measured_mem, predicted_peak_bytes=predicted_mem,
+                tick_s={k: v for k, v in tick.items()},
+                shifts_run=int(the_plan.send_x_T.sum() + the_plan.send_ct_T.sum()))
 
 
 def main(argv=None) -> int:
@@ -210,6 +269,15 @@ def main(argv=None) -> int:
     print(tabulate(table, ["pp", "M", "schedule", "ticks", "stash", "bubble (p-1)/(VM+p-1)",
                            "idle meas. (min-max)", "idle pred.", "+ shifts", "h100 bubble", "step s meas.",
                            "step s pred.", "peak MiB meas.", "peak MiB pred."],
+                   disable_numparse=True))
+    parts = ("unit", "shift", "wait", "dispatch", "buffers")
+    print("\nA tick's mean time per device, ms (`tick_parts`): its units, the shifts' "
+          "transfer and wait, the conds' dispatch, the buffer writes")
+    print(tabulate([[r["pp"], r["microbatches"], r["schedule"], r["ticks"],
+                     f"{r['shifts_run']} of {2 * r['ticks']}",
+                     *(f"{r['tick_s'][k] * 1e3:.2f}" for k in parts),
+                     f"{r['traced_step_s'] / r['ticks'] * 1e3:.2f}"] for r in out],
+                   ["pp", "M", "schedule", "ticks", "shifts run", *parts, "traced step / ticks"],
                    disable_numparse=True))
     if args.json:
         Path(args.json).write_text(json.dumps(dict(

@@ -28,7 +28,7 @@ def traced():
 
 def test_the_forward_shift_hides_under_the_backward_slot_where_collectives_are_async(traced):
     """Each tick = its slowest units + its own rows (two ppermutes of [B/M, L, D] over
-    pp, the buffer writes) - the forward shift's time hidden under the tick's slowest
+    pp, each on the ticks where some stage sends it; the buffer writes) - the forward shift's time hidden under the tick's slowest
     backward, hand-counted here from the shift row's ring price (collective-permute:
     bytes / bw + latency) and the hidden share of the H100 profile; the warm-up ticks,
     which hold no backward, hide nothing."""
@@ -43,11 +43,12 @@ def test_the_forward_shift_hides_under_the_backward_slot_where_collectives_are_a
     x = collective_seconds(shifts[0], hw, mesh) * shifts[0].count
     f, b = pipe.unit_s[cp.FORWARD], pipe.unit_s[cp.BACKWARD]
     backward_T = ((plan.backward_TP != pipeline.NONE) * b[None, :]).max(axis=1)
-    hidden_T = np.minimum(x, backward_T) * (1 - hw.overlap_slowdown / (1 + hw.overlap_slowdown))
-    expected_T = plan.lockstep_T(f, b) + pipe.shift_s - hidden_T
+    hidden_T = (np.minimum(x, backward_T) * plan.send_x_T  # where the x shift runs
+                * (1 - hw.overlap_slowdown / (1 + hw.overlap_slowdown)))
+    expected_T = plan.lockstep_T(f, b) + pipe.shift_T - hidden_T
     np.testing.assert_allclose(pipe.tick_s, expected_T, rtol=1e-9)
     assert 0 < hidden_T.max() and hidden_T[~plan.any_backward_T].max() == 0
     # without async collectives nothing hides: ticks are units + their own rows
     serial = dataclasses.replace(hw, overlap=False)
     np.testing.assert_allclose(cp.predict_pipeline(rows, serial, mesh, plan).tick_s,
-                               plan.lockstep_T(f, b) + pipe.shift_s, rtol=1e-9)
+                               plan.lockstep_T(f, b) + pipe.shift_T, rtol=1e-9)

@@ -78,6 +78,39 @@ def test_pullback_rows_priced_once_in_the_backward_unit():
         assert len(fwd) + len(bwd) == len(in_units)
 
 
+
+@pytest.mark.parametrize("remat", ["none", pytest.param("full", marks=pytest.mark.slow)])
+def test_zb1_rows_keep_the_layers_scopes_and_phases(remat):
+    """zb1's B and W units (the backward's jaxpr cut and bound again,
+    engine/parallel/backward_split.py) run the equations 1f1b's backward unit runs, and
+    their rows keep the scopes and phases the cost model prices them by: the FLOPs per
+    (scope, phase, kind, kernel) of the units' rows equal 1f1b's, the flash kernel's
+    backward ("attention" rows under blocked attention) and the per-layer recompute
+    included. Exact: the same equations on the same shapes. Scalar rows are left out:
+    the item's index arithmetic, which W computes again for itself."""
+    import collections
+
+    from engine.cost.ledger import step_ledger
+    from engine.cost.pipeline import _once, unit_of
+    from layers import scopes
+
+    cfg = dataclasses.replace(PP_CFG, remat=remat, attention="blocked")
+    tcfg = dataclasses.replace(TCFG, seq=32)  # two key blocks of blocked attention
+
+    def flops(schedule):
+        rows = step_ledger(cfg, tcfg, Layout.parse("pp2xfsdp4"),
+                           ParallelConfig(microbatches=2, pp_schedule=schedule))
+        by = collections.Counter()
+        for r in _once([r for r in rows if scopes.PP_TICK in r.pp]):
+            if unit_of(r) is not None and r.shape:
+                by[r.scope, r.phase, r.kind, r.kernel] += r.flops * r.count
+        return {k: v for k, v in by.items() if v}
+
+    want = flops("1f1b")
+    assert ("attention", "bwd", "attention", "") in want  # the kernel's backward is traced
+    assert flops("zb1") == want
+
+
 # -- the cost model -----------------------------------------------------------------------
 def _unit_row(unit, flops, ticks):
     from engine.cost.ledger import Row
@@ -128,11 +161,22 @@ def test_pipeline_price_is_ticks_of_the_slowest_stage(name, v, pp):
             assert shared.bubble == pytest.approx(formula)  # the devices still wait
 
 
+def _shift_row(ticks, nbytes, pp):
+    from engine.cost.ledger import Row
+    from layers import scopes
+
+    return Row("other", "fwd", "collective", "ppermute", "float32", (nbytes // 4,), 0.0,
+               float(nbytes), ticks, ("pp",), pp, pp=(scopes.PP_TICK,))
+
+
 @pytest.mark.parametrize("pp", [2, 4])
 def test_zb1_price_is_one_unit_ticks_and_beats_1f1b_with_balanced_units(pp):
     """zb1 priced from rows of a forward, a B and a W unit: each tick costs its slowest
-    stage's one unit plus the tick's row. With F = B = W the units take (3M + p - 1)
-    ticks for M = p, and below 1F1B's (M + p - 1)(F + B + W) at every M."""
+    stage's one unit plus the tick's row, and each of its two shifts (the activation's,
+    the cotangent's: the tick's ppermutes in that order) only on the ticks where some
+    stage sends one (`Plan.send_x_T`, `send_ct_T`): a W tick moves nothing. With
+    F = B = W the units take (3M + p - 1) ticks for M = p, and below 1F1B's
+    (M + p - 1)(F + B + W) at every M."""
     from engine.cost import hardware
     from engine.cost.pipeline import predict_pipeline
     from engine.cost.price import predict
@@ -144,13 +188,18 @@ def test_zb1_price_is_one_unit_ticks_and_beats_1f1b_with_balanced_units(pp):
         one_f_one_b = pipeline.plan(pipeline.SCHEDULES["1f1b"], pp, m)
         T = zb1.ticks
         rows = [_unit_row(scopes.PP_FORWARD, 1e12, T), _unit_row(scopes.PP_BACKWARD, 1e12, T),
-                _unit_row(scopes.PP_WEIGHT, 1e12, T), _unit_row(None, 1e9, T)]
-        F, B, W, tick = (predict([dataclasses.replace(r, count=1)], h100, mesh).step_s
-                         for r in rows)
+                _unit_row(scopes.PP_WEIGHT, 1e12, T), _unit_row(None, 1e9, T),
+                _shift_row(T, 2 ** 20, pp), _shift_row(T, 2 ** 24, pp)]
+        F, B, W, tick, x, ct = (predict([dataclasses.replace(r, count=1)], h100, mesh).step_s
+                                for r in rows)
         got = predict_pipeline(rows, h100, mesh, zb1)
         units = ((zb1.forward_TP != pipeline.NONE) * F + (zb1.backward_TP != pipeline.NONE) * B
                  + (zb1.weight_TP != pipeline.NONE) * W).max(axis=1).sum()
-        assert got.step_s == pytest.approx(units + T * tick)
+        assert zb1.send_x_T.sum() + zb1.send_ct_T.sum() < 2 * T  # ticks that send nothing
+        # the x shift partly hides under the tick's B slot (accelerators' async collectives)
+        assert 0 <= got.hidden_shift_s <= zb1.send_x_T.sum() * x
+        assert got.step_s == pytest.approx(units + T * tick + zb1.send_x_T.sum() * x
+                                           + zb1.send_ct_T.sum() * ct - got.hidden_shift_s)
         if m == pp:
             assert units == pytest.approx((3 * m + pp - 1) * F)
         assert units < one_f_one_b.ticks * (F + B + W)
@@ -208,7 +257,7 @@ def test_traced_pipeline_price_follows_the_bubble(layout):
         pred, pipe = predict_step(rows, h100, lay, par)
         fwd, bwd = pipe.unit_s[0], pipe.unit_s[1]
         assert (fwd > 0).all() and (bwd > fwd).all() and bwd[-1] > bwd[0]  # the loss
-        units = (pred.step_s - pipe.outside_s - len(pipe.tick_s) * pipe.shift_s
+        units = (pred.step_s - pipe.outside_s - pipe.shift_T.sum()
                  + pipe.hidden_shift_s)  # the forward shifts under backward slots
         the_plan = pipeline.plan(pipeline.SCHEDULES["gpipe"], pp, m)
         assert units == pytest.approx(the_plan.lockstep_T(fwd, bwd).sum())

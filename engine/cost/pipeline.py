@@ -14,7 +14,9 @@ layers/scopes.py) that say which unit runs them and which parts only the first s
                   (+ unit(weight, s) under a split schedule: zb1's backward is B, and
                   its W a unit of its own)
     tick(t)     = max over stages s of work(t, s)      (accelerators: lock-step ticks)
-                  + the tick's own rows (the stage shifts' ppermutes, buffer writes)
+                  + the tick's own rows (buffer writes, and the stage shifts'
+                  ppermutes on the ticks that run them: a shift runs only on the ticks
+                  where some stage sends, `Plan.send_x_T` / `send_ct_T`)
                   - the forward shift's part hidden under the tick's backward
                   (`hidden_shift_T`: accelerators, whose collectives are async)
     step        = sum over ticks of tick(t) + the rows outside the scan (grad
@@ -67,8 +69,9 @@ class PipelinePrediction:
         the pipelined step (below), not compute + exposed communication.
     unit_s: [3, pp] one unit (FORWARD, BACKWARD, WEIGHT: zeros but under a split
         schedule) on each stage.
-    tick_s: [T] each tick: its stages' work (max, or mean on a shared host) + shift_s.
-    shift_s: the tick's own rows (stage shifts, buffer writes), per tick.
+    tick_s: [T] each tick: its stages' work (max, or mean on a shared host) + shift_T.
+    shift_s: a tick's own rows (buffer writes) with both its shifts.
+    shift_T: [T] each tick's own rows: buffer writes and the shifts it runs.
     outside_s: the rows outside the tick scan (grad reductions, optimizer).
     bubble: the fraction of a stage's time spent waiting, ticks in lock-step.
     schedule_bubble: the table's idle fraction, units of equal length (`Plan.bubble()`).
@@ -85,6 +88,7 @@ class PipelinePrediction:
     schedule_bubble: float
     uniform: bool = False
     hidden_shift_s: float = 0.0
+    shift_T: np.ndarray | None = None
 
     @property
     def step_s(self) -> float:
@@ -125,12 +129,23 @@ def unit_of(row: Row) -> int | None:
     return units[0] if units else None
 
 
+def _shifts(rows: list[Row]) -> tuple[list[Row], list[list[Row]]]:
+    """(the tick's own rows but its shifts, [the activation shift's rows, the
+    cotangent's]) of `rows` (a tick's rows outside its units): the shifts are the
+    tick's ppermutes, traced in that order (engine/parallel/pipeline.py `tick`); no
+    cotangent shift without a backward."""
+    permutes = [r for r in rows if r.primitive == "ppermute"]
+    assert len(permutes) <= 2, "a tick shifts x and the cotangent, nothing else"
+    return [r for r in rows if r.primitive != "ppermute"], [[r] for r in permutes]
+
+
 def _parts(rows: list[Row], T: int, M: int, pp: int, hw, mesh_axes, prefetch: bool,
-           uniform: bool, virtual: int = 1):
-    """(unit_s [3, pp], shift_s, the forward shift's exposed seconds (the tick's first
-    ppermute over pp: `hidden_shift_T`), the rows outside the ticks' Prediction, the
-    report's flat Prediction) of `rows` priced with (hw, mesh_axes, prefetch), module doc. With V
-    chunks per stage a unit's first- and last-stage parts count 1/V: a chunk's mean."""
+           uniform: bool, virtual: int = 1, sends=()):
+    """(unit_s [3, pp], the tick's own rows' seconds (buffer writes, each shift's), the
+    rows outside the ticks' Prediction, the report's flat Prediction) of `rows` priced
+    with (hw, mesh_axes, prefetch), module doc. With V chunks per stage a unit's first-
+    and last-stage parts count 1/V: a chunk's mean. sends: the ticks each shift runs
+    on ([T] bool each; default all)."""
     inside = [r for r in rows if scopes.PP_TICK in r.pp]
     outside = [r for r in rows if scopes.PP_TICK not in r.pp]
     once = _once(inside)
@@ -144,16 +159,18 @@ def _parts(rows: list[Row], T: int, M: int, pp: int, hw, mesh_axes, prefetch: bo
                 edge_s = unit_s[kind, s] - (predict(body, hw, mesh_axes, prefetch).step_s
                                             if body else 0.0)
                 unit_s[kind, s] -= edge_s * (virtual - 1) / virtual
-    shift = [r for r in once if not set(UNITS.values()) & set(r.pp)]
-    shift_pred = predict(shift, hw, mesh_axes, prefetch)
-    x_shift = next((p for p in shift_pred.rows if p.bound == "comm"
-                    and p.row.primitive == "ppermute" and p.row.axes == ("pp",)), None)
+    own = [r for r in once if not set(UNITS.values()) & set(r.pp)]
+    writes, shifts = _shifts(own)
+    seconds = lambda rs: predict(rs, hw, mesh_axes, prefetch).step_s if rs else 0.0  # noqa: E731
+    own_s = (seconds(writes), [seconds(rs) for rs in shifts])
     out = predict(outside, hw, mesh_axes, prefetch)
-    # the report's rows: every unit's rows M times, the rest as traced
+    # the report's rows: every unit's rows M times, each shift's on the ticks it runs,
+    # the rest as traced
+    runs = [int(np.sum(s)) for s in sends] or [T] * len(shifts)
     shown = [r.replace(count=r.count * M) for r in once if set(UNITS.values()) & set(r.pp)]
-    shown += [r.replace(count=r.count * T) for r in shift] + outside
-    return (unit_s, shift_pred.step_s, x_shift.exposed if x_shift else 0.0, out,
-            predict(shown, hw, mesh_axes, prefetch))
+    shown += [r.replace(count=r.count * T) for r in writes] + outside
+    shown += [r.replace(count=r.count * n) for rs, n in zip(shifts, runs) for r in rs]
+    return unit_s, own_s, out, predict(shown, hw, mesh_axes, prefetch)
 
 
 def hidden_shift_T(the_plan: pipeline.Plan, backward_P, x_shift_s: float, hw) -> np.ndarray:
@@ -167,7 +184,8 @@ def hidden_shift_T(the_plan: pipeline.Plan, backward_P, x_shift_s: float, hw) ->
     makes it and is read by the next tick: exposed. On a shared host both are."""
     if not hw.overlap or not x_shift_s:
         return np.zeros(the_plan.ticks)
-    backward_T = the_plan.lockstep_T(np.zeros_like(backward_P), backward_P)
+    none_P = np.zeros_like(backward_P)
+    backward_T = the_plan.lockstep_T(none_P, backward_P, none_P)
     return np.minimum(x_shift_s, backward_T) * (1 - hw.hidden_comm_share)
 
 
@@ -176,19 +194,24 @@ def predict_pipeline(rows: list[Row], hw, mesh_axes, the_plan: pipeline.Plan,
     """Price `rows` (the ledger of a pp step) tick by tick along `the_plan` (module doc)."""
     T, pp = the_plan.forward_TP.shape
     M = the_plan.units  # units of each kind per device: M x V
-    unit_s, shift_s, x_shift_s, out, flat = _parts(rows, T, M, pp, hw, mesh_axes, prefetch,
-                                                   the_plan.uniform, the_plan.virtual)
+    sends = (the_plan.send_x_T, the_plan.send_ct_T)
+    unit_s, (writes_s, shifts_s), out, flat = _parts(
+        rows, T, M, pp, hw, mesh_axes, prefetch, the_plan.uniform, the_plan.virtual, sends)
+    shift_T = np.full(T, writes_s) + sum(
+        (s * np.asarray(runs, float) for s, runs in zip(shifts_s, sends)), np.zeros(T))
     work_TP = the_plan.work_TP(unit_s[FORWARD], unit_s[BACKWARD], unit_s[WEIGHT])
     lockstep_T = the_plan.lockstep_T(unit_s[FORWARD], unit_s[BACKWARD], unit_s[WEIGHT])
     units_T = (work_TP.mean(axis=1) if hw.shared_host and not the_plan.uniform
                else lockstep_T)
-    hidden_T = hidden_shift_T(the_plan, unit_s[BACKWARD], x_shift_s, hw)
-    tick_s = units_T + shift_s - hidden_T
+    hidden_T = (hidden_shift_T(the_plan, unit_s[BACKWARD], shifts_s[0] if shifts_s else 0.0, hw)
+                * np.asarray(the_plan.send_x_T, float))  # the x shift, where it runs
+    tick_s = units_T + shift_T - hidden_T
     bubble = 1.0 - work_TP.sum() / (pp * lockstep_T.sum()) if lockstep_T.sum() else 0.0
     step_s = float(tick_s.sum()) + out.step_s
     return PipelinePrediction(dataclasses.replace(flat, step_s=step_s), unit_s, tick_s,
-                              shift_s, out.step_s, float(bubble), the_plan.bubble(),
-                              the_plan.uniform, float(hidden_T.sum()))
+                              writes_s + sum(shifts_s), out.step_s, float(bubble),
+                              the_plan.bubble(), the_plan.uniform,
+                              hidden_shift_s=float(hidden_T.sum()), shift_T=shift_T)
 
 
 def predict_step(rows: list[Row], hw, layout, parallel, mapped_bytes: float = 0.0):

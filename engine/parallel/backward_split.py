@@ -18,6 +18,7 @@ B and hands W what it computed.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import jax
@@ -50,12 +51,21 @@ def _sub_jaxpr(eqn):
     return sub, ()
 
 
-def _bind(eqn, ins):
-    """Bind `eqn`'s primitive on `ins` under its name stack (the named scopes the cost
-    model's rows carry), as `jax.core.eval_jaxpr` does; its outputs as a list."""
+@contextlib.contextmanager
+def _source_of(eqn):
+    """Trace under `eqn`'s source info, as `jax.core.eval_jaxpr` does: its name stack
+    (the named scopes and the transforms, e.g. `transpose`, the cost model's rows read
+    their scope and phase from) after the current one, and its context."""
     name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
     with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack), \
             eqn.ctx.manager:
+        yield
+
+
+def _bind(eqn, ins):
+    """Bind `eqn`'s primitive on `ins` under its source info (`_source_of`); its outputs
+    as a list."""
+    with _source_of(eqn):
         outs = eqn.primitive.bind(*ins, **eqn.primitive.get_bind_params(eqn.params))
     return outs if eqn.primitive.multiple_results else [outs]
 
@@ -76,8 +86,9 @@ def _eval_inlined(jaxpr, consts, args):
             sub, sub_consts = _sub_jaxpr(eqn)
             if name == "custom_vjp_call" or sub is None:
                 outs = _bind(eqn, ins)
-            else:
-                outs = _eval_inlined(sub, sub_consts, ins)
+            else:  # the call's equations under its scopes, as if it were bound whole
+                with _source_of(eqn):
+                    outs = _eval_inlined(sub, sub_consts, ins)
         elif name == "scan":
             outs = _scan(eqn, ins, lambda body, b_consts, a: _eval_inlined(body, b_consts, a))
         else:
@@ -97,7 +108,8 @@ def _scan(eqn, ins, body_fn):
         outs = body_fn(closed.jaxpr, closed.consts, [*consts, *carry, *x])
         return outs[:ncar], outs[ncar:]
 
-    carry, ys = lax.scan(body, init, xs, length=p["length"], reverse=p["reverse"])
+    with _source_of(eqn):  # a new scan equation: the old one's scopes (its body's own)
+        carry, ys = lax.scan(body, init, xs, length=p["length"], reverse=p["reverse"])
     return [*carry, *ys]
 
 
@@ -256,8 +268,9 @@ def _scan_part(eqn, i, s: ScanPlan, env, part: str):
         return ([o for o, m in zip(outs[:ncar], carry_mask) if m],
                 ([o for o, m in zip(outs[ncar:], ys_mask) if m], made))
 
-    carry, (ys, made) = lax.scan(step, init, (xs, cross), length=p["length"],
-                                 reverse=p["reverse"])
+    with _source_of(eqn):
+        carry, (ys, made) = lax.scan(step, init, (xs, cross), length=p["length"],
+                                     reverse=p["reverse"])
     values = iter([*carry, *ys])
     env.update((v, next(values)) for v, m in zip(eqn.outvars, carry_mask + ys_mask) if m)
     env.update(((i, j), c) for j, c in enumerate(made))

@@ -8,7 +8,11 @@ another, either slot possibly empty. Every stage runs the same program (`lax.sca
 the ticks): a `lax.cond` on its forward slot, one on its backward slot, then it sends
 its forward output x [B/M, L, D] to stage s+1 and its input cotangent to stage s−1 with
 one `ppermute` each (`collectives.ring_shift`); what arrives waits in a small buffer
-until the table says it is used.
+until the table says it is used. A shift runs only on the ticks where some stage sends
+(`Plan.send_x_T`, `send_ct_T`): a `lax.cond` on the tick, which every device takes
+alike, so every device runs the same collectives in the same order; on a shared CPU
+host a ppermute's rendezvous costs about a millisecond even when it moves nothing
+(bench/results/2026-11-28-pipeline-cpu.md).
 
 The backward of a unit is the vjp of the unit, run at its tick. The forward unit runs
 `jax.vjp` and stashes its residuals (`stash_residuals`) in `Plan.stash_slots` slots, and
@@ -166,6 +170,7 @@ def run(stages: Stages, params, inputs_MBL, targets_MBL, x_shape, x_axes, axes: 
     fwd_TP, bwd_TP, recv_x_TP, recv_ct_TP = (jnp.asarray(a) for a in (
         the_plan.forward_TP, the_plan.backward_TP, the_plan.recv_x_TP, the_plan.recv_ct_TP))
     any_f_T, any_b_T = jnp.asarray(the_plan.any_forward_T), jnp.asarray(the_plan.any_backward_T)
+    send_x_T, send_ct_T = jnp.asarray(the_plan.send_x_T), jnp.asarray(the_plan.send_ct_T)
     split = backward and the_plan.split
     if split:
         wgt_TP, any_w_T = jnp.asarray(the_plan.weight_TP), jnp.asarray(the_plan.any_weight_T)
@@ -355,6 +360,14 @@ def run(stages: Stages, params, inputs_MBL, targets_MBL, x_shape, x_axes, axes: 
             return lax.cond(anywhere, lambda c: unit_fn(c, jnp.maximum(item, 0), on), idle, c)
         return lax.cond(on, lambda c: unit_fn(c, item), idle, c)
 
+    def shift(sends, v_BLD, direction):
+        """`v` sent one stage along the ring (`direction` +1: to the next stage), on the
+        ticks where some stage sends (`sends`, the same on every device: every device
+        runs the same collectives in the same order); elsewhere nothing moves and `v`
+        comes back (no stage reads it)."""
+        return lax.cond(sends, lambda v: collectives.ring_shift(v, pp, direction),
+                        lambda v: v, v_BLD)
+
     @jax.named_scope(scopes.PP_TICK)
     def tick(c, t):
         y_BLD, c = slot_unit(c, forward, fwd_TP[t, stage], any_f_T[t])
@@ -362,12 +375,12 @@ def run(stages: Stages, params, inputs_MBL, targets_MBL, x_shape, x_axes, axes: 
             dx_BLD, c = slot_unit(c, backward_, bwd_TP[t, stage], any_b_T[t])
         # what the neighbours sent this tick, kept where the table says it is read
         # (the ring wraps: under a circular schedule the last device feeds the first)
-        y_in = collectives.ring_shift(y_BLD, pp, 1)
+        y_in = shift(send_x_T[t], y_BLD, 1)
         slot = recv_x_TP[t, stage]
         arrived, slot = slot >= 0, jnp.maximum(slot, 0)
         c = dict(c, x=c["x"].at[slot].set(jnp.where(arrived, y_in, c["x"][slot])))
         if backward:
-            ct_in = collectives.ring_shift(dx_BLD, pp, -1)
+            ct_in = shift(send_ct_T[t], dx_BLD, -1)
             slot = recv_ct_TP[t, stage]
             arrived, slot = slot >= 0, jnp.maximum(slot, 0)
             c = dict(c, ct=c["ct"].at[slot].set(jnp.where(arrived, ct_in, c["ct"][slot])))

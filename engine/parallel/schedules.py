@@ -131,6 +131,17 @@ class Plan:
             return np.zeros(self.ticks, bool)
         return (self.weight_TP != NONE).any(axis=1)
 
+    @property
+    def send_x_T(self) -> np.ndarray:
+        """[T] bool: some stage sends its forward's output on in tick t (the tick's
+        activation shift runs; on the other ticks it is skipped)."""
+        return (self.recv_x_TP != NONE).any(axis=1)
+
+    @property
+    def send_ct_T(self) -> np.ndarray:
+        """[T] bool: some stage sends its input cotangent back in tick t."""
+        return (self.recv_ct_TP != NONE).any(axis=1)
+
     def work_TP(self, forward_P, backward_P, weight_P=0.0) -> np.ndarray:
         """[T, pp] each stage's busy time in each tick, a forward costing forward_P[s],
         a backward backward_P[s] (under a split plan its B) and a W weight_P[s] on
