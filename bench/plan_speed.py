@@ -91,7 +91,7 @@ def main(argv=None) -> int:
     from engine.cost import fit, hardware
     from engine.cost.ledger import ledger, trace_step
     from engine.cost.price import predict
-    from engine.planner import search as plan
+    from engine.planner import ledgers, search as plan
 
     # what a fresh worker imports before its first job
     imports = float(subprocess.run(
@@ -112,7 +112,7 @@ def main(argv=None) -> int:
     groups: dict[tuple, list] = {}
     for c in ok:
         groups.setdefault(c.program, []).append(c)
-    structures = {plan.structure(cands[0]) for cands in groups.values()}
+    structures = {ledgers.structure(cands[0]) for cands in groups.values()}
     every = max(1, len(groups) // mine.sample)
     picked = list(groups.values())[::every][:mine.sample]
     phases = dict(memory=0.0, trace=0.0, ledger=0.0, price=0.0)

@@ -125,26 +125,50 @@ def _parts(rows: list[Row], T: int, M: int, pp: int, hw, mesh_axes, prefetch: bo
     """(unit_s [3, pp], shift_s, the rows outside the ticks' Prediction, the report's
     flat Prediction) of `rows` priced with (hw, mesh_axes, prefetch), module doc. With V
     chunks per stage a unit's first- and last-stage parts count 1/V: a chunk's mean."""
-    inside = [r for r in rows if scopes.PP_TICK in r.pp]
-    outside = [r for r in rows if scopes.PP_TICK not in r.pp]
-    once = _once(inside)
+    outside, once, of_kind, shift, shown = _split(rows, T, M)
     unit_s = np.zeros((len(UNITS), pp))
+    alike: dict = {}  # stages between the first and the last run the same rows
     for kind in UNITS:
         for s in range(pp):
-            part = unit_rows(once, kind, s, pp, uniform)
+            same = (kind, uniform or s == 0, uniform or s == pp - 1)
+            if same in alike:
+                unit_s[kind, s] = alike[same]
+                continue
+            part = unit_rows(of_kind[kind], kind, s, pp, uniform)
             unit_s[kind, s] = predict(part, hw, mesh_axes, prefetch).step_s if part else 0.0
             if virtual > 1 and not uniform:  # embedding, head: in one of a stage's V chunks
                 body = [r for r in part if not EDGES & set(r.pp)]
                 edge_s = unit_s[kind, s] - (predict(body, hw, mesh_axes, prefetch).step_s
                                             if body else 0.0)
                 unit_s[kind, s] -= edge_s * (virtual - 1) / virtual
-    shift = [r for r in once if not set(UNITS.values()) & set(r.pp)]
+            alike[same] = unit_s[kind, s]
     shift_s = predict(shift, hw, mesh_axes, prefetch).step_s
     out = predict(outside, hw, mesh_axes, prefetch)
-    # the report's rows: every unit's rows M times, the rest as traced
+    return unit_s, shift_s, out, predict(shown, hw, mesh_axes, prefetch)
+
+
+# the last ledger `_split` split: (rows, T, M, split); the planner prices one ledger in
+# many axis orders and schedules, which split it alike
+_LAST_SPLIT: list = [None]
+
+
+def _split(rows: list[Row], T: int, M: int) -> tuple:
+    """(the rows outside the tick scan, those inside once a tick (`_once`), those of
+    each unit {kind: rows}, the tick's own rows (shifts), the report's rows: every
+    unit's M times, the shifts' T times, the rest as traced)."""
+    last = _LAST_SPLIT[0]
+    if last is not None and last[0] is rows and last[1:3] == (T, M):
+        return last[3]
+    inside = [r for r in rows if scopes.PP_TICK in r.pp]
+    outside = [r for r in rows if scopes.PP_TICK not in r.pp]
+    once = _once(inside)
+    of_kind = {kind: [r for r in once if unit_of(r) == kind] for kind in UNITS}
+    shift = [r for r in once if not set(UNITS.values()) & set(r.pp)]
     shown = [r.replace(count=r.count * M) for r in once if set(UNITS.values()) & set(r.pp)]
     shown += [r.replace(count=r.count * T) for r in shift] + outside
-    return unit_s, shift_s, out, predict(shown, hw, mesh_axes, prefetch)
+    split = (outside, once, of_kind, shift, shown)
+    _LAST_SPLIT[0] = (rows, T, M, split)
+    return split
 
 
 def predict_pipeline(rows: list[Row], hw, mesh_axes, the_plan: pipeline.Plan,
