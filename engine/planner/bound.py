@@ -106,10 +106,17 @@ def attention_phases(cfg, tcfg, hw) -> dict:
 
 
 @functools.lru_cache(maxsize=4096)
+def table(pp: int, schedule: str, microbatches: int, virtual: int, uniform: bool):
+    """The schedule's table of a training step (`pipeline.step_plan`), built once per
+    shape."""
+    return pipeline.plan(pipeline.SCHEDULES[schedule], pp, microbatches, True, virtual,
+                         uniform)
+
+
+@functools.lru_cache(maxsize=4096)
 def _bubble(pp: int, schedule: str, microbatches: int, virtual: int, uniform: bool) -> float:
     """The idle fraction of a stage under the schedule's table (`Plan.bubble()`)."""
-    return pipeline.plan(pipeline.SCHEDULES[schedule], pp, microbatches, True, virtual,
-                         uniform).bubble()
+    return table(pp, schedule, microbatches, virtual, uniform).bubble()
 
 
 def compute_bound(cfg, tcfg, layout, parallel, hw) -> float:
@@ -295,14 +302,16 @@ def _seconds(row: Row, hw) -> float:
     return memo[key]
 
 
-def comm_bound(cfg, tcfg, layout, parallel, hw) -> float:
-    """Seconds of `exposed_rows`, each priced at its fastest link tier; a row the
-    overlap model may hide (`price.hideable`) counts what it leaves exposed at the
-    least: `hidden_comm_share` of it with overlap, else 1 + `beside_cost` times it."""
+def comm_bound(cfg, tcfg, layout, parallel, hw, rows: list | None = None) -> float:
+    """Seconds of `exposed_rows` (`rows`, when given), each priced at its fastest link
+    tier; a row the overlap model may hide (`price.hideable`) counts what it leaves
+    exposed at the least: `hidden_comm_share` of it with overlap, else 1 + `beside_cost`
+    times it."""
     hidden = hw.hidden_comm_share if hw.overlap else 1 + hw.beside_cost
+    rows = exposed_rows(cfg, tcfg, layout, parallel) if rows is None else rows
     return sum(_seconds(r, hw) * r.count * (hidden if price.hideable(r, parallel.prefetch)
                                              else 1.0)
-               for r in exposed_rows(cfg, tcfg, layout, parallel))
+               for r in rows)
 
 
 def lower_bound(cand, tcfg, hw) -> float:
@@ -312,4 +321,5 @@ def lower_bound(cand, tcfg, hw) -> float:
     from engine.planner.pp_bound import pipeline_bound
 
     args = cand.cfg, tcfg, cand.layout, cand.parallel, hw
-    return max(compute_bound(*args) + comm_bound(*args), pipeline_bound(*args))
+    rows = exposed_rows(*args[:4])
+    return max(compute_bound(*args) + comm_bound(*args, rows), pipeline_bound(*args, rows))

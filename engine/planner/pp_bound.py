@@ -64,18 +64,22 @@ def unit_bounds(cfg, tcfg, layout, parallel, hw) -> tuple[float, float]:
     return out[0], out[1]
 
 
-def pipeline_bound(cfg, tcfg, layout, parallel, hw) -> float:
+def pipeline_bound(cfg, tcfg, layout, parallel, hw, rows: list | None = None) -> float:
     """A lower bound on the pp step of every order of `layout` (module doc); 0 where it
-    does not apply (no pp axis, a shared host, a split schedule)."""
+    does not apply (no pp axis, a shared host, a split schedule). rows: the step's
+    `bound.exposed_rows`, when the caller has them."""
     from engine.planner import bound
 
-    the_plan = pipeline.step_plan(layout, parallel)
-    if the_plan is None or hw.shared_host or the_plan.split:
+    pp = layout.degree("pp")
+    if pp <= 1 or hw.shared_host:
+        return 0.0
+    the_plan = bound.table(pp, parallel.pp_schedule, parallel.microbatches,
+                           parallel.pp_virtual, pipeline.uniform_units(layout, parallel))
+    if the_plan.split:
         return 0.0
     forward, backward = unit_bounds(cfg, tcfg, layout, parallel, hw)
-    pp = layout.degree("pp")
     ticks = the_plan.lockstep_T(np.full(pp, forward), np.full(pp, backward)).sum()
-    outside = sum(bound._seconds(r, hw) * r.count
-                  for r in bound.exposed_rows(cfg, tcfg, layout, parallel)
+    rows = bound.exposed_rows(cfg, tcfg, layout, parallel) if rows is None else rows
+    outside = sum(bound._seconds(r, hw) * r.count for r in rows
                   if r.scope == scopes.REDUCE_GRADS)
     return float(ticks) + outside
