@@ -100,3 +100,28 @@ def test_pp_pricing_in_every_order_equals_stage_by_stage(schedule, virtual):
     assert len(set(got.unit_s[pipe_cost.FORWARD])) == (1 if the_plan.uniform else 3)
     other = pipe_cost.predict_pipeline(b, hw, layout.mesh_axes(), the_plan)
     assert other.step_s != got.step_s
+
+
+def test_a_program_that_does_not_trace_is_refused_not_fatal(monkeypatch):
+    """A program whose step jax cannot trace is refused with why (in `Plan.refused`);
+    the plan ranks the rest."""
+    from engine.config import TrainConfig, model_config
+    from engine.cost import cache
+    from engine.planner import ledgers, search
+
+    real = ledgers._trace
+
+    def trace(c, tcfg, pack):
+        if c.layout.degree("tp") > 1:
+            raise TypeError("cond branches must have equal output types\nmore")
+        return real(c, tcfg, pack)
+
+    monkeypatch.setattr(ledgers, "_trace", trace)
+    monkeypatch.setattr(cache, "lookup", lambda *a, **k: None)
+    got = search.plan(model_config("tiny"), TrainConfig(batch=8, seq=16), 2,
+                      hardware.get("h100"), pinned={"remat": "none"}, names=("dp", "tp"),
+                      top=None)
+    failed = [(c, why) for c, why in got.refused if "does not trace" in why]
+    assert failed and all(c.layout.degree("tp") > 1 for c, _ in failed)
+    assert "TypeError: cond branches must have equal output types)" in failed[0][1]
+    assert got.ranked and all(p.candidate.layout.degree("tp") == 1 for p in got.ranked)
