@@ -20,7 +20,10 @@ Enumerates the plan's candidates (engine/planner/search.py) and, in this one pro
 the ledger cache, runs every `len(programs) / --sample`-th program through the phases a
 worker runs: the memory model (engine/cost/fit.py), the trace on an AbstractMesh
 (engine/cost/ledger.py `trace_step`), the walk into ledger rows (`ledger`) and the
-pricing of every order (engine/cost/price.py). Prints CPU seconds (process time, so
+pricing of each class of axis orders as a plan's worker prices them
+(engine/planner/search.py `_priced`; a pp step along its schedule, engine/cost/pipeline.py),
+over memory or not; `--kind pp` or `flat` samples only the programs with or without a
+pp axis. Prints CPU seconds (process time, so
 other jobs on shared cores inflate it less than wall clock) per program for each, the
 imports a fresh worker needs (once per worker), and what the sampled mean gives for all programs on `--workers` cores.
 """
@@ -64,6 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(engine/planner/bound.py), and how many programs and candidates "
                         "have a bound below STEP_S (those a best-first plan must price "
                         "when its 10th best step is STEP_S)")
+    g.add_argument("--kind", choices=("all", "pp", "flat"), default="all",
+                   help="sample the programs with a pp axis, those without, or all")
     g.add_argument("--axes", default=",".join(AXIS_ROLES), help="as engine.plan's")
     g.add_argument("--max", default="", help="as engine.plan's")
     p = train_parser(prog="python bench/plan_speed.py", description=__doc__.split("\n\n")[0],
@@ -90,8 +95,7 @@ def main(argv=None) -> int:
 
     from engine.cost import fit, hardware
     from engine.cost.ledger import ledger, trace_step
-    from engine.cost.price import predict
-    from engine.planner import search as plan
+    from engine.planner import ledgers, search as plan
 
     # what a fresh worker imports before its first job
     imports = float(subprocess.run(
@@ -112,21 +116,24 @@ def main(argv=None) -> int:
     groups: dict[tuple, list] = {}
     for c in ok:
         groups.setdefault(c.program, []).append(c)
-    structures = {plan.structure(cands[0]) for cands in groups.values()}
-    every = max(1, len(groups) // mine.sample)
-    picked = list(groups.values())[::every][:mine.sample]
+    structures = {ledgers.structure(cands[0]) for cands in groups.values()}
+    kinds = [g for g in groups.values() if mine.kind == "all"
+             or (g[0].layout.degree("pp") > 1) == (mine.kind == "pp")]
+    capacity = fit.capacity(hw, mine.devices)
+    every = max(1, len(kinds) // mine.sample)
+    picked = kinds[::every][:mine.sample]
     phases = dict(memory=0.0, trace=0.0, ledger=0.0, price=0.0)
     for cands in picked:
-        c = cands[0]
+        # as a plan's worker: memory, then each order class priced (engine/planner/search.py)
         t = [time.process_time()]
-        fit.peak_bytes(c.cfg, tcfg, c.parallel, c.layout, hw)
+        cands, peaks, mem_of, _ = plan._fitting(cands, tcfg, hw, capacity, True)
+        c = cands[0]
         t.append(time.process_time())
-        jaxpr = trace_step(c.cfg, tcfg, c.layout, c.parallel)
+        jaxpr = trace_step(c.cfg, tcfg, c.layout, c.parallel, hw.bf16_collectives_in_f32)
         t.append(time.process_time())
         rows = ledger(jaxpr, c.layout)
         t.append(time.process_time())
-        for o in cands:
-            predict(rows, hw, o.layout.mesh_axes(), prefetch=o.parallel.prefetch)
+        plan._priced(rows, cands, peaks, mem_of, hw, None)
         t.append(time.process_time())
         for name, a, b in zip(phases, t, t[1:]):
             phases[name] += b - a

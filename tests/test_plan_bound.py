@@ -78,6 +78,51 @@ def test_bound_never_exceeds_the_priced_step(sample, profile):
     over = {k: r for k, r in ratios.items() if r > 1}
     assert not over, over
     assert all(r > 0 for r in ratios.values()), ratios
+    # tight enough that a bound 1.5 times as large would fail on the GPU profile
+    if profile == "h100":
+        assert max(ratios.values()) * 1.5 > 1, ratios
+
+
+@pytest.mark.parametrize("profile", ["h100", "cpu"])
+def test_pp_bound_never_exceeds_the_priced_step(sample, profile):
+    """The bound along the schedule's table (engine/planner/pp_bound.py) alone, on every
+    pp kind of the sample: below the priced step, and on the GPU profile above the bound
+    without it for some kind (the bubble on every unit's work, zero 3's gathers)."""
+    from engine.planner import pp_bound
+
+    hw = hardware.get(profile)
+    pp = [c for c in sample if c.layout.degree("pp") > 1]
+    assert len(pp) >= 6
+    raised = 0
+    for c in pp:
+        step = search.predict_candidate(c, TCFG, hw).step_s
+        along = pp_bound.pipeline_bound(c.cfg, TCFG, c.layout, c.parallel, hw)
+        assert along <= step, (c.describe(), along, step)
+        flat = (bound.compute_bound(c.cfg, TCFG, c.layout, c.parallel, hw)
+                + bound.comm_bound(c.cfg, TCFG, c.layout, c.parallel, hw))
+        raised += along > flat
+    assert raised > 0 if profile == "h100" else raised == 0
+
+
+def test_pp_bound_is_tight_at_scale():
+    """llama3-70b on 256 GPUs, fsdp32 x tp4 x pp2 under gpipe (a plan's pp program that
+    fits): the bound along the schedule's table is below every order's priced step and
+    within 1.5 of the fastest, so a bound 1.5 times as large fails here."""
+    from engine.planner import pp_bound
+
+    cfg = model_config("llama3-70b", remat="full", attention="auto")  # as the CLI
+    tcfg, hw = TrainConfig(batch=512, seq=8192), hardware.get("h100")
+    want = ("fsdp32xtp4xpp2 zero 3 prefetch tp_comm allreduce remat full pp_schedule gpipe "
+            "microbatches 8")
+    ok, _ = search.candidates(cfg, tcfg, 256, {"remat": "full"}, ("fsdp", "tp", "pp"),
+                              {"fsdp": 32, "tp": 4, "pp": 2})
+    picked = [c for c in ok if c.describe().split(" ", 1)[1] == want.split(" ", 1)[1]
+              and sorted(c.layout.mesh_axes()) == [("fsdp", 32), ("pp", 2), ("tp", 4)]]
+    assert len(picked) == 6  # every order of the three axes
+    c = picked[0]
+    along = pp_bound.pipeline_bound(c.cfg, tcfg, c.layout, c.parallel, hw)
+    steps = [search.predict_candidate(o, tcfg, hw).step_s for o in picked]
+    assert along <= min(steps) < 1.5 * along, (along, steps)
 
 
 def test_bound_holds_for_every_order_of_the_axes():

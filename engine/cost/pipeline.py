@@ -146,31 +146,55 @@ def _parts(rows: list[Row], T: int, M: int, pp: int, hw, mesh_axes, prefetch: bo
     with (hw, mesh_axes, prefetch), module doc. With V chunks per stage a unit's first-
     and last-stage parts count 1/V: a chunk's mean. sends: the ticks each shift runs
     on ([T] bool each; default all)."""
-    inside = [r for r in rows if scopes.PP_TICK in r.pp]
-    outside = [r for r in rows if scopes.PP_TICK not in r.pp]
-    once = _once(inside)
+    outside, of_kind, writes, shifts, shown = _split(rows, T, M, sends)
     unit_s = np.zeros((len(UNITS), pp))
+    alike: dict = {}  # stages between the first and the last run the same rows
     for kind in UNITS:
         for s in range(pp):
-            part = unit_rows(once, kind, s, pp, uniform)
+            same = (kind, uniform or s == 0, uniform or s == pp - 1)
+            if same in alike:
+                unit_s[kind, s] = alike[same]
+                continue
+            part = unit_rows(of_kind[kind], kind, s, pp, uniform)
             unit_s[kind, s] = predict(part, hw, mesh_axes, prefetch).step_s if part else 0.0
             if virtual > 1 and not uniform:  # embedding, head: in one of a stage's V chunks
                 body = [r for r in part if not EDGES & set(r.pp)]
                 edge_s = unit_s[kind, s] - (predict(body, hw, mesh_axes, prefetch).step_s
                                             if body else 0.0)
                 unit_s[kind, s] -= edge_s * (virtual - 1) / virtual
-    own = [r for r in once if not set(UNITS.values()) & set(r.pp)]
-    writes, shifts = _shifts(own)
+            alike[same] = unit_s[kind, s]
     seconds = lambda rs: predict(rs, hw, mesh_axes, prefetch).step_s if rs else 0.0  # noqa: E731
     own_s = (seconds(writes), [seconds(rs) for rs in shifts])
     out = predict(outside, hw, mesh_axes, prefetch)
-    # the report's rows: every unit's rows M times, each shift's on the ticks it runs,
-    # the rest as traced
-    runs = [int(np.sum(s)) for s in sends] or [T] * len(shifts)
+    return unit_s, own_s, out, predict(shown, hw, mesh_axes, prefetch)
+
+
+# the last ledger `_split` split: (rows, key, split); the planner prices one ledger in
+# many axis orders and schedules, which split it alike
+_LAST_SPLIT: list = [None]
+
+
+def _split(rows: list[Row], T: int, M: int, sends=()) -> tuple:
+    """(the rows outside the tick scan, those of each unit once {kind: rows}, the tick's
+    own rows but its shifts (buffer writes), each shift's rows, the report's rows: every
+    unit's M times, each shift's on the ticks it runs (`sends`, default all), the buffer
+    writes T times, the rest as traced)."""
+    key = (T, M, tuple(int(np.sum(s)) for s in sends))
+    last = _LAST_SPLIT[0]
+    if last is not None and last[0] is rows and last[1] == key:
+        return last[2]
+    inside = [r for r in rows if scopes.PP_TICK in r.pp]
+    outside = [r for r in rows if scopes.PP_TICK not in r.pp]
+    once = _once(inside)
+    of_kind = {kind: [r for r in once if unit_of(r) == kind] for kind in UNITS}
+    writes, shifts = _shifts([r for r in once if not set(UNITS.values()) & set(r.pp)])
+    runs = key[2] or (T,) * len(shifts)
     shown = [r.replace(count=r.count * M) for r in once if set(UNITS.values()) & set(r.pp)]
     shown += [r.replace(count=r.count * T) for r in writes] + outside
     shown += [r.replace(count=r.count * n) for rs, n in zip(shifts, runs) for r in rs]
-    return unit_s, own_s, out, predict(shown, hw, mesh_axes, prefetch)
+    split = (outside, of_kind, writes, shifts, shown)
+    _LAST_SPLIT[0] = (rows, key, split)
+    return split
 
 
 def hidden_shift_T(the_plan: pipeline.Plan, backward_P, x_shift_s: float, hw) -> np.ndarray:

@@ -68,41 +68,55 @@ def matmul_flops(cfg, tcfg) -> tuple[float, float]:
 
 
 def attention_seconds(cfg, tcfg, hw) -> float:
-    """Seconds of the step's attention on all devices together. With the reference
-    kernel (`ModelConfig.attention`, the [B, H, L, L] scores materialized) its dots as
-    `price.compute_seconds` prices a matmul: per layer the forward's 2 (scores, values),
-    the backward's 4, the forward's again under remat `full`, each of 2 B L L H K FLOPs
-    and moving at least one bf16 score matrix (B H L L x 2 bytes) where the profile
-    prices a dot's own bytes (no epilogue fusion); else with a flash kernel (`hw.flash`)
-    as `price.compute_seconds` prices a `kind="attention"` row (`price.attention_flops`
-    at `price.attention_rate`): the forward's 4 B L L H K FLOPs, the backward's 8, the
-    forward again under remat `full`; else 0."""
+    """Seconds of the step's attention on all devices together (`attention_phases`
+    summed)."""
+    return sum(attention_phases(cfg, tcfg, hw).values())
+
+
+def attention_phases(cfg, tcfg, hw) -> dict:
+    """{phase: seconds} of the step's attention on all devices together, by phase (fwd,
+    bwd, recompute). With the reference kernel (`ModelConfig.attention`, the [B, H, L,
+    L] scores materialized) its dots as `price.compute_seconds` prices a matmul: per
+    layer the forward's 2 (scores, values), the backward's 4, the forward's again under
+    remat `full`, each of 2 B L L H K FLOPs and moving at least one bf16 score matrix
+    (B H L L x 2 bytes) where the profile prices a dot's own bytes (no epilogue fusion);
+    else with a flash kernel (`hw.flash`) as `price.compute_seconds` prices a
+    `kind="attention"` row (`price.attention_flops` at `price.attention_rate`): the
+    forward's 4 B L L H K FLOPs, the backward's 8, the forward again under remat
+    `full`; else 0."""
     per = 2.0 * tcfg.batch * tcfg.seq * tcfg.seq * cfg.n_heads * cfg.head_dim * cfg.n_layers
     recompute = cfg.remat == "full"
+    out = {"fwd": 0.0, "bwd": 0.0, "recompute": 0.0}
     if cfg.attention == "reference":
-        dots = 6 + 2 * recompute
         rate = max(hw.matmul_peak(d) for d in ("bfloat16", "float32")) * hw.matmul_eff
         moved = 0.0 if hw.fusion and hw.epilogue_fusion else (
             2.0 * tcfg.batch * tcfg.seq * tcfg.seq * cfg.n_heads * cfg.n_layers)
-        return dots * max(per / rate, moved / (hw.hbm * hw.mem_eff))
+        one = max(per / rate, moved / (hw.hbm * hw.mem_eff))
+        return {"fwd": 2 * one, "bwd": 4 * one, "recompute": 2 * one * recompute}
     if not hw.flash:
-        return 0.0
+        return out
     dtype = np.dtype(cfg.compute_dtype).name
     phases = [("fwd", 2 * per), ("bwd", 4 * per)] + ([("recompute", 2 * per)]
                                                       if recompute else [])
-    out = 0.0
     for phase, flops in phases:
         row = Row(scope=scopes.ATTENTION, phase=phase, kind="attention", primitive="flash",
                   dtype=dtype, shape=(1, tcfg.seq), flops=flops, bytes=0.0, count=1)
-        out += price.attention_flops(row, hw) / price.attention_rate(row, hw)
+        out[phase] = price.attention_flops(row, hw) / price.attention_rate(row, hw)
     return out
+
+
+@functools.lru_cache(maxsize=4096)
+def table(pp: int, schedule: str, microbatches: int, virtual: int, uniform: bool):
+    """The schedule's table of a training step (`pipeline.step_plan`), built once per
+    shape."""
+    return pipeline.plan(pipeline.SCHEDULES[schedule], pp, microbatches, True, virtual,
+                         uniform)
 
 
 @functools.lru_cache(maxsize=4096)
 def _bubble(pp: int, schedule: str, microbatches: int, virtual: int, uniform: bool) -> float:
     """The idle fraction of a stage under the schedule's table (`Plan.bubble()`)."""
-    return pipeline.plan(pipeline.SCHEDULES[schedule], pp, microbatches, True, virtual,
-                         uniform).bubble()
+    return table(pp, schedule, microbatches, virtual, uniform).bubble()
 
 
 def compute_bound(cfg, tcfg, layout, parallel, hw) -> float:
@@ -206,6 +220,40 @@ def activation_rows(cfg, tcfg, layout, parallel, axes, level, sizes) -> list:
     return rows
 
 
+def unit_rows(cfg, tcfg, layout, parallel, phase: str) -> list:
+    """The collectives one pipeline unit (one microbatch through one chunk of N / (pp V)
+    layers) runs in `phase` ("fwd" or "bwd"), each as few and as small as the step's
+    own, on one device: tp's per layer by `tp_comm`, half of `activation_rows`' (each
+    phase has 2 of the 4 all-reduces, gathers and reduce-scatters, ring shifts); cp's:
+    K and V all-gathered in the forward, their grads reduce-scattered in the backward
+    (allgather), cp - 1 shifts of each in either (ring); zero 3's: the chunk's weight
+    gathers in the forward, its grads' reduce-scatters in the backward."""
+    axes = layout.role_axes(tp_comm=TP_COMMS[parallel.tp_comm], cp_comm=parallel.cp_comm,
+                            prefetch=parallel.prefetch, grad_reduce=parallel.grad_reduce)
+    sizes = {r: layout.degree(r) for r in AXIS_ROLES}
+    level = zero_levels.level(parallel.zero, axes.fsdp)
+    layers = cfg.n_layers // (sizes["pp"] * parallel.pp_virtual)
+    compute, act = np.dtype(cfg.compute_dtype), np.dtype(cfg.act_dtype)
+    batch = (tcfg.batch // parallel.microbatches
+             // math.prod(sizes[a] for a in roles.roles_sharding("batch")))
+    seq = tcfg.seq // math.prod(sizes[a] for a in roles.roles_sharding("sequence"))
+    residual = batch * seq * cfg.d_model * act.itemsize
+    tp = sizes["tp"]
+    kv_heads = cfg.n_kv_heads // tp if tp <= cfg.n_kv_heads else 1
+    kv = batch * tcfg.seq * kv_heads * cfg.head_dim * compute.itemsize
+    rows = _by_comm("tp", parallel.tp_comm, residual, act.name, 2 * layers, sizes)
+    if parallel.cp_comm == "ring":
+        rows += _by_comm("cp", "ring", kv, compute.name, layers, sizes)
+    else:
+        mine = "all_gather" if phase == "fwd" else "reduce_scatter"
+        rows += [r for r in _by_comm("cp", parallel.cp_comm, kv, compute.name, 2 * layers,
+                                     sizes) if r is not None and r.primitive == mine]
+    if axes.fsdp is not None and level.level == 3:
+        rows += [r for r in _fsdp_rows(cfg, layout, sizes, compute, layers)
+                 if r is not None and r.phase == phase]
+    return [r for r in rows if r is not None]
+
+
 def _by_comm(axis: str, comm: str, nbytes: int, dtype: str, times: int, sizes) -> list:
     """The rows of `times` collectives of a buffer of `nbytes` over `axis` by `comm`:
     all-reduces (allreduce); all-gathers and reduce-scatters (sequence, allgather); or
@@ -230,7 +278,7 @@ def _fsdp_rows(cfg, layout, sizes, compute, n_layers) -> list:
         spec = param_table._lookup(specs, name)
         if not name.startswith("blocks/") or "fsdp" not in spec_axes(spec):
             continue
-        kept = P(*(None if e == "fsdp" else e for e in spec))
+        kept = P(*(None if e in ("fsdp", "pp") else e for e in spec))  # one whole layer
         whole += _local(tuple(dims[c] for c in letters), kept, sizes) // cfg.n_layers
     nbytes = whole * np.dtype(compute).itemsize
     gather = _all_reduce(("fsdp",), sizes, nbytes, np.dtype(compute).name, n_layers,
@@ -254,18 +302,24 @@ def _seconds(row: Row, hw) -> float:
     return memo[key]
 
 
-def comm_bound(cfg, tcfg, layout, parallel, hw) -> float:
-    """Seconds of `exposed_rows`, each priced at its fastest link tier; a row the
-    overlap model may hide (`price.hideable`) counts what it leaves exposed at the
-    least: `hidden_comm_share` of it with overlap, else 1 + `beside_cost` times it."""
+def comm_bound(cfg, tcfg, layout, parallel, hw, rows: list | None = None) -> float:
+    """Seconds of `exposed_rows` (`rows`, when given), each priced at its fastest link
+    tier; a row the overlap model may hide (`price.hideable`) counts what it leaves
+    exposed at the least: `hidden_comm_share` of it with overlap, else 1 + `beside_cost`
+    times it."""
     hidden = hw.hidden_comm_share if hw.overlap else 1 + hw.beside_cost
+    rows = exposed_rows(cfg, tcfg, layout, parallel) if rows is None else rows
     return sum(_seconds(r, hw) * r.count * (hidden if price.hideable(r, parallel.prefetch)
                                              else 1.0)
-               for r in exposed_rows(cfg, tcfg, layout, parallel))
+               for r in rows)
 
 
 def lower_bound(cand, tcfg, hw) -> float:
     """A lower bound on the priced step of `cand` (a planner Candidate) and of every
-    candidate of its program (module doc)."""
-    return (compute_bound(cand.cfg, tcfg, cand.layout, cand.parallel, hw)
-            + comm_bound(cand.cfg, tcfg, cand.layout, cand.parallel, hw))
+    candidate of its program (module doc); with a pp axis, the larger of that and the
+    bound along the schedule's table (engine/planner/pp_bound.py)."""
+    from engine.planner.pp_bound import pipeline_bound
+
+    args = cand.cfg, tcfg, cand.layout, cand.parallel, hw
+    rows = exposed_rows(*args[:4])
+    return max(compute_bound(*args) + comm_bound(*args, rows), pipeline_bound(*args, rows))

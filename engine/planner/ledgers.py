@@ -14,7 +14,7 @@ from engine.cost import cache, derive
 from engine.cost.ledger import ledger, trace_step
 from engine.parallel.layout import AXIS_ROLES
 
-HOW = ("cached", "traced", "derived")
+HOW = ("cached", "traced", "derived", "failed")
 
 
 def structure(cand) -> tuple:
@@ -81,10 +81,21 @@ def _derive(cands: list, tcfg, pack, roles: tuple) -> list | None:
     return out
 
 
+def _trace_or_why(c, tcfg, pack) -> tuple:
+    """(rows, "traced") of the candidate's step, or (why, "failed") when jax cannot
+    trace it: one line naming the error, so one such program is refused in the plan's
+    output instead of ending the plan."""
+    try:
+        return _trace(c, tcfg, pack)[1], "traced"
+    except Exception as e:  # noqa: BLE001 (any error of the traced step's code)
+        first = (str(e).strip().splitlines() or [""])[0]
+        return f"its step does not trace ({type(e).__name__}: {first[:160]})", "failed"
+
+
 def program_ledgers(cands: list, tcfg, pack=None, shapes: bool = True) -> list:
     """[(ledger rows, how: one of HOW)] of each candidate's program (one candidate per
-    program). shapes: derive what a structure's traces determine (else trace every
-    miss)."""
+    program); for a program whose step does not trace, (why: a str, "failed"). shapes:
+    derive what a structure's traces determine (else trace every miss)."""
     out: list = [None] * len(cands)
     misses: dict[tuple, list[int]] = {}
     for i, c in enumerate(cands):
@@ -96,9 +107,12 @@ def program_ledgers(cands: list, tcfg, pack=None, shapes: bool = True) -> list:
     for (roles, _, _), idx in misses.items():
         got = None
         if shapes and len(roles) >= 2 and len(idx) >= len(roles) + 2:
-            got = _derive([cands[i] for i in idx], tcfg, pack, roles)
+            try:
+                got = _derive([cands[i] for i in idx], tcfg, pack, roles)
+            except Exception:  # noqa: BLE001 (one that does not trace: each alone below)
+                got = None
         if got is None:
-            got = [(_trace(cands[i], tcfg, pack)[1], "traced") for i in idx]
+            got = [_trace_or_why(cands[i], tcfg, pack) for i in idx]
         for i, g in zip(idx, got):
             out[i] = g
     return out

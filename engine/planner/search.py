@@ -175,8 +175,9 @@ def _price_structure(job) -> list:
     from shapes or traced (`ledgers.program_ledgers`), each priced (`_priced`), here in
     the worker, so the pool never waits on a round of microbatch retries. Returns per
     program (`_priced`'s list, how its ledger came: one of ledgers.HOW, or "none" when
-    every candidate is over memory, [peak bytes] per candidate, the candidates priced:
-    the job's, or the microbatched ones they grew into)."""
+    every candidate is over memory, [peak bytes] per candidate (for a "failed" program,
+    whose step does not trace, why, per candidate), the candidates priced: the job's,
+    or the microbatched ones they grew into)."""
     from engine.planner.ledgers import program_ledgers
 
     groups, tcfg, hw, capacity, grow, shapes = job
@@ -189,6 +190,9 @@ def _price_structure(job) -> list:
             out.append(([None] * len(cands), "none", peaks, cands))
             continue
         rows, how = next(got)
+        if how == "failed":  # `rows` says why: in place of the peaks, refused in `price`
+            out.append(([None] * len(cands), how, [rows] * len(cands), cands))
+            continue
         out.append((_priced(rows, cands, peaks, mem_of, hw, capacity), how, peaks, cands))
     return out
 
@@ -290,7 +294,8 @@ def price(cands: list, tcfg: TrainConfig, hw, n: int, capacity: float | None,
     (engine/planner/best.py) until no program left can reach the `top` fastest (nor
     come within `within` of the first); None: price every program. counts: filled with
     how many ledgers came each way ("cached", "traced", "derived") and how many
-    candidates were "pruned" by the bound; shapes False: trace every program not cached.
+    candidates were "pruned" by the bound, and "refused" [(candidate, why)] those whose
+    step does not trace; shapes False: trace every program not cached.
     Returns (ranked: [Priced] fastest first, over: [(candidate, peak
     bytes)] over `capacity`, programs, programs whose ledger came from the cache,
     workers used)."""
@@ -311,11 +316,14 @@ def price(cands: list, tcfg: TrainConfig, hw, n: int, capacity: float | None,
         workers = min(workers, max(1, len(groups) // 8))  # a worker costs a jax import
     ranked, over, programs = [], [], 0
     counts = {} if counts is None else counts
-    counts.update({h: 0 for h in HOW}, pruned=0)
+    counts.update({h: 0 for h in HOW}, pruned=0, refused=[])
 
     def take(results):
         nonlocal programs
         for priced, how, peaks, group in results:
+            if how == "failed":  # its step does not trace: `peaks` holds why
+                counts["refused"].extend(zip(group, peaks))
+                continue
             if all(p is None for p in priced):
                 over.extend(zip(group, peaks))
                 continue
@@ -442,7 +450,7 @@ def plan(cfg: ModelConfig, tcfg: TrainConfig, n: int, hw, hbm_bytes: float | Non
             say(f"planning: timing the matmuls of the candidates predicted within "
                 f"{within:.0%} of the first on {n} host devices")
         ranked, hw, refined = refine(ranked, tcfg, hw, n, devices, within)
-    return Plan(ranked, refused, over, capacity, programs, cached, workers,
+    return Plan(ranked, refused + counts["refused"], over, capacity, programs, cached, workers,
                 time.perf_counter() - t0, hw, refined, counts["derived"], names, left_out,
                 counts["pruned"], top)
 
