@@ -205,11 +205,15 @@ def test_pp_matches_single(layout, schedule, m, init, single):
     pytest.param("pp2xfsdp2xtp2", dict(microbatches=2, tp_comm="ring"),
                  marks=pytest.mark.slow),
     pytest.param("pp2xcp2xfsdp2", dict(microbatches=2), marks=pytest.mark.slow),
+    # W reads values made invariant over pp back through the pp-varying W slots (the
+    # prefetched gather's layer index): the split marks their operands varying alike
+    pytest.param("pp2xcp2xfsdp2", dict(microbatches=2, zero=3, prefetch=True),
+                 marks=pytest.mark.slow),
 ])
 def test_zb1_matches_single(remat, layout, parallel, init, single):
     """The split backward (B at the backward's tick, W later from what B left) equals
     `single` under every remat policy, on pp alone and with fsdp, tp (every comm), dp,
-    zero 2 and cp."""
+    zero 2, cp, and zero 3 with prefetch."""
     cfg = dataclasses.replace(PP_CFG, remat=remat)
     got = loss_and_grads(layout, init, cfg=cfg, pp_schedule="zb1", **parallel)
     assert_matches(got, single, f"{layout} zb1 {parallel} remat {remat}")

@@ -22,9 +22,12 @@ import contextlib
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 from jax._src import source_info_util  # the name stack `jax.core.eval_jaxpr` keeps
 from jax.extend import core
+
+from collectives.basic import varying_axes
 
 CALLS = ("jit", "pjit", "closed_call", "core_call", "remat2", "checkpoint",
          "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr")
@@ -62,9 +65,33 @@ def _source_of(eqn):
         yield
 
 
+def _match_varying(eqn, ins):
+    """`ins` marked varying over the union of the axes each varies over, when they differ
+    and `eqn` is a plain primitive (no sub-jaxpr), as `jax.lax`'s wrappers insert `pvary`
+    before they bind. W reads what B made through the pipeline's W slots, which vary over
+    pp: a value invariant when traced (a layer index, a mask) comes back varying, and its
+    equation's other operands must be marked so too."""
+    if any(isinstance(v, core.ClosedJaxpr | core.Jaxpr) for v in eqn.params.values()):
+        return ins
+    if eqn.primitive.name == "pvary":  # marks its operand varying: only where it is not
+        return ins
+    vmas = [varying_axes(x) if isinstance(x, jax.Array) else frozenset() for x in ins]
+    union = frozenset().union(*vmas)
+    if all(vma == union for vma in vmas):
+        return ins
+    return [lax.pcast(jnp.asarray(x), tuple(sorted(union - vma)), to="varying")
+            if union - vma else x for x, vma in zip(ins, vmas)]
+
+
 def _bind(eqn, ins):
     """Bind `eqn`'s primitive on `ins` under its source info (`_source_of`); its outputs
     as a list."""
+    ins = _match_varying(eqn, ins)
+    if eqn.primitive.name == "pvary":  # an operand that came back varying is marked already
+        axes = tuple(a for a in eqn.params["axes"] if a not in varying_axes(ins[0]))
+        if not axes:
+            return list(ins)
+        eqn = eqn.replace(params=dict(eqn.params, axes=axes))
     with _source_of(eqn):
         outs = eqn.primitive.bind(*ins, **eqn.primitive.get_bind_params(eqn.params))
     return outs if eqn.primitive.multiple_results else [outs]

@@ -276,7 +276,10 @@ def run(stages: Stages, params, inputs_MBL, targets_MBL, x_shape, x_axes, axes: 
             return values
 
         shapes = jax.eval_shape(w_inputs, flat_example)
-        carry["wstash"] = [_like(jnp.zeros((the_plan.w_slots, *v.shape), v.dtype), a)
+        # each stage's W slots hold its own units' values: varying over pp, whatever the
+        # value (a layer index made from the item may come back invariant or not)
+        carry["wstash"] = [_like(jnp.zeros((the_plan.w_slots, *v.shape), v.dtype),
+                                 dict.fromkeys((*a, pp)))
                            for v, a in zip(shapes, w_vary)]
 
     def keep(active, new, old):
