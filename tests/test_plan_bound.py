@@ -68,7 +68,7 @@ def sample():
     return out
 
 
-@pytest.mark.parametrize("profile", ["h100", "cpu"])
+@pytest.mark.parametrize("profile", ["h100", pytest.param("cpu", marks=pytest.mark.slow)])
 def test_bound_never_exceeds_the_priced_step(sample, profile):
     hw = hardware.get(profile)
     ratios = {}
