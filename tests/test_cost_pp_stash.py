@@ -48,15 +48,16 @@ def traced_slot_bytes(cfg, tcfg, layout, parallel) -> int:
 
 @pytest.mark.parametrize("layout, schedule, zero, virtual", [
     ("pp2xtp2", "1f1b", 3, 1),         # the unembedding cast to bf16, not gathered
-    ("pp2xtp2", "interleaved", 3, 2),  # + the unit's chunk of the stage's weights
-    ("pp2xfsdp2", "interleaved", 2, 2),  # chunk whole over fsdp
-    ("pp2xfsdp2", "interleaved", 3, 2),  # chunk as fsdp shards, unembedding gathered
+    ("pp2xtp2", "interleaved", 3, 2),  # no chunk of the stage's weights: sliced outside
+    ("pp2xfsdp2", "interleaved", 2, 2),  # nor its whole weights under ZeRO-2
+    ("pp2xfsdp2", "interleaved", 3, 2),  # unembedding gathered
 ])
 def test_a_stash_slot_holds_what_the_traced_program_stashes(layout, schedule, zero, virtual):
     """Under remat full a slot holds the unit's layers' inputs, the head's residuals (the
     final norm's input and output, the softmax, the unembedding in the compute dtype:
-    the unit's `lax.cond` keeps them on every stage) and, interleaved, the chunk of the
-    stage's f32 weights the unit slices inside its `jax.vjp`. The model's per-slot bytes
+    the unit's `lax.cond` keeps them on every stage); an interleaved unit slices its
+    chunk of the stage's weights outside its `jax.vjp`, so no slot holds them. The
+    model's per-slot bytes
     (an accelerator's: activations in their own dtype, as traced) match the traced
     carries to 1 % (what the model leaves out: the targets, mask, norm weight and the
     softmax's row statistics, [B_m, L] and [D] tensors next to [D, V_tp] ones)."""

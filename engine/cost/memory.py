@@ -188,21 +188,6 @@ def loss_residuals(cfg, tcfg, layout, par, x_micro: int, platform: str = "cpu") 
     return 2 * x_micro + d.B * d.L * d.Vtp * F32 + unembed
 
 
-def chunk_params(cfg, tcfg, layout, par, virtual: int) -> int:
-    """Bytes of one interleaved unit's chunk of its stage's blocks as stored (f32; fsdp
-    shards under ZeRO-3, whole under ZeRO-1/2): the unit slices them out of the stage's
-    stack inside its `jax.vjp`, so the slice is a residual and every stash slot holds
-    one (traced: pp2xtp2, pp2xfsdp2 under ZeRO-2 and 3, V = 2). `cfg` and `layout`
-    are the stage's (`stage_problem`)."""
-    from engine.parallel.params import param_shapes
-    from engine.run.step import Trainer
-
-    t = Trainer(cfg, tcfg, layout, layout.abstract_mesh(), par)
-    blocks = _tree_bytes(param_shapes(cfg), t.specs, dict(layout.mesh_axes()),
-                         keep=lambda path: path.startswith("['blocks']"))
-    return blocks // virtual
-
-
 def pipelined(cfg, tcfg, layout, platform: str = "cpu", parallel=None) -> MemoryPrediction:
     """The pipelined step's per-device peak: the peak falls in a backward unit, the vjp of
     one stage on one microbatch, whose items are `one_program`'s for the stage as a step
@@ -214,9 +199,9 @@ def pipelined(cfg, tcfg, layout, platform: str = "cpu", parallel=None) -> Memory
                        its one more slot to 1 %): the unit's residuals (the stage's
                        `residuals` under the remat policy, which then leave the unit's
                        own items, + `loss_residuals`; the peak grows 0.78 MiB a slot
-                       against 0.77 predicted under none); interleaved (V > 1), also
-                       the unit's chunk of the stage's weights, f32 as stored
-                       (`chunk_params`); under a cp ring the units' inputs B_m·L_x·D·a
+                       against 0.77 predicted under none; an interleaved unit's chunk of
+                       the stage's weights is sliced outside its vjp, a primal, not
+                       stashed); under a cp ring the units' inputs B_m·L_x·D·a
         shift buffers  2 x (x_slots + ct_slots) x B_m·L_x·D·a   arrived activations and
                        cotangents, held the same way
         grads          the scan carry's grads accumulator, f32 as differentiated (one
@@ -248,9 +233,6 @@ def pipelined(cfg, tcfg, layout, platform: str = "cpu", parallel=None) -> Memory
         per_slot = stage.residuals + loss_residuals(scfg, stcfg, slayout, spar, x_micro,
                                                     platform)
         stash = {f"pipeline: stash, {K} units' vjp residuals": K * per_slot}
-        if V > 1:
-            stash[f"pipeline: stash, {K} units' chunk of the stage's weights (f32)"] = (
-                K * chunk_params(scfg, stcfg, slayout, spar, V))
         stage = dataclasses.replace(stage, residuals=0, items={
             k: v for k, v in stage.items.items() if not k.startswith("residual")})
     else:

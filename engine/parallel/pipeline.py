@@ -144,12 +144,13 @@ def _pullback(structure, leaves, params):
 
 
 def run(stages: Stages, params, inputs_MBL, targets_MBL, x_shape, x_axes, axes: Axes,
-        the_plan: Plan, seen=lambda p: p, x_dtype=jnp.float32, docs_M=None,
+        the_plan: Plan, seen=lambda p, rows=None: p, x_dtype=jnp.float32, docs_M=None,
         residuals: bool = False):
     """The pipelined loss (mean over the microbatches), and with a backward plan the
     grads of `params` (summed over pp for params the stages share).
 
-    params: as differentiated (`seen` makes the model's params of them); inputs,
+    params: as differentiated (`seen(p, rows)` makes the model's params of them, `rows`
+    taking a chunk's rows of a stored stacked leaf: `ZeroLevel.differentiate`); inputs,
     targets: [M, B, L] this device's microbatches; x_shape, x_axes, x_dtype: the
     residual stream's local shape [B, L, D], the axes it varies over and its dtype.
     docs_M: the microbatches' packed documents (`layers.documents.Documents` of [M, B, ...]
@@ -171,14 +172,38 @@ def run(stages: Stages, params, inputs_MBL, targets_MBL, x_shape, x_axes, axes: 
         wgt_TP, any_w_T = jnp.asarray(the_plan.weight_TP), jnp.asarray(the_plan.any_weight_T)
     uniform = the_plan.uniform
 
-    def chunk(model_p, v):
-        """The model's params with only chunk v of this device's stacked blocks (rows
+    def rows(v):
+        """Chunk v's rows of a stacked leaf [N/pp, ...] -> [N/(pp·V), ...] (rows
         [v·N/(pp·V), (v+1)·N/(pp·V)) of its shard: `storage_order`)."""
-        if V == 1:
-            return model_p
-        take = lambda w: lax.dynamic_index_in_dim(  # noqa: E731
+        return lambda w: lax.dynamic_index_in_dim(
             w.reshape(V, w.shape[0] // V, *w.shape[1:]), v, keepdims=False)
-        return dict(model_p, blocks=jax.tree.map(take, model_p["blocks"]))
+
+    def own(p, i):
+        """What item i's unit takes its `jax.vjp` over, (q, pins): q, `p` with only its
+        chunk's rows of the stacked blocks, and pins, the chunk's rows of the stored
+        leaves `seen` reads beside them (ZeRO-2's whole weights; none under the other
+        levels). Both sliced outside the vjp, so the slices are primals (not residuals
+        in the stash) and the blocks' cotangent is chunk-sized (the pins' is zero)."""
+        if V == 1:
+            return p, []
+        pins = []
+        seen(p, lambda w: pins.append(rows(i % V)(w)) or pins[-1])  # only the slices live
+        return dict(p, blocks=jax.tree.map(rows(i % V), p["blocks"])), pins
+
+    def add_own(grads, d_p, i, active=True):
+        """`grads` plus unit i's `d_p` (`own`'s shapes; zero where not `active`): the
+        blocks' into their chunk's rows only."""
+        d_p = keep(active, d_p[0], jax.tree.map(jnp.zeros_like, d_p[0]))
+        if V == 1:
+            return jax.tree.map(jnp.add, grads, d_p)
+
+        def add_rows(g, d):
+            g_V = g.reshape(V, g.shape[0] // V, *g.shape[1:])
+            at = lax.dynamic_index_in_dim(g_V, i % V, keepdims=False)
+            return lax.dynamic_update_index_in_dim(g_V, at + d, i % V, 0).reshape(g.shape)
+
+        out = {k: jax.tree.map(jnp.add, g, d_p[k]) for k, g in grads.items() if k != "blocks"}
+        return dict(out, blocks=jax.tree.map(add_rows, grads["blocks"], d_p["blocks"]))
 
     def either(pred, f, g):
         """f() where `pred`, else g(): a `lax.cond`, or under a uniform plan both computed
@@ -188,7 +213,8 @@ def run(stages: Stages, params, inputs_MBL, targets_MBL, x_shape, x_axes, axes: 
         return jax.tree.map(lambda a, b: jnp.where(pred, a, b), f(), g())
 
     def unit(p, x_BLD, i, with_loss=True):
-        """Item i (microbatch i // V through chunk i % V) from its input x [B, L, D]:
+        """Item i (microbatch i // V through chunk i % V) from its input x [B, L, D] under
+        `own(params, i)` p:
         (output x [B, L, D], its share of the microbatch's loss: the head's on the
         model's last chunk, plus in training the chunk's auxiliary loss). Only the first
         chunk embeds, only the last runs the head and loss (no loss at all without
@@ -196,7 +222,9 @@ def run(stages: Stages, params, inputs_MBL, targets_MBL, x_shape, x_axes, axes: 
         m, v = i // V, i % V
         inputs_BL, targets_BL = inputs_MBL[m], targets_MBL[m]
         docs = None if docs_M is None else jax.tree.map(lambda x: x[m], docs_M)
-        model_p = chunk(seen(p), v)
+        q, pins = p
+        pinned = iter(pins)
+        model_p = seen(q) if V == 1 else seen(q, lambda w: next(pinned))
         first, last = (stage == 0) & (v == 0), (stage == n - 1) & (v == V - 1)
 
         def embed():
@@ -226,8 +254,9 @@ def run(stages: Stages, params, inputs_MBL, targets_MBL, x_shape, x_axes, axes: 
         vary = []  # the axes each residual varies over, read while tracing
 
         def parts(p, x_BLD, i):  # i traced, as the forward unit's item is
+            q = own(p, i)
             leaves, traced["structure"] = _pullback_parts(
-                jax.vjp(lambda p, x: unit(p, x, i), p, x_BLD)[1], p)
+                jax.vjp(lambda q, x: unit(q, x, i), q, x_BLD)[1], q)
             vary.extend(tuple(collectives.varying_axes(r)) for r in leaves)
             return leaves
 
@@ -244,7 +273,9 @@ def run(stages: Stages, params, inputs_MBL, targets_MBL, x_shape, x_axes, axes: 
 
     def pullback_flat(stashed, p, ct_BLD, i):
         """The backward of unit i from what its forward stashed: [*grads of p's leaves,
-        the input cotangent, the loss (taken here when the unit's input is stashed)]."""
+        the input cotangent, the loss (taken here when the unit's input is stashed)].
+        A split plan has no chunks (V = 1: `own` is p and no pins)."""
+        p = (p, [])
         if residuals:
             f_vjp, loss = _pullback(traced["structure"], stashed, p), loss0
         else:
@@ -285,15 +316,16 @@ def run(stages: Stages, params, inputs_MBL, targets_MBL, x_shape, x_axes, axes: 
     def forward(c, i, active=True):
         x_BLD = c["x"][i % the_plan.x_slots]
         if not backward:
-            y_BLD, loss = unit(params, x_BLD, i)
+            y_BLD, loss = unit(own(params, i), x_BLD, i)
             return y_BLD, dict(c, loss=c["loss"] + keep(active, loss, 0.0))
         slot = i % the_plan.stash_slots
         if not residuals:  # the loss is taken in the backward, which recomputes the unit
-            y_BLD, _ = unit(params, x_BLD, i, with_loss=False)
+            y_BLD, _ = unit(own(params, i), x_BLD, i, with_loss=False)
             return y_BLD, dict(c, stash=c["stash"].at[slot].set(
                 keep(active, x_BLD, c["stash"][slot])))
-        (y_BLD, loss), f_vjp = jax.vjp(lambda p, x: unit(p, x, i), params, x_BLD)
-        leaves, traced["structure"] = _pullback_parts(f_vjp, params)
+        q = own(params, i)
+        (y_BLD, loss), f_vjp = jax.vjp(lambda q, x: unit(q, x, i), q, x_BLD)
+        leaves, traced["structure"] = _pullback_parts(f_vjp, q)
         assert [(r.shape, r.dtype) for r in leaves] == [
             (b.shape[1:], b.dtype) for b in c["stash"]], "the stash's residuals are the unit's"
         stash = [buf.at[slot].set(keep(active, r, buf[slot]))
@@ -324,13 +356,14 @@ def run(stages: Stages, params, inputs_MBL, targets_MBL, x_shape, x_axes, axes: 
                       in zip(c["wstash"], [*cross, *(flat[k] for k in w_own)])]
             return dx_BLD, dict(c, wstash=wstash, loss=c["loss"] + keep(active, loss, 0.0))
         if residuals:
-            f_vjp = _pullback(traced["structure"], [buf[slot] for buf in c["stash"]], params)
+            f_vjp = _pullback(traced["structure"], [buf[slot] for buf in c["stash"]],
+                              own(params, i))
             loss = loss0
         else:
-            (_, loss), f_vjp = jax.vjp(lambda p, x: unit(p, x, i), params, c["stash"][slot])
+            (_, loss), f_vjp = jax.vjp(lambda q, x: unit(q, x, i), own(params, i),
+                                       c["stash"][slot])
         d_params, dx_BLD = f_vjp((ct_BLD, seed))
-        grads = jax.tree.map(jnp.add, c["grads"], d_params)
-        return dx_BLD, dict(c, grads=keep(active, grads, c["grads"]),
+        return dx_BLD, dict(c, grads=add_own(c["grads"], d_params, i, active),
                             loss=c["loss"] + keep(active, loss, 0.0))
 
     @jax.named_scope(scopes.PP_WEIGHT)
