@@ -175,8 +175,7 @@ def run(stages: Stages, params, inputs_MBL, targets_MBL, x_shape, x_axes, axes: 
     def rows(v):
         """Chunk v's rows of a stacked leaf [N/pp, ...] -> [N/(pp·V), ...] (rows
         [v·N/(pp·V), (v+1)·N/(pp·V)) of its shard: `storage_order`)."""
-        return lambda w: lax.dynamic_index_in_dim(
-            w.reshape(V, w.shape[0] // V, *w.shape[1:]), v, keepdims=False)
+        return lambda w: lax.dynamic_slice_in_dim(w, v * (w.shape[0] // V), w.shape[0] // V)
 
     def own(p, i):
         """What item i's unit takes its `jax.vjp` over, (q, pins): q, `p` with only its
@@ -198,9 +197,9 @@ def run(stages: Stages, params, inputs_MBL, targets_MBL, x_shape, x_axes, axes: 
             return jax.tree.map(jnp.add, grads, d_p)
 
         def add_rows(g, d):
-            g_V = g.reshape(V, g.shape[0] // V, *g.shape[1:])
-            at = lax.dynamic_index_in_dim(g_V, i % V, keepdims=False)
-            return lax.dynamic_update_index_in_dim(g_V, at + d, i % V, 0).reshape(g.shape)
+            start = (i % V) * d.shape[0]
+            return lax.dynamic_update_slice_in_dim(
+                g, lax.dynamic_slice_in_dim(g, start, d.shape[0]) + d, start, 0)
 
         out = {k: jax.tree.map(jnp.add, g, d_p[k]) for k, g in grads.items() if k != "blocks"}
         return dict(out, blocks=jax.tree.map(add_rows, grads["blocks"], d_p["blocks"]))
