@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import pytest
 
 from engine.cli.args import build_parser, parse_or_exit
+from engine.cost import memory
 from engine.cost.ledger import trace_step
 from engine.parallel import pipeline
 from test_cost_pp_stash import _args, _tick_scan
@@ -23,12 +24,17 @@ def _eqns(jaxpr):
                     yield from _eqns(inner)
 
 
-def f32_add_shapes(layout: str, schedule: str, zero: int, virtual: int) -> set[tuple]:
-    """The shapes of the f32 adds the tick scan runs (grads accumulated, losses)."""
+def _step(layout: str, schedule: str, zero: int, virtual: int):
+    """(the traced step's jaxpr, its tick scan's equation)."""
     cfg, tcfg, parallel, lay, _ = parse_or_exit(_args(layout, schedule, zero, virtual),
                                                 build_parser())
-    plan = pipeline.step_plan(lay, parallel)
-    scan = _tick_scan(trace_step(cfg, tcfg, lay, parallel).jaxpr, plan.ticks)
+    jaxpr = trace_step(cfg, tcfg, lay, parallel).jaxpr
+    return jaxpr, _tick_scan(jaxpr, pipeline.step_plan(lay, parallel).ticks)
+
+
+def f32_add_shapes(layout: str, schedule: str, zero: int, virtual: int) -> set[tuple]:
+    """The shapes of the f32 adds the tick scan runs (grads accumulated, losses)."""
+    _, scan = _step(layout, schedule, zero, virtual)
     return {tuple(e.outvars[0].aval.shape) for e in _eqns(scan.params["jaxpr"].jaxpr)
             if e.primitive.name == "add" and e.outvars[0].aval.dtype == jnp.float32}
 
@@ -43,6 +49,42 @@ def test_an_interleaved_unit_adds_its_grads_into_its_chunk_only(layout, zero):
     interleaved = rows(f32_add_shapes(layout, "interleaved", zero, 2))
     assert 2 in interleaved and 4 not in interleaved, interleaved
     assert 4 in rows(f32_add_shapes(layout, "1f1b", zero, 1))
+
+
+def reduce_scatter_shapes(eqns) -> list[tuple]:
+    return sorted(tuple(e.invars[0].aval.shape) for e in eqns
+                  if e.primitive.name == "reduce_scatter")
+
+
+@pytest.mark.parametrize("schedule, virtual", [("1f1b", 1), ("interleaved", 2),
+                                               pytest.param("zb1", 1, marks=pytest.mark.slow)])
+def test_zero2_reduce_scatters_the_embedding_grads_once_a_step(schedule, virtual):
+    """pp2xfsdp2 under ZeRO-2, 8 microbatches (V 4096, D 64): no unit reduce-scatters
+    the embedding's [4096, 64] or the unembedding's [64, 4096] grad (before: every
+    backward unit, on every stage); the step reduce-scatters each once, after the ticks.
+    The layers' weights still reduce-scatter in the units (per layer, as the
+    un-pipelined step does)."""
+    jaxpr, scan = _step("pp2xfsdp2", schedule, 2, virtual)
+    inside = reduce_scatter_shapes(_eqns(scan.params["jaxpr"].jaxpr))
+    everywhere = reduce_scatter_shapes(_eqns(jaxpr))
+    heads = [(64, 4096), (4096, 64)]
+    assert inside and not set(heads) & set(inside), inside
+    assert [s for s in everywhere if s in heads] == heads, everywhere
+
+
+def test_zero2_accumulates_the_embedding_grads_whole_as_the_memory_model_holds_them():
+    """The tick scan carries the embedding's and unembedding's grads whole over fsdp
+    (f32 [4096, 64] and [64, 4096]; before: their fsdp halves), which the memory model
+    adds to the stage's sharded grads as `whole_head_grads`: the other half of each."""
+    cfg, tcfg, parallel, lay, _ = parse_or_exit(_args("pp2xfsdp2", "1f1b", 2), build_parser())
+    _, scan = _step("pp2xfsdp2", "1f1b", 2, 1)
+    first = scan.params["num_consts"]
+    carries = scan.invars[first:first + scan.params["num_carry"]]
+    whole = [v.aval.size * 4 for v in carries if v.aval.dtype == jnp.float32
+             and tuple(v.aval.shape) in ((64, 4096), (4096, 64))]
+    assert len(whole) == 2, [v.aval for v in carries]
+    stage = memory.stage_problem(cfg, tcfg, lay, parallel)
+    assert memory.whole_head_grads(*stage) == sum(whole) // 2
 
 
 @pytest.mark.parametrize("zero", [2, pytest.param(1, marks=pytest.mark.slow)])

@@ -188,6 +188,25 @@ def loss_residuals(cfg, tcfg, layout, par, x_micro: int, platform: str = "cpu") 
     return 2 * x_micro + d.B * d.L * d.Vtp * F32 + unembed
 
 
+def whole_head_grads(cfg, tcfg, layout, par) -> int:
+    """Bytes a pipelined step's grads accumulator holds beyond the stage's grads: under
+    ZeRO-2 the units sum the embedding's and unembedding's grads over the microbatches
+    whole over fsdp (f32, as the model sees the params) and reduce-scatter them once
+    after the ticks, where the stage's grads hold their fsdp shards (traced: the
+    accumulator's leaves, tests/test_pp_spend.py). `cfg` and `layout` are the stage's
+    (`stage_problem`); 0 under the other levels (their transposes run in the units)."""
+    from engine.parallel.params import param_shapes
+    from engine.run.step import Trainer
+
+    fsdp = layout.degree("fsdp")
+    if par.zero != 2 or fsdp <= 1:
+        return 0
+    t = Trainer(cfg, tcfg, layout, layout.abstract_mesh(), par)
+    whole = _tree_bytes(param_shapes(cfg), t.specs, dict(layout.mesh_axes()),
+                        keep=lambda path: path in ("['embed']", "['unembed']"))
+    return whole - whole // fsdp
+
+
 def pipelined(cfg, tcfg, layout, platform: str = "cpu", parallel=None) -> MemoryPrediction:
     """The pipelined step's per-device peak: the peak falls in a backward unit, the vjp of
     one stage on one microbatch, whose items are `one_program`'s for the stage as a step
@@ -205,7 +224,8 @@ def pipelined(cfg, tcfg, layout, platform: str = "cpu", parallel=None) -> Memory
         shift buffers  2 x (x_slots + ct_slots) x B_m·L_x·D·a   arrived activations and
                        cotangents, held the same way
         grads          the scan carry's grads accumulator, f32 as differentiated (one
-                       more copy of the stage's grads beside the unit's)
+                       more copy of the stage's grads beside the unit's); under ZeRO-2
+                       its embedding and unembedding whole over fsdp (`whole_head_grads`)
         W slots        zb1 only: w_slots x what a unit's W reads of its B, per layer
                        B_m·L_x·a·(9D + 2(H_tp + G_tp)K + 4F_tp): the weight matmuls'
                        inputs and output cotangents, the norms' (whatever the remat
@@ -247,6 +267,9 @@ def pipelined(cfg, tcfg, layout, platform: str = "cpu", parallel=None) -> Memory
              f"pipeline: shift buffers, {the_plan.x_slots} + {the_plan.ct_slots} "
              f"microbatches, held twice": 2 * (the_plan.x_slots + the_plan.ct_slots) * x_micro,
              "pipeline: grads accumulated over the microbatches (f32)": stage.grads}
+    if head := whole_head_grads(scfg, stcfg, slayout, spar):
+        items["pipeline: embedding and unembedding grads whole over fsdp until the "
+              "step's reduce-scatter (f32)"] = head
     extra = sum(items.values())
     return dataclasses.replace(stage, residuals=stage.residuals + extra,
                                items={**items, **stage.items},

@@ -177,32 +177,45 @@ def run(stages: Stages, params, inputs_MBL, targets_MBL, x_shape, x_axes, axes: 
         [v·N/(pp·V), (v+1)·N/(pp·V)) of its shard: `storage_order`)."""
         return lambda w: lax.dynamic_slice_in_dim(w, v * (w.shape[0] // V), w.shape[0] // V)
 
+    # The params outside the stacked blocks (embedding, final norm, unembedding) as the
+    # model sees them, made once outside the units: the units differentiate these, their
+    # cotangents are summed over the microbatches as the model sees them (under ZeRO-2
+    # the whole embedding and unembedding, f32) and `seen`'s transpose (ZeRO-2's fsdp
+    # reduce-scatter) runs once after the ticks, as the un-pipelined step reduces once
+    # per microbatch rather than once per unit.
+    rest_diff = {k: w for k, w in params.items() if k != "blocks"}
+    rest_model, rest_transpose = jax.vjp(lambda rest: {
+        k: w for k, w in seen(dict(rest, blocks=params["blocks"])).items() if k != "blocks"},
+        rest_diff)
+
     def own(p, i):
-        """What item i's unit takes its `jax.vjp` over, (q, pins): q, `p` with only its
-        chunk's rows of the stacked blocks, and pins, the chunk's rows of the stored
+        """What item i's unit takes its `jax.vjp` over, (blocks, pins, rest): blocks, the
+        rows of `p`'s stacked blocks its chunk holds; pins, the chunk's rows of the stored
         leaves `seen` reads beside them (ZeRO-2's whole weights; none under the other
-        levels). Both sliced outside the vjp, so the slices are primals (not residuals
-        in the stash) and the blocks' cotangent is chunk-sized (the pins' is zero)."""
+        levels); rest, the other params as the model sees them (`rest_model`). All made
+        outside the vjp, so they are primals (not residuals in the stash) and the
+        blocks' cotangent is chunk-sized (the pins' is zero)."""
         if V == 1:
-            return p, []
+            return p["blocks"], [], rest_model
         pins = []
         seen(p, lambda w: pins.append(rows(i % V)(w)) or pins[-1])  # only the slices live
-        return dict(p, blocks=jax.tree.map(rows(i % V), p["blocks"])), pins
+        return jax.tree.map(rows(i % V), p["blocks"]), pins, rest_model
 
-    def add_own(grads, d_p, i, active=True):
-        """`grads` plus unit i's `d_p` (`own`'s shapes; zero where not `active`): the
-        blocks' into their chunk's rows only."""
-        d_p = keep(active, d_p[0], jax.tree.map(jnp.zeros_like, d_p[0]))
+    def add_own(grads, d_own, i, active=True):
+        """`grads` (blocks', rest's) plus unit i's `d_own` (`own`'s shapes; zero where not
+        `active`): the blocks' into their chunk's rows only, the rest's in f32."""
+        d_blocks, _, d_rest = keep(active, d_own, jax.tree.map(jnp.zeros_like, d_own))
+        blocks, rest = grads
+        rest = jax.tree.map(lambda g, d: g + d.astype(g.dtype), rest, d_rest)
         if V == 1:
-            return jax.tree.map(jnp.add, grads, d_p)
+            return jax.tree.map(jnp.add, blocks, d_blocks), rest
 
         def add_rows(g, d):
             start = (i % V) * d.shape[0]
             return lax.dynamic_update_slice_in_dim(
                 g, lax.dynamic_slice_in_dim(g, start, d.shape[0]) + d, start, 0)
 
-        out = {k: jax.tree.map(jnp.add, g, d_p[k]) for k, g in grads.items() if k != "blocks"}
-        return dict(out, blocks=jax.tree.map(add_rows, grads["blocks"], d_p["blocks"]))
+        return jax.tree.map(add_rows, blocks, d_blocks), rest
 
     def either(pred, f, g):
         """f() where `pred`, else g(): a `lax.cond`, or under a uniform plan both computed
@@ -221,9 +234,11 @@ def run(stages: Stages, params, inputs_MBL, targets_MBL, x_shape, x_axes, axes: 
         m, v = i // V, i % V
         inputs_BL, targets_BL = inputs_MBL[m], targets_MBL[m]
         docs = None if docs_M is None else jax.tree.map(lambda x: x[m], docs_M)
-        q, pins = p
+        blocks, pins, rest = p
         pinned = iter(pins)
-        model_p = seen(q) if V == 1 else seen(q, lambda w: next(pinned))
+        stored = dict(rest_diff, blocks=blocks)  # the rest's `seen` here is dead code
+        blocks = (seen(stored) if V == 1 else seen(stored, lambda w: next(pinned)))["blocks"]
+        model_p = dict(rest, blocks=blocks)
         first, last = (stage == 0) & (v == 0), (stage == n - 1) & (v == V - 1)
 
         def embed():
@@ -266,15 +281,16 @@ def run(stages: Stages, params, inputs_MBL, targets_MBL, x_shape, x_axes, axes: 
         stash = buffer(the_plan.stash_slots)
     carry = dict(x=buffer(the_plan.x_slots), loss=loss0)
     if backward:
-        carry.update(ct=buffer(the_plan.ct_slots), stash=stash,
-                     grads=jax.tree.map(collectives.zeros_like, params))
-    n_params = len(jax.tree.leaves(params))
+        f32_zeros = lambda w: collectives.zeros_like(w).astype(jnp.float32)  # noqa: E731
+        carry.update(ct=buffer(the_plan.ct_slots), stash=stash, grads=(
+            jax.tree.map(collectives.zeros_like, params["blocks"]),
+            jax.tree.map(f32_zeros, rest_model)))
+    n_params = len(jax.tree.leaves(own(params, 0)))
 
     def pullback_flat(stashed, p, ct_BLD, i):
         """The backward of unit i from what its forward stashed: [*grads of p's leaves,
         the input cotangent, the loss (taken here when the unit's input is stashed)].
-        A split plan has no chunks (V = 1: `own` is p and no pins)."""
-        p = (p, [])
+        p: `own`'s, of a split plan (no chunks: V = 1, no pins)."""
         if residuals:
             f_vjp, loss = _pullback(traced["structure"], stashed, p), loss0
         else:
@@ -284,7 +300,7 @@ def run(stages: Stages, params, inputs_MBL, targets_MBL, x_shape, x_axes, axes: 
 
     if split:  # the backward cut into B and W, traced once on this level's values
         example = ([buf[0] for buf in stash] if residuals else zeros_x,
-                   params, zeros_x, bwd_TP[0, stage])  # an item varies over pp
+                   own(params, 0), zeros_x, bwd_TP[0, stage])  # an item varies over pp
         flat_example = jax.tree.leaves(example)
         n_stashed = len(jax.tree.leaves(example[0]))
         live = list(range(n_stashed, n_stashed + n_params)) + [len(flat_example) - 1]
@@ -343,7 +359,7 @@ def run(stages: Stages, params, inputs_MBL, targets_MBL, x_shape, x_axes, axes: 
         ct_BLD = jnp.where(last, 0.0, c["ct"][i % the_plan.ct_slots])
         if split:  # B: the input cotangent now, what W needs into its slot
             stashed = [buf[slot] for buf in c["stash"]] if residuals else c["stash"][slot]
-            flat = jax.tree.leaves((stashed, params, ct_BLD, i))
+            flat = jax.tree.leaves((stashed, own(params, i), ct_BLD, i))
             outs, cross = the_split.b(flat)
             dx_BLD, loss = outs[n_params], outs[n_params + 1]
             grads = c["grads"]
@@ -371,7 +387,7 @@ def run(stages: Stages, params, inputs_MBL, targets_MBL, x_shape, x_axes, axes: 
         held = [buf[i % the_plan.w_slots] for buf in c["wstash"]]
         n_cross = len(held) - len(w_own)
         flat = [None] * len(the_split.w_reads)
-        for k, value in zip(live, [*jax.tree.leaves(params), i]):
+        for k, value in zip(live, [*jax.tree.leaves(own(params, i)), i]):
             flat[k] = value
         for k, value in zip(w_own, held[n_cross:]):
             flat[k] = value
@@ -411,7 +427,9 @@ def run(stages: Stages, params, inputs_MBL, targets_MBL, x_shape, x_axes, axes: 
     loss = collectives.all_reduce(carry["loss"], pp) / M
     if not backward:
         return loss
-    return loss, carry["grads"]
+    blocks, rest = carry["grads"]
+    rest, = rest_transpose(jax.tree.map(lambda g, m: g.astype(m.dtype), rest, rest_model))
+    return loss, dict(rest, blocks=blocks)
 
 
 def reduce_shared(grads, specs, axes: Axes):
