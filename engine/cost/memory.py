@@ -172,19 +172,21 @@ def stage_problem(cfg, tcfg, layout, parallel):
 
 def loss_residuals(cfg, tcfg, layout, par, x_micro: int, platform: str = "cpu") -> int:
     """What the vjp of the head and loss leaves for its backward, one microbatch (the
-    pipeline's forward unit stashes it on every stage: the unit's cond keeps both
-    branches' residuals): the final norm's input and output, the logits' softmax
+    pipeline keeps it in the last stage's head slots, `pipeline.head_slots`; zb1 in
+    every stash slot): the final norm's input and output, the logits' softmax
     [B, L, V_tp] f32, and the unembedding in the compute dtype as the head's matmul
-    reads it: gathered over fsdp under ZeRO-3, else cast from the f32 param (a primal,
-    not stashed, only when the compute dtype is f32 and nothing gathers it; traced:
-    pp2xtp2 and pp2xfsdp2 under ZeRO-2 stash a bf16 [D, V_tp] per slot). `platform` as
-    `predict`'s (the attention kernel it resolves does not enter these items)."""
+    reads it: gathered over fsdp under ZeRO-3, else cast from the f32 param inside the
+    head, except under ZeRO-2 over fsdp, where the step casts it before the units (a
+    primal, not stashed, as when the compute dtype is f32; traced: pp2xtp2 holds a bf16
+    [D, V_tp] a slot, pp2xfsdp2 under ZeRO-2 none). `platform` as `predict`'s (the
+    attention kernel it resolves does not enter these items)."""
     from engine.parallel.params import param_shapes
 
     d = dims(cfg, tcfg, layout, platform, par,
              kernel_priced(cfg, tcfg, layout, platform, par), param_shapes(cfg))
-    gathered = par.zero == 3 and layout.degree("fsdp") > 1
-    unembed = d.D * d.Vtp * d.c if gathered or d.c < F32 else 0
+    fsdp = layout.degree("fsdp") > 1
+    gathered, cast_before = par.zero == 3 and fsdp, par.zero == 2 and fsdp
+    unembed = d.D * d.Vtp * d.c if gathered or (d.c < F32 and not cast_before) else 0
     return 2 * x_micro + d.B * d.L * d.Vtp * F32 + unembed
 
 
@@ -217,8 +219,10 @@ def pipelined(cfg, tcfg, layout, platform: str = "cpu", parallel=None) -> Memory
                        (XLA:CPU, pp4xfsdp2 tiny, M = 8: gpipe's peak exceeds 1f1b's by
                        its one more slot to 1 %): the unit's residuals (the stage's
                        `residuals` under the remat policy, which then leave the unit's
-                       own items, + `loss_residuals`; the peak grows 0.78 MiB a slot
-                       against 0.77 predicted under none; an interleaved unit's chunk of
+                       own items; the peak grows 0.78 MiB a slot against 0.77
+                       predicted under none), and apart from them the head's
+                       `loss_residuals` in `pipeline.head_slots` slots (zb1: in every
+                       stash slot); an interleaved unit's chunk of
                        the stage's weights is sliced outside its vjp, a primal, not
                        stashed); under a cp ring the units' inputs B_m·L_x·D·a
         shift buffers  2 x (x_slots + ct_slots) x B_m·L_x·D·a   arrived activations and
@@ -250,9 +254,12 @@ def pipelined(cfg, tcfg, layout, platform: str = "cpu", parallel=None) -> Memory
             k: v // V if k.startswith("residual") else v for k, v in stage.items.items()})
     K = the_plan.stash_slots
     if pipeline.stash_residuals(layout, parallel):  # a unit's residuals per slot, not its input
-        per_slot = stage.residuals + loss_residuals(scfg, stcfg, slayout, spar, x_micro,
-                                                    platform)
-        stash = {f"pipeline: stash, {K} units' vjp residuals": K * per_slot}
+        head = loss_residuals(scfg, stcfg, slayout, spar, x_micro, platform)
+        stash = {f"pipeline: stash, {K} units' vjp residuals":
+                 K * (stage.residuals + (head if the_plan.split else 0))}
+        if not the_plan.split:
+            H = pipeline.head_slots(the_plan)
+            stash[f"pipeline: stash, the head's residuals, {H} slots"] = H * head
         stage = dataclasses.replace(stage, residuals=0, items={
             k: v for k, v in stage.items.items() if not k.startswith("residual")})
     else:

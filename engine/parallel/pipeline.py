@@ -96,6 +96,23 @@ def step_plan(layout, parallel, backward: bool = True) -> Plan | None:
                 parallel.pp_virtual, uniform_units(layout, parallel))
 
 
+def head_slots(the_plan: Plan) -> int:
+    """Slots the head's residuals take (`run`): the last stage's last-chunk items hold
+    theirs from their forward's tick to their backward's (a tick runs its forward slot
+    first), microbatch m in slot m % K: the fewest K for which no forward overwrites a
+    slot whose microbatch has not yet run its backward (1F1B's last stage runs both of
+    a microbatch in one tick: 1; GPipe's: M)."""
+    V = the_plan.virtual
+
+    def ticks(items_T):
+        return {int(i) // V: t for t, i in enumerate(items_T) if i != NONE and i % V == V - 1}
+
+    f_tick, b_tick = ticks(the_plan.forward_TP[:, -1]), ticks(the_plan.backward_TP[:, -1])
+    M = len(f_tick)
+    return next(K for K in range(1, M + 1)
+                if all(f_tick[m + K] > b_tick[m] for m in range(M - K)))
+
+
 def reorder_blocks(tree, index):
     """`tree` (params, grads or an optimizer state) with every leaf under 'blocks'
     taken at rows `index` of its first dim (numpy or jax arrays alike)."""
@@ -171,6 +188,7 @@ def run(stages: Stages, params, inputs_MBL, targets_MBL, x_shape, x_axes, axes: 
     if split:
         wgt_TP, any_w_T = jnp.asarray(the_plan.weight_TP), jnp.asarray(the_plan.any_weight_T)
     uniform = the_plan.uniform
+    apart = residuals and not split  # the head's residuals out of the stash (below)
 
     def rows(v):
         """Chunk v's rows of a stacked leaf [N/pp, ...] -> [N/(pp·V), ...] (rows
@@ -224,13 +242,13 @@ def run(stages: Stages, params, inputs_MBL, targets_MBL, x_shape, x_axes, axes: 
             return lax.cond(pred, f, g)
         return jax.tree.map(lambda a, b: jnp.where(pred, a, b), f(), g())
 
-    def unit(p, x_BLD, i, with_loss=True):
+    def unit(p, x_BLD, i, with_loss=True, with_head=True):
         """Item i (microbatch i // V through chunk i % V) from its input x [B, L, D] under
         `own(params, i)` p:
         (output x [B, L, D], its share of the microbatch's loss: the head's on the
         model's last chunk, plus in training the chunk's auxiliary loss). Only the first
         chunk embeds, only the last runs the head and loss (no loss at all without
-        `with_loss`)."""
+        `with_loss`; no head's without `with_head`: `head_of` runs it apart)."""
         m, v = i // V, i % V
         inputs_BL, targets_BL = inputs_MBL[m], targets_MBL[m]
         docs = None if docs_M is None else jax.tree.map(lambda x: x[m], docs_M)
@@ -254,10 +272,15 @@ def run(stages: Stages, params, inputs_MBL, targets_MBL, x_shape, x_axes, axes: 
         y_BLD = _like(y_BLD, x_axes)
         if not with_loss:
             return y_BLD, loss0
-        loss = either(last, head, lambda: loss0)
+        loss = either(last, head, lambda: loss0) if with_head else loss0
         if aux is None or not backward:  # evaluation: the cross-entropy alone
             return y_BLD, loss
         return y_BLD, loss + _like(aux, (pp,))
+
+    def head_of(rest, y_BLD, i):
+        """The head's loss of item i's microbatch from the last chunk's output y."""
+        with jax.named_scope(scopes.PP_LAST):
+            return _like(stages.head_loss(rest, y_BLD, targets_MBL[i // V]), (pp,))
 
     zeros_x = _like(jnp.zeros(x_shape, x_dtype), x_axes)
     buffer = lambda k: jnp.broadcast_to(zeros_x, (max(k, 1), *x_shape))  # noqa: E731
@@ -270,7 +293,7 @@ def run(stages: Stages, params, inputs_MBL, targets_MBL, x_shape, x_axes, axes: 
         def parts(p, x_BLD, i):  # i traced, as the forward unit's item is
             q = own(p, i)
             leaves, traced["structure"] = _pullback_parts(
-                jax.vjp(lambda q, x: unit(q, x, i), q, x_BLD)[1], q)
+                jax.vjp(lambda q, x: unit(q, x, i, with_head=not apart), q, x_BLD)[1], q)
             vary.extend(tuple(collectives.varying_axes(r)) for r in leaves)
             return leaves
 
@@ -280,6 +303,20 @@ def run(stages: Stages, params, inputs_MBL, targets_MBL, x_shape, x_axes, axes: 
     else:
         stash = buffer(the_plan.stash_slots)
     carry = dict(x=buffer(the_plan.x_slots), loss=loss0)
+    # The head's residuals, apart from the stash: only the last stage's last chunk makes
+    # them, held in `head_slots` slots (microbatch m in slot m % K) instead of in every
+    # stash slot on every stage. A split plan (zb1) keeps them in its units' stash.
+    if apart:
+        K_head, head_vary = head_slots(the_plan), []
+
+        def head_parts(y_BLD, i):
+            leaves, traced["head"] = _pullback_parts(
+                jax.vjp(lambda r, y: head_of(r, y, i), rest_model, y_BLD)[1], rest_model)
+            head_vary.extend(tuple(collectives.varying_axes(r)) for r in leaves)
+            return leaves
+
+        carry["head"] = [_like(jnp.zeros((K_head, *h.shape), h.dtype), a) for h, a in zip(
+            jax.eval_shape(head_parts, zeros_x, fwd_TP[0, 0]), head_vary)]
     if backward:
         f32_zeros = lambda w: collectives.zeros_like(w).astype(jnp.float32)  # noqa: E731
         carry.update(ct=buffer(the_plan.ct_slots), stash=stash, grads=(
@@ -339,12 +376,22 @@ def run(stages: Stages, params, inputs_MBL, targets_MBL, x_shape, x_axes, axes: 
             return y_BLD, dict(c, stash=c["stash"].at[slot].set(
                 keep(active, x_BLD, c["stash"][slot])))
         q = own(params, i)
-        (y_BLD, loss), f_vjp = jax.vjp(lambda q, x: unit(q, x, i), q, x_BLD)
+        (y_BLD, loss), f_vjp = jax.vjp(lambda q, x: unit(q, x, i, with_head=not apart),
+                                       q, x_BLD)
         leaves, traced["structure"] = _pullback_parts(f_vjp, q)
         assert [(r.shape, r.dtype) for r in leaves] == [
             (b.shape[1:], b.dtype) for b in c["stash"]], "the stash's residuals are the unit's"
         stash = [buf.at[slot].set(keep(active, r, buf[slot]))
                  for buf, r in zip(c["stash"], leaves)]
+        if apart:  # the head's vjp on the last chunk, its residuals into the head's slot
+            def head():
+                loss, h_vjp = jax.vjp(lambda r, y: head_of(r, y, i), rest_model, y_BLD)
+                held, traced["head"] = _pullback_parts(h_vjp, rest_model)
+                return loss, [b.at[(i // V) % K_head].set(h) for b, h in zip(c["head"], held)]
+
+            ends = (stage == n - 1) & (i % V == V - 1) & active
+            head_loss, held = either(ends, head, lambda: (loss0, c["head"]))
+            c, loss = dict(c, head=held), loss + head_loss
         return y_BLD, dict(c, stash=stash, loss=c["loss"] + keep(active, loss, 0.0))
 
     def add_flat(grads, d_flat):
@@ -370,6 +417,13 @@ def run(stages: Stages, params, inputs_MBL, targets_MBL, x_shape, x_axes, axes: 
             wstash = [buf.at[w_slot].set(keep(active, value, buf[w_slot])) for buf, value
                       in zip(c["wstash"], [*cross, *(flat[k] for k in w_own)])]
             return dx_BLD, dict(c, wstash=wstash, loss=c["loss"] + keep(active, loss, 0.0))
+        d_head = jax.tree.map(jnp.zeros_like, rest_model)
+        if apart:  # the head's pullback from its slot gives the last chunk's cotangent
+            def head():
+                held = [b[(i // V) % K_head] for b in c["head"]]
+                return _pullback(traced["head"], held, rest_model)(seed)
+
+            d_head, ct_BLD = either(last, head, lambda: (d_head, ct_BLD))
         if residuals:
             f_vjp = _pullback(traced["structure"], [buf[slot] for buf in c["stash"]],
                               own(params, i))
@@ -377,7 +431,8 @@ def run(stages: Stages, params, inputs_MBL, targets_MBL, x_shape, x_axes, axes: 
         else:
             (_, loss), f_vjp = jax.vjp(lambda q, x: unit(q, x, i), own(params, i),
                                        c["stash"][slot])
-        d_params, dx_BLD = f_vjp((ct_BLD, seed))
+        (d_blocks, d_pins, d_rest), dx_BLD = f_vjp((ct_BLD, seed))
+        d_params = d_blocks, d_pins, jax.tree.map(jnp.add, d_rest, d_head)
         return dx_BLD, dict(c, grads=add_own(c["grads"], d_params, i, active),
                             loss=c["loss"] + keep(active, loss, 0.0))
 
