@@ -14,13 +14,17 @@ The backward of a unit is the vjp of the unit, run at its tick. The forward unit
 `jax.vjp` and stashes its residuals (`stash_residuals`) in `Plan.stash_slots` slots, and
 the backward applies them, so no forward runs twice: what the blocks' remat policy saves
 per layer (`full`: each layer's input, as Megatron-LM's pipelines keep; `dots`: also the
-named matmul outputs; `none`: everything) and the head's on the last stage. The residuals
-are the leaves of the `jax.vjp` pullback (its primal params are not stashed: the
-backward puts the live ones back). Under a cp ring the stash holds each unit's input
-instead and the backward recomputes the unit under `jax.vjp`.
+named matmul outputs; `none`: everything). The last chunk takes the head's vjp apart
+and keeps its residuals in the last stage's own `head_slots` slots. The residuals are
+the leaves of the `jax.vjp` pullbacks (their primal params, made outside the vjp by
+`own`, are not stashed: the backward puts the live ones back). Under a cp ring the
+stash holds each unit's input instead and the backward recomputes the unit under
+`jax.vjp`; zb1 keeps the head's residuals in its units' stash.
 
 Parameter grads are accumulated over the microbatches in the scan carry and reduced
-once after it.
+once after it: the blocks' as differentiated (an interleaved unit's into its chunk's
+rows), the others' as the model sees them, made once before the ticks (`seen`'s
+transpose, ZeRO-2's fsdp reduce-scatter, runs once after them).
 
 A split schedule (zb1) runs each backward as two units (engine/parallel/backward_split.py
 cuts the pullback's jaxpr by dependency): B, at the backward's tick, gives the input
