@@ -87,7 +87,8 @@ def test_zero2_accumulates_the_embedding_grads_whole_as_the_memory_model_holds_t
     assert memory.whole_head_grads(*stage) == sum(whole) // 2
 
 
-@pytest.mark.parametrize("zero", [2, pytest.param(1, marks=pytest.mark.slow)])
+@pytest.mark.slow  # ~10 s; the default suite traces this path (test_cost_pp_stash)
+@pytest.mark.parametrize("zero", [2, 1])
 def test_interleaved_under_resident_weights_matches_single(zero, init, single):
     """Under ZeRO-1/2 the stored whole weights a unit reads are its chunk's rows, sliced
     outside the unit's vjp beside the differentiated shards: loss, grads (model order)
