@@ -199,12 +199,9 @@ def run(stages: Stages, params, inputs_MBL, targets_MBL, x_shape, x_axes, axes: 
         [v·N/(pp·V), (v+1)·N/(pp·V)) of its shard: `storage_order`)."""
         return lambda w: lax.dynamic_slice_in_dim(w, v * (w.shape[0] // V), w.shape[0] // V)
 
-    # The params outside the stacked blocks (embedding, final norm, unembedding) as the
-    # model sees them, made once outside the units: the units differentiate these, their
-    # cotangents are summed over the microbatches as the model sees them (under ZeRO-2
-    # the whole embedding and unembedding, f32) and `seen`'s transpose (ZeRO-2's fsdp
-    # reduce-scatter) runs once after the ticks, as the un-pipelined step reduces once
-    # per microbatch rather than once per unit.
+    # The params outside the stacked blocks as the model sees them, made once before the
+    # ticks: the units differentiate these, their grads sum over the microbatches (f32)
+    # and `seen`'s transpose (ZeRO-2's fsdp reduce-scatter) runs once after the ticks.
     rest_diff = {k: w for k, w in params.items() if k != "blocks"}
     rest_model, rest_transpose = jax.vjp(lambda rest: {
         k: w for k, w in seen(dict(rest, blocks=params["blocks"])).items() if k != "blocks"},
@@ -214,9 +211,8 @@ def run(stages: Stages, params, inputs_MBL, targets_MBL, x_shape, x_axes, axes: 
         """What item i's unit takes its `jax.vjp` over, (blocks, pins, rest): blocks, the
         rows of `p`'s stacked blocks its chunk holds; pins, the chunk's rows of the stored
         leaves `seen` reads beside them (ZeRO-2's whole weights; none under the other
-        levels); rest, the other params as the model sees them (`rest_model`). All made
-        outside the vjp, so they are primals (not residuals in the stash) and the
-        blocks' cotangent is chunk-sized (the pins' is zero)."""
+        levels); rest, the other params as the model sees them. All made outside the vjp:
+        primals, not stashed residuals; the blocks' cotangent is chunk-sized."""
         if V == 1:
             return p["blocks"], [], rest_model
         pins = []
@@ -307,10 +303,7 @@ def run(stages: Stages, params, inputs_MBL, targets_MBL, x_shape, x_axes, axes: 
     else:
         stash = buffer(the_plan.stash_slots)
     carry = dict(x=buffer(the_plan.x_slots), loss=loss0)
-    # The head's residuals, apart from the stash: only the last stage's last chunk makes
-    # them, held in `head_slots` slots (microbatch m in slot m % K) instead of in every
-    # stash slot on every stage. A split plan (zb1) keeps them in its units' stash.
-    if apart:
+    if apart:  # the head's residuals: the last stage's `head_slots`, not every stash slot
         K_head, head_vary = head_slots(the_plan), []
 
         def head_parts(y_BLD, i):
@@ -388,13 +381,21 @@ def run(stages: Stages, params, inputs_MBL, targets_MBL, x_shape, x_axes, axes: 
         stash = [buf.at[slot].set(keep(active, r, buf[slot]))
                  for buf, r in zip(c["stash"], leaves)]
         if apart:  # the head's vjp on the last chunk, its residuals into the head's slot
-            def head():
+            h_slot = (i // V) % K_head
+
+            def head(write):
                 loss, h_vjp = jax.vjp(lambda r, y: head_of(r, y, i), rest_model, y_BLD)
                 held, traced["head"] = _pullback_parts(h_vjp, rest_model)
-                return loss, [b.at[(i // V) % K_head].set(h) for b, h in zip(c["head"], held)]
+                return loss, [write(b, h) for b, h in zip(c["head"], held)]
 
             ends = (stage == n - 1) & (i % V == V - 1) & active
-            head_loss, held = either(ends, head, lambda: (loss0, c["head"]))
+            if uniform:  # both computed: select one slot's values, not the buffers
+                head_loss, held = either(ends, lambda: head(lambda b, h: h),
+                                         lambda: (loss0, [b[h_slot] for b in c["head"]]))
+                held = [b.at[h_slot].set(h) for b, h in zip(c["head"], held)]
+            else:
+                head_loss, held = lax.cond(ends, lambda: head(lambda b, h: b.at[h_slot].set(h)),
+                                           lambda: (loss0, c["head"]))
             c, loss = dict(c, head=held), loss + head_loss
         return y_BLD, dict(c, stash=stash, loss=c["loss"] + keep(active, loss, 0.0))
 
