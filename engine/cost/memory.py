@@ -172,35 +172,41 @@ def stage_problem(cfg, tcfg, layout, parallel):
 
 def loss_residuals(cfg, tcfg, layout, par, x_micro: int, platform: str = "cpu") -> int:
     """What the vjp of the head and loss leaves for its backward, one microbatch (the
-    pipeline's forward unit stashes it on every stage: the unit's cond keeps both
-    branches' residuals): the final norm's input and output, the logits' softmax
+    pipeline keeps it in the last stage's head slots, `pipeline.head_slots`; zb1 in
+    every stash slot): the final norm's input and output, the logits' softmax
     [B, L, V_tp] f32, and the unembedding in the compute dtype as the head's matmul
-    reads it: gathered over fsdp under ZeRO-3, else cast from the f32 param (a primal,
-    not stashed, only when the compute dtype is f32 and nothing gathers it; traced:
-    pp2xtp2 and pp2xfsdp2 under ZeRO-2 stash a bf16 [D, V_tp] per slot). `platform` as
-    `predict`'s (the attention kernel it resolves does not enter these items)."""
+    reads it: gathered over fsdp under ZeRO-3, else cast from the f32 param inside the
+    head, except under ZeRO-2 over fsdp, where the step casts it before the units (a
+    primal, not stashed, as when the compute dtype is f32; traced: pp2xtp2 holds a bf16
+    [D, V_tp] a slot, pp2xfsdp2 under ZeRO-2 none). `platform` as `predict`'s (the
+    attention kernel it resolves does not enter these items)."""
     from engine.parallel.params import param_shapes
 
     d = dims(cfg, tcfg, layout, platform, par,
              kernel_priced(cfg, tcfg, layout, platform, par), param_shapes(cfg))
-    gathered = par.zero == 3 and layout.degree("fsdp") > 1
-    unembed = d.D * d.Vtp * d.c if gathered or d.c < F32 else 0
+    fsdp = layout.degree("fsdp") > 1
+    gathered, cast_before = par.zero == 3 and fsdp, par.zero == 2 and fsdp
+    unembed = d.D * d.Vtp * d.c if gathered or (d.c < F32 and not cast_before) else 0
     return 2 * x_micro + d.B * d.L * d.Vtp * F32 + unembed
 
 
-def chunk_params(cfg, tcfg, layout, par, virtual: int) -> int:
-    """Bytes of one interleaved unit's chunk of its stage's blocks as stored (f32; fsdp
-    shards under ZeRO-3, whole under ZeRO-1/2): the unit slices them out of the stage's
-    stack inside its `jax.vjp`, so the slice is a residual and every stash slot holds
-    one (traced: pp2xtp2, pp2xfsdp2 under ZeRO-2 and 3, V = 2). `cfg` and `layout`
-    are the stage's (`stage_problem`)."""
+def whole_head_grads(cfg, tcfg, layout, par) -> int:
+    """Bytes a pipelined step's grads accumulator holds beyond the stage's grads: under
+    ZeRO-2 the units sum the embedding's and unembedding's grads over the microbatches
+    whole over fsdp (f32, as the model sees the params) and reduce-scatter them once
+    after the ticks, where the stage's grads hold their fsdp shards (traced: the
+    accumulator's leaves, tests/test_pp_spend.py). `cfg` and `layout` are the stage's
+    (`stage_problem`); 0 under the other levels (their transposes run in the units)."""
     from engine.parallel.params import param_shapes
     from engine.run.step import Trainer
 
+    fsdp = layout.degree("fsdp")
+    if par.zero != 2 or fsdp <= 1:
+        return 0
     t = Trainer(cfg, tcfg, layout, layout.abstract_mesh(), par)
-    blocks = _tree_bytes(param_shapes(cfg), t.specs, dict(layout.mesh_axes()),
-                         keep=lambda path: path.startswith("['blocks']"))
-    return blocks // virtual
+    whole = _tree_bytes(param_shapes(cfg), t.specs, dict(layout.mesh_axes()),
+                        keep=lambda path: path in ("['embed']", "['unembed']"))
+    return whole - whole // fsdp
 
 
 def pipelined(cfg, tcfg, layout, platform: str = "cpu", parallel=None) -> MemoryPrediction:
@@ -213,14 +219,17 @@ def pipelined(cfg, tcfg, layout, platform: str = "cpu", parallel=None) -> Memory
                        (XLA:CPU, pp4xfsdp2 tiny, M = 8: gpipe's peak exceeds 1f1b's by
                        its one more slot to 1 %): the unit's residuals (the stage's
                        `residuals` under the remat policy, which then leave the unit's
-                       own items, + `loss_residuals`; the peak grows 0.78 MiB a slot
-                       against 0.77 predicted under none); interleaved (V > 1), also
-                       the unit's chunk of the stage's weights, f32 as stored
-                       (`chunk_params`); under a cp ring the units' inputs B_m·L_x·D·a
+                       own items; the peak grows 0.78 MiB a slot against 0.77
+                       predicted under none), and apart from them the head's
+                       `loss_residuals` in `pipeline.head_slots` slots (zb1: in every
+                       stash slot); an interleaved unit's chunk of
+                       the stage's weights is sliced outside its vjp, a primal, not
+                       stashed); under a cp ring the units' inputs B_m·L_x·D·a
         shift buffers  2 x (x_slots + ct_slots) x B_m·L_x·D·a   arrived activations and
                        cotangents, held the same way
         grads          the scan carry's grads accumulator, f32 as differentiated (one
-                       more copy of the stage's grads beside the unit's)
+                       more copy of the stage's grads beside the unit's); under ZeRO-2
+                       its embedding and unembedding whole over fsdp (`whole_head_grads`)
         W slots        zb1 only: w_slots x what a unit's W reads of its B, per layer
                        B_m·L_x·a·(9D + 2(H_tp + G_tp)K + 4F_tp): the weight matmuls'
                        inputs and output cotangents, the norms' (whatever the remat
@@ -245,12 +254,12 @@ def pipelined(cfg, tcfg, layout, platform: str = "cpu", parallel=None) -> Memory
             k: v // V if k.startswith("residual") else v for k, v in stage.items.items()})
     K = the_plan.stash_slots
     if pipeline.stash_residuals(layout, parallel):  # a unit's residuals per slot, not its input
-        per_slot = stage.residuals + loss_residuals(scfg, stcfg, slayout, spar, x_micro,
-                                                    platform)
-        stash = {f"pipeline: stash, {K} units' vjp residuals": K * per_slot}
-        if V > 1:
-            stash[f"pipeline: stash, {K} units' chunk of the stage's weights (f32)"] = (
-                K * chunk_params(scfg, stcfg, slayout, spar, V))
+        head = loss_residuals(scfg, stcfg, slayout, spar, x_micro, platform)
+        stash = {f"pipeline: stash, {K} units' vjp residuals":
+                 K * (stage.residuals + (head if the_plan.split else 0))}
+        if not the_plan.split:
+            H = pipeline.head_slots(the_plan)
+            stash[f"pipeline: stash, the head's residuals, {H} slots"] = H * head
         stage = dataclasses.replace(stage, residuals=0, items={
             k: v for k, v in stage.items.items() if not k.startswith("residual")})
     else:
@@ -265,6 +274,9 @@ def pipelined(cfg, tcfg, layout, platform: str = "cpu", parallel=None) -> Memory
              f"pipeline: shift buffers, {the_plan.x_slots} + {the_plan.ct_slots} "
              f"microbatches, held twice": 2 * (the_plan.x_slots + the_plan.ct_slots) * x_micro,
              "pipeline: grads accumulated over the microbatches (f32)": stage.grads}
+    if head := whole_head_grads(scfg, stcfg, slayout, spar):
+        items["pipeline: embedding and unembedding grads whole over fsdp until the "
+              "step's reduce-scatter (f32)"] = head
     extra = sum(items.values())
     return dataclasses.replace(stage, residuals=stage.residuals + extra,
                                items={**items, **stage.items},

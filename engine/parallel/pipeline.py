@@ -18,13 +18,17 @@ The backward of a unit is the vjp of the unit, run at its tick. The forward unit
 `jax.vjp` and stashes its residuals (`stash_residuals`) in `Plan.stash_slots` slots, and
 the backward applies them, so no forward runs twice: what the blocks' remat policy saves
 per layer (`full`: each layer's input, as Megatron-LM's pipelines keep; `dots`: also the
-named matmul outputs; `none`: everything) and the head's on the last stage. The residuals
-are the leaves of the `jax.vjp` pullback (its primal params are not stashed: the
-backward puts the live ones back). Under a cp ring the stash holds each unit's input
-instead and the backward recomputes the unit under `jax.vjp`.
+named matmul outputs; `none`: everything). The last chunk takes the head's vjp apart
+and keeps its residuals in the last stage's own `head_slots` slots. The residuals are
+the leaves of the `jax.vjp` pullbacks (their primal params, made outside the vjp by
+`own`, are not stashed: the backward puts the live ones back). Under a cp ring the
+stash holds each unit's input instead and the backward recomputes the unit under
+`jax.vjp`; zb1 keeps the head's residuals in its units' stash.
 
 Parameter grads are accumulated over the microbatches in the scan carry and reduced
-once after it.
+once after it: the blocks' as differentiated (an interleaved unit's into its chunk's
+rows), the others' as the model sees them, made once before the ticks (`seen`'s
+transpose, ZeRO-2's fsdp reduce-scatter, runs once after them).
 
 A split schedule (zb1) runs each backward as two units (engine/parallel/backward_split.py
 cuts the pullback's jaxpr by dependency): B, at the backward's tick, gives the input
@@ -100,6 +104,23 @@ def step_plan(layout, parallel, backward: bool = True) -> Plan | None:
                 parallel.pp_virtual, uniform_units(layout, parallel))
 
 
+def head_slots(the_plan: Plan) -> int:
+    """Slots the head's residuals take (`run`): the last stage's last-chunk items hold
+    theirs from their forward's tick to their backward's (a tick runs its forward slot
+    first), microbatch m in slot m % K: the fewest K for which no forward overwrites a
+    slot whose microbatch has not yet run its backward (1F1B's last stage runs both of
+    a microbatch in one tick: 1; GPipe's: M)."""
+    V = the_plan.virtual
+
+    def ticks(items_T):
+        return {int(i) // V: t for t, i in enumerate(items_T) if i != NONE and i % V == V - 1}
+
+    f_tick, b_tick = ticks(the_plan.forward_TP[:, -1]), ticks(the_plan.backward_TP[:, -1])
+    M = len(f_tick)
+    return next(K for K in range(1, M + 1)
+                if all(f_tick[m + K] > b_tick[m] for m in range(M - K)))
+
+
 def reorder_blocks(tree, index):
     """`tree` (params, grads or an optimizer state) with every leaf under 'blocks'
     taken at rows `index` of its first dim (numpy or jax arrays alike)."""
@@ -148,12 +169,13 @@ def _pullback(structure, leaves, params):
 
 
 def run(stages: Stages, params, inputs_MBL, targets_MBL, x_shape, x_axes, axes: Axes,
-        the_plan: Plan, seen=lambda p: p, x_dtype=jnp.float32, docs_M=None,
+        the_plan: Plan, seen=lambda p, rows=None: p, x_dtype=jnp.float32, docs_M=None,
         residuals: bool = False):
     """The pipelined loss (mean over the microbatches), and with a backward plan the
     grads of `params` (summed over pp for params the stages share).
 
-    params: as differentiated (`seen` makes the model's params of them); inputs,
+    params: as differentiated (`seen(p, rows)` makes the model's params of them, `rows`
+    taking a chunk's rows of a stored stacked leaf: `ZeroLevel.differentiate`); inputs,
     targets: [M, B, L] this device's microbatches; x_shape, x_axes, x_dtype: the
     residual stream's local shape [B, L, D], the axes it varies over and its dtype.
     docs_M: the microbatches' packed documents (`layers.documents.Documents` of [M, B, ...]
@@ -175,15 +197,48 @@ def run(stages: Stages, params, inputs_MBL, targets_MBL, x_shape, x_axes, axes: 
     if split:
         wgt_TP, any_w_T = jnp.asarray(the_plan.weight_TP), jnp.asarray(the_plan.any_weight_T)
     uniform = the_plan.uniform
+    apart = residuals and not split  # the head's residuals out of the stash (below)
 
-    def chunk(model_p, v):
-        """The model's params with only chunk v of this device's stacked blocks (rows
+    def rows(v):
+        """Chunk v's rows of a stacked leaf [N/pp, ...] -> [N/(pp·V), ...] (rows
         [v·N/(pp·V), (v+1)·N/(pp·V)) of its shard: `storage_order`)."""
+        return lambda w: lax.dynamic_slice_in_dim(w, v * (w.shape[0] // V), w.shape[0] // V)
+
+    # The params outside the stacked blocks as the model sees them, made once before the
+    # ticks: the units differentiate these, their grads sum over the microbatches (f32)
+    # and `seen`'s transpose (ZeRO-2's fsdp reduce-scatter) runs once after the ticks.
+    rest_diff = {k: w for k, w in params.items() if k != "blocks"}
+    rest_model, rest_transpose = jax.vjp(lambda rest: {
+        k: w for k, w in seen(dict(rest, blocks=params["blocks"])).items() if k != "blocks"},
+        rest_diff)
+
+    def own(p, i):
+        """What item i's unit takes its `jax.vjp` over, (blocks, pins, rest): blocks, the
+        rows of `p`'s stacked blocks its chunk holds; pins, the chunk's rows of the stored
+        leaves `seen` reads beside them (ZeRO-2's whole weights; none under the other
+        levels); rest, the other params as the model sees them. All made outside the vjp:
+        primals, not stashed residuals; the blocks' cotangent is chunk-sized."""
         if V == 1:
-            return model_p
-        take = lambda w: lax.dynamic_index_in_dim(  # noqa: E731
-            w.reshape(V, w.shape[0] // V, *w.shape[1:]), v, keepdims=False)
-        return dict(model_p, blocks=jax.tree.map(take, model_p["blocks"]))
+            return p["blocks"], [], rest_model
+        pins = []
+        seen(p, lambda w: pins.append(rows(i % V)(w)) or pins[-1])  # only the slices live
+        return jax.tree.map(rows(i % V), p["blocks"]), pins, rest_model
+
+    def add_own(grads, d_own, i, active=True):
+        """`grads` (blocks', rest's) plus unit i's `d_own` (`own`'s shapes; zero where not
+        `active`): the blocks' into their chunk's rows only, the rest's in f32."""
+        d_blocks, _, d_rest = keep(active, d_own, jax.tree.map(jnp.zeros_like, d_own))
+        blocks, rest = grads
+        rest = jax.tree.map(lambda g, d: g + d.astype(g.dtype), rest, d_rest)
+        if V == 1:
+            return jax.tree.map(jnp.add, blocks, d_blocks), rest
+
+        def add_rows(g, d):
+            start = (i % V) * d.shape[0]
+            return lax.dynamic_update_slice_in_dim(
+                g, lax.dynamic_slice_in_dim(g, start, d.shape[0]) + d, start, 0)
+
+        return jax.tree.map(add_rows, blocks, d_blocks), rest
 
     def either(pred, f, g):
         """f() where `pred`, else g(): a `lax.cond`, or under a uniform plan both computed
@@ -192,16 +247,21 @@ def run(stages: Stages, params, inputs_MBL, targets_MBL, x_shape, x_axes, axes: 
             return lax.cond(pred, f, g)
         return jax.tree.map(lambda a, b: jnp.where(pred, a, b), f(), g())
 
-    def unit(p, x_BLD, i, with_loss=True):
-        """Item i (microbatch i // V through chunk i % V) from its input x [B, L, D]:
+    def unit(p, x_BLD, i, with_loss=True, with_head=True):
+        """Item i (microbatch i // V through chunk i % V) from its input x [B, L, D] under
+        `own(params, i)` p:
         (output x [B, L, D], its share of the microbatch's loss: the head's on the
         model's last chunk, plus in training the chunk's auxiliary loss). Only the first
         chunk embeds, only the last runs the head and loss (no loss at all without
-        `with_loss`)."""
+        `with_loss`; no head's without `with_head`: `head_of` runs it apart)."""
         m, v = i // V, i % V
         inputs_BL, targets_BL = inputs_MBL[m], targets_MBL[m]
         docs = None if docs_M is None else jax.tree.map(lambda x: x[m], docs_M)
-        model_p = chunk(seen(p), v)
+        blocks, pins, rest = p
+        pinned = iter(pins)
+        stored = dict(rest_diff, blocks=blocks)  # the rest's `seen` here is dead code
+        blocks = (seen(stored) if V == 1 else seen(stored, lambda w: next(pinned)))["blocks"]
+        model_p = dict(rest, blocks=blocks)
         first, last = (stage == 0) & (v == 0), (stage == n - 1) & (v == V - 1)
 
         def embed():
@@ -217,10 +277,15 @@ def run(stages: Stages, params, inputs_MBL, targets_MBL, x_shape, x_axes, axes: 
         y_BLD = _like(y_BLD, x_axes)
         if not with_loss:
             return y_BLD, loss0
-        loss = either(last, head, lambda: loss0)
+        loss = either(last, head, lambda: loss0) if with_head else loss0
         if aux is None or not backward:  # evaluation: the cross-entropy alone
             return y_BLD, loss
         return y_BLD, loss + _like(aux, (pp,))
+
+    def head_of(rest, y_BLD, i):
+        """The head's loss of item i's microbatch from the last chunk's output y."""
+        with jax.named_scope(scopes.PP_LAST):
+            return _like(stages.head_loss(rest, y_BLD, targets_MBL[i // V]), (pp,))
 
     zeros_x = _like(jnp.zeros(x_shape, x_dtype), x_axes)
     buffer = lambda k: jnp.broadcast_to(zeros_x, (max(k, 1), *x_shape))  # noqa: E731
@@ -231,8 +296,9 @@ def run(stages: Stages, params, inputs_MBL, targets_MBL, x_shape, x_axes, axes: 
         vary = []  # the axes each residual varies over, read while tracing
 
         def parts(p, x_BLD, i):  # i traced, as the forward unit's item is
+            q = own(p, i)
             leaves, traced["structure"] = _pullback_parts(
-                jax.vjp(lambda p, x: unit(p, x, i), p, x_BLD)[1], p)
+                jax.vjp(lambda q, x: unit(q, x, i, with_head=not apart), q, x_BLD)[1], q)
             vary.extend(tuple(collectives.varying_axes(r)) for r in leaves)
             return leaves
 
@@ -242,14 +308,28 @@ def run(stages: Stages, params, inputs_MBL, targets_MBL, x_shape, x_axes, axes: 
     else:
         stash = buffer(the_plan.stash_slots)
     carry = dict(x=buffer(the_plan.x_slots), loss=loss0)
+    if apart:  # the head's residuals: the last stage's `head_slots`, not every stash slot
+        K_head, head_vary = head_slots(the_plan), []
+
+        def head_parts(y_BLD, i):
+            leaves, traced["head"] = _pullback_parts(
+                jax.vjp(lambda r, y: head_of(r, y, i), rest_model, y_BLD)[1], rest_model)
+            head_vary.extend(tuple(collectives.varying_axes(r)) for r in leaves)
+            return leaves
+
+        carry["head"] = [_like(jnp.zeros((K_head, *h.shape), h.dtype), a) for h, a in zip(
+            jax.eval_shape(head_parts, zeros_x, fwd_TP[0, 0]), head_vary)]
     if backward:
-        carry.update(ct=buffer(the_plan.ct_slots), stash=stash,
-                     grads=jax.tree.map(collectives.zeros_like, params))
-    n_params = len(jax.tree.leaves(params))
+        f32_zeros = lambda w: collectives.zeros_like(w).astype(jnp.float32)  # noqa: E731
+        carry.update(ct=buffer(the_plan.ct_slots), stash=stash, grads=(
+            jax.tree.map(collectives.zeros_like, params["blocks"]),
+            jax.tree.map(f32_zeros, rest_model)))
+    n_params = len(jax.tree.leaves(own(params, 0)))
 
     def pullback_flat(stashed, p, ct_BLD, i):
         """The backward of unit i from what its forward stashed: [*grads of p's leaves,
-        the input cotangent, the loss (taken here when the unit's input is stashed)]."""
+        the input cotangent, the loss (taken here when the unit's input is stashed)].
+        p: `own`'s, of a split plan (no chunks: V = 1, no pins)."""
         if residuals:
             f_vjp, loss = _pullback(traced["structure"], stashed, p), loss0
         else:
@@ -259,7 +339,7 @@ def run(stages: Stages, params, inputs_MBL, targets_MBL, x_shape, x_axes, axes: 
 
     if split:  # the backward cut into B and W, traced once on this level's values
         example = ([buf[0] for buf in stash] if residuals else zeros_x,
-                   params, zeros_x, bwd_TP[0, stage])  # an item varies over pp
+                   own(params, 0), zeros_x, bwd_TP[0, stage])  # an item varies over pp
         flat_example = jax.tree.leaves(example)
         n_stashed = len(jax.tree.leaves(example[0]))
         live = list(range(n_stashed, n_stashed + n_params)) + [len(flat_example) - 1]
@@ -293,19 +373,38 @@ def run(stages: Stages, params, inputs_MBL, targets_MBL, x_shape, x_axes, axes: 
     def forward(c, i, active=True):
         x_BLD = c["x"][i % the_plan.x_slots]
         if not backward:
-            y_BLD, loss = unit(params, x_BLD, i)
+            y_BLD, loss = unit(own(params, i), x_BLD, i)
             return y_BLD, dict(c, loss=c["loss"] + keep(active, loss, 0.0))
         slot = i % the_plan.stash_slots
         if not residuals:  # the loss is taken in the backward, which recomputes the unit
-            y_BLD, _ = unit(params, x_BLD, i, with_loss=False)
+            y_BLD, _ = unit(own(params, i), x_BLD, i, with_loss=False)
             return y_BLD, dict(c, stash=c["stash"].at[slot].set(
                 keep(active, x_BLD, c["stash"][slot])))
-        (y_BLD, loss), f_vjp = jax.vjp(lambda p, x: unit(p, x, i), params, x_BLD)
-        leaves, traced["structure"] = _pullback_parts(f_vjp, params)
+        q = own(params, i)
+        (y_BLD, loss), f_vjp = jax.vjp(lambda q, x: unit(q, x, i, with_head=not apart),
+                                       q, x_BLD)
+        leaves, traced["structure"] = _pullback_parts(f_vjp, q)
         assert [(r.shape, r.dtype) for r in leaves] == [
             (b.shape[1:], b.dtype) for b in c["stash"]], "the stash's residuals are the unit's"
         stash = [buf.at[slot].set(keep(active, r, buf[slot]))
                  for buf, r in zip(c["stash"], leaves)]
+        if apart:  # the head's vjp on the last chunk, its residuals into the head's slot
+            h_slot = (i // V) % K_head
+
+            def head(write):
+                loss, h_vjp = jax.vjp(lambda r, y: head_of(r, y, i), rest_model, y_BLD)
+                held, traced["head"] = _pullback_parts(h_vjp, rest_model)
+                return loss, [write(b, h) for b, h in zip(c["head"], held)]
+
+            ends = (stage == n - 1) & (i % V == V - 1) & active
+            if uniform:  # both computed: select one slot's values, not the buffers
+                head_loss, held = either(ends, lambda: head(lambda b, h: h),
+                                         lambda: (loss0, [b[h_slot] for b in c["head"]]))
+                held = [b.at[h_slot].set(h) for b, h in zip(c["head"], held)]
+            else:
+                head_loss, held = lax.cond(ends, lambda: head(lambda b, h: b.at[h_slot].set(h)),
+                                           lambda: (loss0, c["head"]))
+            c, loss = dict(c, head=held), loss + head_loss
         return y_BLD, dict(c, stash=stash, loss=c["loss"] + keep(active, loss, 0.0))
 
     def add_flat(grads, d_flat):
@@ -320,7 +419,7 @@ def run(stages: Stages, params, inputs_MBL, targets_MBL, x_shape, x_axes, axes: 
         ct_BLD = jnp.where(last, 0.0, c["ct"][i % the_plan.ct_slots])
         if split:  # B: the input cotangent now, what W needs into its slot
             stashed = [buf[slot] for buf in c["stash"]] if residuals else c["stash"][slot]
-            flat = jax.tree.leaves((stashed, params, ct_BLD, i))
+            flat = jax.tree.leaves((stashed, own(params, i), ct_BLD, i))
             outs, cross = the_split.b(flat)
             dx_BLD, loss = outs[n_params], outs[n_params + 1]
             grads = c["grads"]
@@ -331,14 +430,23 @@ def run(stages: Stages, params, inputs_MBL, targets_MBL, x_shape, x_axes, axes: 
             wstash = [buf.at[w_slot].set(keep(active, value, buf[w_slot])) for buf, value
                       in zip(c["wstash"], [*cross, *(flat[k] for k in w_own)])]
             return dx_BLD, dict(c, wstash=wstash, loss=c["loss"] + keep(active, loss, 0.0))
+        d_head = jax.tree.map(jnp.zeros_like, rest_model)
+        if apart:  # the head's pullback from its slot gives the last chunk's cotangent
+            def head():
+                held = [b[(i // V) % K_head] for b in c["head"]]
+                return _pullback(traced["head"], held, rest_model)(seed)
+
+            d_head, ct_BLD = either(last, head, lambda: (d_head, ct_BLD))
         if residuals:
-            f_vjp = _pullback(traced["structure"], [buf[slot] for buf in c["stash"]], params)
+            f_vjp = _pullback(traced["structure"], [buf[slot] for buf in c["stash"]],
+                              own(params, i))
             loss = loss0
         else:
-            (_, loss), f_vjp = jax.vjp(lambda p, x: unit(p, x, i), params, c["stash"][slot])
-        d_params, dx_BLD = f_vjp((ct_BLD, seed))
-        grads = jax.tree.map(jnp.add, c["grads"], d_params)
-        return dx_BLD, dict(c, grads=keep(active, grads, c["grads"]),
+            (_, loss), f_vjp = jax.vjp(lambda q, x: unit(q, x, i), own(params, i),
+                                       c["stash"][slot])
+        (d_blocks, d_pins, d_rest), dx_BLD = f_vjp((ct_BLD, seed))
+        d_params = d_blocks, d_pins, jax.tree.map(jnp.add, d_rest, d_head)
+        return dx_BLD, dict(c, grads=add_own(c["grads"], d_params, i, active),
                             loss=c["loss"] + keep(active, loss, 0.0))
 
     @jax.named_scope(scopes.PP_WEIGHT)
@@ -347,7 +455,7 @@ def run(stages: Stages, params, inputs_MBL, targets_MBL, x_shape, x_axes, axes: 
         held = [buf[i % the_plan.w_slots] for buf in c["wstash"]]
         n_cross = len(held) - len(w_own)
         flat = [None] * len(the_split.w_reads)
-        for k, value in zip(live, [*jax.tree.leaves(params), i]):
+        for k, value in zip(live, [*jax.tree.leaves(own(params, i)), i]):
             flat[k] = value
         for k, value in zip(w_own, held[n_cross:]):
             flat[k] = value
@@ -395,7 +503,9 @@ def run(stages: Stages, params, inputs_MBL, targets_MBL, x_shape, x_axes, axes: 
     loss = collectives.all_reduce(carry["loss"], pp) / M
     if not backward:
         return loss
-    return loss, carry["grads"]
+    blocks, rest = carry["grads"]
+    rest, = rest_transpose(jax.tree.map(lambda g, m: g.astype(m.dtype), rest, rest_model))
+    return loss, dict(rest, blocks=blocks)
 
 
 def reduce_shared(grads, specs, axes: Axes):

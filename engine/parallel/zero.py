@@ -130,9 +130,12 @@ class ZeroLevel:
         return axes
 
     def differentiate(self, params, storage_specs, shard_specs, axes: Axes, dtype):
-        """(the pytree differentiated, a function from it to the params the model sees):
-        params marked per-device over the data axes they are replicated on."""
-        return broadcast_params(params, storage_specs, axes), lambda diff: diff
+        """(the pytree differentiated, a function seen(diff, rows=None) from it to the
+        params the model sees): params marked per-device over the data axes they are
+        replicated on. rows: given where `diff`'s stacked blocks are some of the stored
+        ones' rows (a pipeline's chunk), the function that takes those rows of a stored
+        stacked leaf."""
+        return broadcast_params(params, storage_specs, axes), lambda diff, rows=None: diff
 
     def finish_loss(self, loss, axes: Axes):
         return loss
@@ -194,20 +197,20 @@ class Zero2(_Replicated):
         diff = broadcast_params(fsdp_shards(params, shard_specs, fsdp),
                                       shard_specs, axes)
 
-        def one(path, shard, whole, spec):
+        def one(rows, path, shard, whole, spec):
             dim = fsdp_dim(spec, fsdp)
             if dim is None:
                 return shard
-            resident = Resident(shard, whole, fsdp)
             name = jax.tree_util.keystr(path)
             if name.startswith("['blocks']"):
-                return resident
+                return Resident(shard, whole if rows is None else rows(whole), fsdp)
+            resident = Resident(shard, whole, fsdp)
             with jax.named_scope(scopes.EMBED if name == "['embed']" else scopes.LOSS):
                 return resident.gather(dim, dtype if name == "['unembed']" else None,
                                        axes.grad_reduce)
 
-        return diff, lambda shards: jax.tree_util.tree_map_with_path(one, shards, params,
-                                                                     shard_specs)
+        return diff, lambda shards, rows=None: jax.tree_util.tree_map_with_path(
+            functools.partial(one, rows), shards, params, shard_specs)
 
 
 @dataclasses.dataclass(frozen=True)

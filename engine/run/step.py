@@ -161,7 +161,7 @@ class Trainer:
         loss, grads = jax.tree.map(lambda x: x / m, (loss, grads))
         return loss, jax.tree.map(lambda x: x.mean(0), metrics_M), grads
 
-    def _pipeline(self, params, tokens_BL, the_plan, seen=lambda p: p):
+    def _pipeline(self, params, tokens_BL, the_plan, seen=lambda p, rows=None: p):
         """The loss (and with a backward plan the grads) over the pp stages
         (engine/parallel/pipeline.py), the local batch cut into `parallel.microbatches`."""
         m = self.parallel.microbatches
