@@ -11,6 +11,7 @@ from engine.cli.args import build_parser, parse_or_exit
 from engine.cost import memory
 from engine.cost.ledger import trace_step
 from engine.parallel import pipeline
+from engine.parallel.backward_split import scan_counts
 
 
 def _args(layout: str, schedule: str, zero: int, virtual: int = 1) -> list[str]:
@@ -41,8 +42,8 @@ def traced_slot_bytes(cfg, tcfg, layout, parallel) -> tuple[int, int]:
     plan = pipeline.step_plan(layout, parallel)
     assert plan.x_slots == plan.ct_slots == pipeline.head_slots(plan) == 1 < plan.stash_slots
     scan = _tick_scan(trace_step(cfg, tcfg, layout, parallel).jaxpr, plan.ticks)
-    first = scan.params["num_consts"]
-    carries = scan.invars[first:first + scan.params["num_carry"]]
+    first, n_carry = scan_counts(scan)
+    carries = scan.invars[first:first + n_carry]
 
     def held(slots):
         return sum(math.prod(v.aval.shape[1:]) * jnp.dtype(v.aval.dtype).itemsize

@@ -9,6 +9,7 @@ from engine.cli.args import build_parser, parse_or_exit
 from engine.cost import memory
 from engine.cost.ledger import trace_step
 from engine.parallel import pipeline
+from engine.parallel.backward_split import scan_counts
 from test_cost_pp_stash import _args, _tick_scan
 from test_pp import assert_matches, init, loss_and_grads, single  # noqa: F401  (fixtures)
 
@@ -78,8 +79,8 @@ def test_zero2_accumulates_the_embedding_grads_whole_as_the_memory_model_holds_t
     adds to the stage's sharded grads as `whole_head_grads`: the other half of each."""
     cfg, tcfg, parallel, lay, _ = parse_or_exit(_args("pp2xfsdp2", "1f1b", 2), build_parser())
     _, scan = _step("pp2xfsdp2", "1f1b", 2, 1)
-    first = scan.params["num_consts"]
-    carries = scan.invars[first:first + scan.params["num_carry"]]
+    first, n_carry = scan_counts(scan)
+    carries = scan.invars[first:first + n_carry]
     whole = [v.aval.size * 4 for v in carries if v.aval.dtype == jnp.float32
              and tuple(v.aval.shape) in ((64, 4096), (4096, 64))]
     assert len(whole) == 2, [v.aval for v in carries]
