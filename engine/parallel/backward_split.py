@@ -65,13 +65,20 @@ def _source_of(eqn):
         yield
 
 
+def _holds_jaxpr(value) -> bool:
+    """A jaxpr, or a tuple of them (`cond`'s branches)."""
+    if isinstance(value, tuple | list):
+        return any(map(_holds_jaxpr, value))
+    return isinstance(value, core.ClosedJaxpr | core.Jaxpr)
+
+
 def _match_varying(eqn, ins):
     """`ins` marked varying over the union of the axes each varies over, when they differ
     and `eqn` is a plain primitive (no sub-jaxpr), as `jax.lax`'s wrappers insert `pvary`
     before they bind. W reads what B made through the pipeline's W slots, which vary over
     pp: a value invariant when traced (a layer index, a mask) comes back varying, and its
     equation's other operands must be marked so too."""
-    if any(isinstance(v, core.ClosedJaxpr | core.Jaxpr) for v in eqn.params.values()):
+    if any(map(_holds_jaxpr, eqn.params.values())):  # its operands typed by its jaxprs
         return ins
     if eqn.primitive.name == "pvary":  # marks its operand varying: only where it is not
         return ins
