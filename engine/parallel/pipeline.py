@@ -430,13 +430,13 @@ def run(stages: Stages, params, inputs_MBL, targets_MBL, x_shape, x_axes, axes: 
             wstash = [buf.at[w_slot].set(keep(active, value, buf[w_slot])) for buf, value
                       in zip(c["wstash"], [*cross, *(flat[k] for k in w_own)])]
             return dx_BLD, dict(c, wstash=wstash, loss=c["loss"] + keep(active, loss, 0.0))
-        d_head = jax.tree.map(jnp.zeros_like, rest_model)
         if apart:  # the head's pullback from its slot gives the last chunk's cotangent
             def head():
                 held = [b[(i // V) % K_head] for b in c["head"]]
                 return _pullback(traced["head"], held, rest_model)(seed)
 
-            d_head, ct_BLD = either(last, head, lambda: (d_head, ct_BLD))
+            d_head, ct_BLD = either(last, head, lambda: (
+                jax.tree.map(jnp.zeros_like, rest_model), ct_BLD))
         if residuals:
             f_vjp = _pullback(traced["structure"], [buf[slot] for buf in c["stash"]],
                               own(params, i))
@@ -445,7 +445,9 @@ def run(stages: Stages, params, inputs_MBL, targets_MBL, x_shape, x_axes, axes: 
             (_, loss), f_vjp = jax.vjp(lambda q, x: unit(q, x, i), own(params, i),
                                        c["stash"][slot])
         (d_blocks, d_pins, d_rest), dx_BLD = f_vjp((ct_BLD, seed))
-        d_params = d_blocks, d_pins, jax.tree.map(jnp.add, d_rest, d_head)
+        if apart:
+            d_rest = jax.tree.map(jnp.add, d_rest, d_head)
+        d_params = d_blocks, d_pins, d_rest
         return dx_BLD, dict(c, grads=add_own(c["grads"], d_params, i, active),
                             loss=c["loss"] + keep(active, loss, 0.0))
 
