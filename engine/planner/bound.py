@@ -67,6 +67,11 @@ def matmul_flops(cfg, tcfg) -> tuple[float, float]:
     return passes * block * tokens, 6.0 * cfg.d_model * cfg.padded_vocab * tokens
 
 
+def best_matmul_rate(hw) -> float:
+    """FLOP/s of the profile's fastest matmul dtype at its matmul efficiency."""
+    return max(hw.matmul_peak(d) for d in ("bfloat16", "float32")) * hw.matmul_eff
+
+
 def attention_seconds(cfg, tcfg, hw) -> float:
     """Seconds of the step's attention on all devices together (`attention_phases`
     summed)."""
@@ -88,7 +93,7 @@ def attention_phases(cfg, tcfg, hw) -> dict:
     recompute = cfg.remat == "full"
     out = {"fwd": 0.0, "bwd": 0.0, "recompute": 0.0}
     if cfg.attention == "reference":
-        rate = max(hw.matmul_peak(d) for d in ("bfloat16", "float32")) * hw.matmul_eff
+        rate = best_matmul_rate(hw)
         moved = 0.0 if hw.fusion and hw.epilogue_fusion else (
             2.0 * tcfg.batch * tcfg.seq * tcfg.seq * cfg.n_heads * cfg.n_layers)
         one = max(per / rate, moved / (hw.hbm * hw.mem_eff))
@@ -128,7 +133,7 @@ def compute_bound(cfg, tcfg, layout, parallel, hw) -> float:
         return 0.0
     n = layout.size
     block, head = matmul_flops(cfg, tcfg)
-    rate = max(hw.matmul_peak(d) for d in ("bfloat16", "float32")) * hw.matmul_eff
+    rate = best_matmul_rate(hw)
     block = block / rate + attention_seconds(cfg, tcfg, hw)
     head = head / rate
     if layout.degree("pp") > 1 and not hw.shared_host:  # lock-step ticks: a stage idles
@@ -160,12 +165,17 @@ def _local(shape: tuple, spec: P, sizes: dict) -> int:
     return out
 
 
-def exposed_rows(cfg, tcfg, layout, parallel) -> list[Row]:
-    """The collectives of the step that no overlap hides (module doc), as ledger rows."""
+def _step_axes(layout, parallel) -> tuple:
+    """(the step's role axes, {role: size}, its ZeRO level) under `parallel`."""
     axes = layout.role_axes(tp_comm=TP_COMMS[parallel.tp_comm], cp_comm=parallel.cp_comm,
                             prefetch=parallel.prefetch, grad_reduce=parallel.grad_reduce)
-    sizes = {r: layout.degree(r) for r in AXIS_ROLES}
-    level = zero_levels.level(parallel.zero, axes.fsdp)
+    return axes, {r: layout.degree(r) for r in AXIS_ROLES}, zero_levels.level(parallel.zero,
+                                                                              axes.fsdp)
+
+
+def exposed_rows(cfg, tcfg, layout, parallel) -> list[Row]:
+    """The collectives of the step that no overlap hides (module doc), as ledger rows."""
+    axes, sizes, level = _step_axes(layout, parallel)
     shard_specs = param_table.param_specs(cfg, layout)
     grad_specs = level.grad_specs(level.storage_specs(shard_specs, axes.fsdp), shard_specs)
     dims = param_table._dims(cfg)
@@ -228,10 +238,7 @@ def unit_rows(cfg, tcfg, layout, parallel, phase: str) -> list:
     K and V all-gathered in the forward, their grads reduce-scattered in the backward
     (allgather), cp - 1 shifts of each in either (ring); zero 3's: the chunk's weight
     gathers in the forward, its grads' reduce-scatters in the backward."""
-    axes = layout.role_axes(tp_comm=TP_COMMS[parallel.tp_comm], cp_comm=parallel.cp_comm,
-                            prefetch=parallel.prefetch, grad_reduce=parallel.grad_reduce)
-    sizes = {r: layout.degree(r) for r in AXIS_ROLES}
-    level = zero_levels.level(parallel.zero, axes.fsdp)
+    axes, sizes, level = _step_axes(layout, parallel)
     layers = cfg.n_layers // (sizes["pp"] * parallel.pp_virtual)
     compute, act = np.dtype(cfg.compute_dtype), np.dtype(cfg.act_dtype)
     batch = (tcfg.batch // parallel.microbatches

@@ -42,7 +42,7 @@ def unit_bounds(cfg, tcfg, layout, parallel, hw) -> tuple[float, float]:
     n, units = layout.size, parallel.microbatches * parallel.pp_virtual
     block, _ = bound.matmul_flops(cfg, tcfg)
     passes = 8 if cfg.remat == "full" else 6
-    rate = max(hw.matmul_peak(d) for d in ("bfloat16", "float32")) * hw.matmul_eff
+    rate = bound.best_matmul_rate(hw)
     attention = bound.attention_phases(cfg, tcfg, hw)
     compute = {"fwd": block * 2 / passes / rate + attention["fwd"],
                "bwd": block * (passes - 2) / passes / rate + attention["bwd"]
