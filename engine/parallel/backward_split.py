@@ -80,8 +80,6 @@ def _match_varying(eqn, ins):
     equation's other operands must be marked so too."""
     if any(map(_holds_jaxpr, eqn.params.values())):  # its operands typed by its jaxprs
         return ins
-    if eqn.primitive.name == "pvary":  # marks its operand varying: only where it is not
-        return ins
     vmas = [varying_axes(x) if isinstance(x, jax.Array) else frozenset() for x in ins]
     union = frozenset().union(*vmas)
     if all(vma == union for vma in vmas):
