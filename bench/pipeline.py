@@ -198,11 +198,10 @@ def run_one(cfg, tcfg, layout, par, args) -> dict:
         events = trace.op_events(d)
     busy = unit_intervals(step.as_text(), events)
     the_plan = pipeline.step_plan(layout, par)
-    tick = tick_parts(step.as_text(), events, [d.id for d in trainer.mesh.devices.flat],
-                      the_plan.ticks * args.trace_steps)
+    devices = [d.id for d in trainer.mesh.devices.flat]
+    tick = tick_parts(step.as_text(), events, devices, the_plan.ticks * args.trace_steps)
     wall = [e[2] for e in events], [e[2] + e[3] for e in events]
     traced_s = (max(wall[1]) - min(wall[0])) / 1e9 / args.trace_steps
-    devices = [d.id for d in trainer.mesh.devices.flat]
     idle = [1 - busy.get(d, 0.0) / args.trace_steps / traced_s for d in devices]
     rows = step_ledger(cfg, tcfg, layout, par)
     cpu, cpu_pipe = predict_step(rows, hardware.get("cpu"), layout, par)
@@ -220,7 +219,7 @@ def run_one(cfg, tcfg, layout, par, args) -> dict:
                 predicted_idle_shifts=_with_shifts(cpu_pipe, the_plan),
                 h100_bubble=h100.bubble, stash_slots=the_plan.stash_slots,
                 measured_peak_bytes=measured_mem, predicted_peak_bytes=predicted_mem,
-                tick_s={k: v for k, v in tick.items()},
+                tick_s=tick,
                 shifts_run=int(the_plan.send_x_T.sum() + the_plan.send_ct_T.sum()))
 
 

@@ -6,12 +6,13 @@
 
 Each column prices the row as bench/published.py's "as the source ran it" column does,
 from the same ledger rows less the rows of one mechanism the engine runs, to say how
-much of a miss each accounts for (these are what the engine would have to change; the
-table prices them):
-- embedding RS: ZeRO-2's embedding / unembedding grads reduce-scattered in every unit on
-  every stage (made whole outside the stages' conds);
-- chunk copies: an interleaved unit's copy of its chunk's f32 weights out of the stage's
-  stack, and its transposes (the whole stage's grads zero-filled, updated, accumulated);
+much of a miss each accounts for (the table prices them):
+- embedding RS: ZeRO-2's embedding / unembedding grad reduce-scatters inside the units
+  (none since the pipeline sums those grads over the microbatches and reduce-scatters
+  them once a step: the column checks that nothing is left);
+- chunk copies: an interleaved unit's large f32 slices and updates of its chunk's rows
+  of the stage's stack (the chunk's weights sliced once each way a unit, its grads
+  added into its rows);
 - no bubble: every unit back to back (M·V forward and backward units of the slowest
   stage, plus the rows outside the ticks), both mechanisms out.
 `--breakdown` prints, per pipelined row, the predicted step in parts (ticks x the
