@@ -40,7 +40,7 @@ def traced_slot_bytes(cfg, tcfg, layout, parallel) -> tuple[int, int]:
     size `stash_slots`, and of leading size 1 but the x and cotangent buffers (the
     layouts below hold one x and one cotangent buffer slot and one head slot)."""
     plan = pipeline.step_plan(layout, parallel)
-    assert plan.x_slots == plan.ct_slots == pipeline.head_slots(plan) == 1 < plan.stash_slots
+    assert plan.x_slots == plan.ct_slots == plan.head_slots == 1 < plan.stash_slots
     scan = _tick_scan(trace_step(cfg, tcfg, layout, parallel).jaxpr, plan.ticks)
     first, n_carry = scan_counts(scan)
     carries = scan.invars[first:first + n_carry]

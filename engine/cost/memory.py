@@ -172,7 +172,7 @@ def stage_problem(cfg, tcfg, layout, parallel):
 
 def loss_residuals(cfg, tcfg, layout, par, x_micro: int, platform: str = "cpu") -> int:
     """What the vjp of the head and loss leaves for its backward, one microbatch (the
-    pipeline keeps it in the last stage's head slots, `pipeline.head_slots`; zb1 in
+    pipeline keeps it in the last stage's head slots, `Plan.head_slots`; zb1 in
     every stash slot): the final norm's input and output, the logits' softmax
     [B, L, V_tp] f32, and the unembedding in the compute dtype as the head's matmul
     reads it: gathered over fsdp under ZeRO-3, else cast from the f32 param inside the
@@ -221,7 +221,7 @@ def pipelined(cfg, tcfg, layout, platform: str = "cpu", parallel=None) -> Memory
                        `residuals` under the remat policy, which then leave the unit's
                        own items; the peak grows 0.78 MiB a slot against 0.77
                        predicted under none), and apart from them the head's
-                       `loss_residuals` in `pipeline.head_slots` slots (zb1: in every
+                       `loss_residuals` in `Plan.head_slots` slots (zb1: in every
                        stash slot); an interleaved unit's chunk of
                        the stage's weights is sliced outside its vjp, a primal, not
                        stashed); under a cp ring the units' inputs B_m·L_x·D·a
@@ -258,7 +258,7 @@ def pipelined(cfg, tcfg, layout, platform: str = "cpu", parallel=None) -> Memory
         stash = {f"pipeline: stash, {K} units' vjp residuals":
                  K * (stage.residuals + (head if the_plan.split else 0))}
         if not the_plan.split:
-            H = pipeline.head_slots(the_plan)
+            H = the_plan.head_slots
             stash[f"pipeline: stash, the head's residuals, {H} slots"] = H * head
         stage = dataclasses.replace(stage, residuals=0, items={
             k: v for k, v in stage.items.items() if not k.startswith("residual")})

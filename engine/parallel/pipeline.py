@@ -19,11 +19,11 @@ The backward of a unit is the vjp of the unit, run at its tick. The forward unit
 the backward applies them, so no forward runs twice: what the blocks' remat policy saves
 per layer (`full`: each layer's input, as Megatron-LM's pipelines keep; `dots`: also the
 named matmul outputs; `none`: everything). The last chunk takes the head's vjp apart
-and keeps its residuals in the last stage's own `head_slots` slots. The residuals are
-the leaves of the `jax.vjp` pullbacks (their primal params, made outside the vjp by
-`own`, are not stashed: the backward puts the live ones back). Under a cp ring the
-stash holds each unit's input instead and the backward recomputes the unit under
-`jax.vjp`; zb1 keeps the head's residuals in its units' stash.
+and keeps its residuals in the last stage's own slots (`Plan.head_slots`). The
+residuals are the leaves of the `jax.vjp` pullbacks (their primal params, made outside
+the vjp by `own`, are not stashed: the backward puts the live ones back). Under a cp
+ring the stash holds each unit's input instead and the backward recomputes the unit
+under `jax.vjp`; zb1 keeps the head's residuals in its units' stash.
 
 Parameter grads are accumulated over the microbatches in the scan carry and reduced
 once after it: the blocks' as differentiated (an interleaved unit's into its chunk's
@@ -102,23 +102,6 @@ def step_plan(layout, parallel, backward: bool = True) -> Plan | None:
         return None
     return plan(SCHEDULES[parallel.pp_schedule], pp, parallel.microbatches, backward,
                 parallel.pp_virtual, uniform_units(layout, parallel))
-
-
-def head_slots(the_plan: Plan) -> int:
-    """Slots the head's residuals take (`run`): the last stage's last-chunk items hold
-    theirs from their forward's tick to their backward's (a tick runs its forward slot
-    first), microbatch m in slot m % K: the fewest K for which no forward overwrites a
-    slot whose microbatch has not yet run its backward (1F1B's last stage runs both of
-    a microbatch in one tick: 1; GPipe's: M)."""
-    V = the_plan.virtual
-
-    def ticks(items_T):
-        return {int(i) // V: t for t, i in enumerate(items_T) if i != NONE and i % V == V - 1}
-
-    f_tick, b_tick = ticks(the_plan.forward_TP[:, -1]), ticks(the_plan.backward_TP[:, -1])
-    M = len(f_tick)
-    return next(K for K in range(1, M + 1)
-                if all(f_tick[m + K] > b_tick[m] for m in range(M - K)))
 
 
 def reorder_blocks(tree, index):
@@ -308,8 +291,8 @@ def run(stages: Stages, params, inputs_MBL, targets_MBL, x_shape, x_axes, axes: 
     else:
         stash = buffer(the_plan.stash_slots)
     carry = dict(x=buffer(the_plan.x_slots), loss=loss0)
-    if apart:  # the head's residuals: the last stage's `head_slots`, not every stash slot
-        K_head, head_vary = head_slots(the_plan), []
+    if apart:  # the head's residuals: the last stage's head slots, not every stash slot
+        K_head, head_vary = the_plan.head_slots, []
 
         def head_parts(y_BLD, i):
             leaves, traced["head"] = _pullback_parts(

@@ -142,6 +142,24 @@ class Plan:
         """[T] bool: some stage sends its input cotangent back in tick t."""
         return (self.recv_ct_TP != NONE).any(axis=1)
 
+    @property
+    def head_slots(self) -> int:
+        """Slots the head's residuals take (engine/parallel/pipeline.py `run`): the last
+        stage's last-chunk items hold theirs from their forward's tick to their backward's
+        (a tick runs its forward slot first), microbatch m in slot m % K: the fewest K
+        for which no forward overwrites a slot whose microbatch has not yet run its
+        backward (1F1B's last stage runs both of a microbatch in one tick: 1; GPipe's: M)."""
+        V = self.virtual
+
+        def ticks(items_T):
+            return {int(i) // V: t for t, i in enumerate(items_T)
+                    if i != NONE and i % V == V - 1}
+
+        f_tick, b_tick = ticks(self.forward_TP[:, -1]), ticks(self.backward_TP[:, -1])
+        M = len(f_tick)
+        return next(K for K in range(1, M + 1)
+                    if all(f_tick[m + K] > b_tick[m] for m in range(M - K)))
+
     def work_TP(self, forward_P, backward_P, weight_P=0.0) -> np.ndarray:
         """[T, pp] each stage's busy time in each tick, a forward costing forward_P[s],
         a backward backward_P[s] (under a split plan its B) and a W weight_P[s] on
