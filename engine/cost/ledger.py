@@ -51,7 +51,16 @@ from engine.cost.scan_rows import (  # noqa: F401  (scan_counts, as the ledger's
     stack_slot_bytes,
     sub_jaxprs,
 )
-from layers.scopes import PP_SCOPES, SCOPES  # the named scopes, outermost first
+from layers.scopes import (  # the named scopes, outermost first
+    PP_BACKWARD,
+    PP_FORWARD,
+    PP_SCOPES,
+    PP_TICK,
+    PP_WEIGHT,
+    SCOPES,
+)
+
+PP_UNITS = (PP_FORWARD, PP_BACKWARD, PP_WEIGHT)  # the tick's units (engine/cost/pipeline.py)
 
 # jaxpr primitive -> HLO collective kind. pvary moves nothing (it only marks a value as
 # per-device for check_vma) and lowers to no HLO op: its rows carry 0 bytes.
@@ -236,22 +245,54 @@ def _kernel_row(eqn, phase, scope, count, body_rows, pp=()) -> Row:
     blocks = [v.aval.shape for v in eqn.invars[first:] if len(getattr(v.aval, "shape", ())) == 5]
     block = blocks[0][2] if blocks else 1
     # what a flash kernel reads and writes: q, k, v, o (and lse, dO, dq, dk, dv); not
-    # the causal masks (bool, formed in the kernel) nor loop-invariant score-shaped
-    # constants [..., L, T] the jnp scan hoists out of its body
-    consts = eqn.invars[:n_consts]
-    length = max((v.aval.shape[-2] for v in consts if len(getattr(v.aval, "shape", ())) == 5),
-                 default=0)
+    # the causal masks (bool, formed in the kernel) nor operands of a score tile's shape
+    # [B, G, R, L, T] (the body's largest matmul product): loop-invariant constants the
+    # jnp scan hoists out of its body, or per-block fills of the masked scores that
+    # partial evaluation splits off into a scan of their own and stacks [J, B, G, R,
+    # L, T] (`_mask_scan`), which a flash kernel forms in registers
+    tile = max((math.prod(r.shape) for r in body_rows if r.kind == "matmul"), default=0)
 
     def kernel_operand(v):
-        shape = getattr(v.aval, "shape", ())
-        hoisted = len(shape) >= 5 and shape[-1] == block and shape[-2] == length \
-            and any(v is c for c in consts)
-        return not isinstance(v, jcore.Literal) and v.aval.dtype != jnp.bool_ and not hoisted
+        shape = tuple(getattr(v.aval, "shape", ()))
+        score_shaped = len(shape) >= 5 and shape[-1] == block \
+            and math.prod(shape[-5:]) == tile
+        return not isinstance(v, jcore.Literal) and v.aval.dtype != jnp.bool_ \
+            and not score_shaped
 
     moved = sum(nbytes(v.aval) for v in (*eqn.invars, *eqn.outvars) if kernel_operand(v))
     dtype = next((r.dot[2] for r in body_rows if r.dot), "float32")
     return Row(scope, phase, "attention", "flash_attention", dtype,
                (eqn.params["length"], block), flops, float(moved), count, pp=pp)
+
+
+def _mask_scan(body: list[Row]) -> bool:
+    """Whether the rows `body` of a scan in the attention scope are the known part of a
+    key-block scan that partial evaluation split off: per key block the causal mask,
+    whether any query sees the block and the constant fills of the masked scores (a
+    forward's `jnp.where(mask, s, MASK_VALUE)` under `jax.vjp`), no matmul and no
+    collective (a `pvary` marks, moves nothing). JAX hoists it out of the layer scan (loop-invariant residuals of the
+    layers) and stacks its outputs [J, ..., L, T]; the compiled step builds the stacks
+    once per forward (tests/test_cost_pp_masks.py), the target's flash kernel forms
+    the masks in registers: rows of the jnp kernel (`Row.kernel`)."""
+    return bool(body) and all(r.kind == "memory" or r.primitive == "pvary" for r in body)
+
+
+def _inherit_unit(rows: list[Row], start: int) -> None:
+    """Give the rows from `start` on (a branch of one of the tick's slot conds) the
+    branch's unit where they lack one. JAX hoists loop-invariant values out of a scan
+    (the layer scan's masks, RoPE tables and positions under `jax.vjp`) with the name
+    stack they had inside its body, which leaves out the scopes around the scan: the
+    unit's among them. The branch runs one unit (engine/parallel/pipeline.py
+    `slot_unit`): the unit scope its other rows carry."""
+    units = {s for r in rows[start:] for s in r.pp if s in PP_UNITS}
+    if len(units) != 1:
+        return
+    unit = units.pop()
+    for i in range(start, len(rows)):
+        pp = rows[i].pp
+        if PP_TICK in pp and not set(pp) & set(PP_UNITS):
+            at = pp.index(PP_TICK) + 1
+            rows[i] = rows[i].replace(pp=(*pp[:at], unit, *pp[at:]))
 
 
 def _walk(jaxpr, stack, count, mesh_shape, rows, domain=None, alias=None, site=0,
@@ -292,17 +333,18 @@ def _walk(jaxpr, stack, count, mesh_shape, rows, domain=None, alias=None, site=0
             continue
         if subs:
             start = len(rows)
+            slot = name == "cond" and PP_TICK in pp and not set(pp) & set(PP_UNITS)
             for sub, mult in subs:
+                branch = len(rows)
                 _walk(sub, here, count * mult, mesh_shape, rows,
                       in_loop=in_loop or name == "scan")
+                if slot:
+                    _inherit_unit(rows, branch)
             if name == "scan":
                 rows.extend(scan_copy_rows(eqn, phase, scope, count, pp))
                 rows.extend(carry_copy_rows(eqn, phase, scope, count, pp))
             body = rows[start:]
-            if name == "scan" and scope == "attention" and all(
-                    v.aval.dtype == jnp.bool_ for v in eqn.outvars):
-                # the causal masks per key block, split off the forward scan by partial
-                # evaluation: formed inside the target's kernel
+            if name == "scan" and scope == "attention" and _mask_scan(body):
                 rows[start:] = [r.replace(kernel="blocked") for r in body]
             elif name == "scan" and scope == "attention" and any(
                     r.kind == "matmul" and len(r.shape) == 5 for r in body):
