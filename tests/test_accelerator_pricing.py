@@ -74,6 +74,39 @@ def test_a_scan_stacking_residuals_moves_one_slice_per_step_not_the_stack():
         assert r.lib_bytes == r.fused_bytes
 
 
+def test_a_slice_update_is_a_loop_fusions_root_written_in_place():
+    """`g.at[rows].set(g[rows] + d)` (an interleaved unit adding its chunk's grads into
+    its rows of the stage's stack: engine/parallel/pipeline.py `add_own`): on an
+    accelerator one in-place fusion reads the slice of g and d and writes the slice
+    (engine/cost/fusion.py's module doc cites XLA:GPU's emitter); the sum is not
+    written apart, nor the stack read or written whole. Nothing consumes the update
+    inside a fusion: a tanh of the updated stack reads it whole in a fusion of its own."""
+    n, k, shape = 8, 2, (64, 32)
+    rows_b = k * 64 * 32 * 4
+
+    def f(g, d):
+        return jax.lax.dynamic_update_slice_in_dim(
+            g, jax.lax.dynamic_slice_in_dim(g, 2, k) + d, 2, axis=0)
+
+    rows = _rows(f, (n, *shape), (k, *shape))
+    compute = [r for r in rows if r.fused_bytes >= 0]
+    assert len({r.fusion for r in compute}) == len({r.lib_fusion for r in compute}) == 1
+    for model in ("fused_bytes", "lib_bytes"):
+        assert sum(getattr(r, model) for r in compute) == 3 * rows_b
+    # the XLA:CPU model: the slice, the sum and the update each read and written
+    assert sum(r.bytes for r in compute) >= 6 * rows_b
+
+    def h(g, u):
+        return jnp.tanh(jax.lax.dynamic_update_slice_in_dim(g, 2.0 * u, 2, axis=0))
+
+    rows = _rows(h, (n, *shape), (k, *shape))
+    update = next(r for r in rows if r.primitive == "dynamic_update_slice")
+    mul, tanh = (next(r for r in rows if r.primitive == p) for p in ("mul", "tanh"))
+    assert mul.fusion == update.fusion != tanh.fusion
+    assert mul.fused_bytes + update.fused_bytes == 2 * rows_b
+    assert tanh.fused_bytes == 2 * n * 64 * 32 * 4
+
+
 def test_matmul_epilogue_fuses_but_a_second_matmul_does_not_join():
     def f(x, w, v):
         h = jnp.tanh(x @ w)          # dot + tanh epilogue: the f32 product is not written

@@ -21,6 +21,18 @@ what were call boundaries:
   it (a SwiGLU's silu(g)·u, a cast, a residual add are a separate loop fusion that
   reads the product back), so `Hardware.epilogue_fusion` is False on GPU profiles.
 
+- slices in place: a dynamic slice fuses like the elementwise ops (reading its
+  slice of the operand), and a dynamic-update-slice is the root of a loop fusion that
+  takes in the producers of its update and writes only the update into the operand's
+  buffer, in place; nothing consumes it inside a fusion. XLA:GPU counts both among
+  the loop-fusible ops (`IsUniversallyLoopFusible`, xla/service/gpu/gpu_fusible.cc)
+  and emits a loop fusion whose roots are dynamic-update-slices with the in-place
+  emitter, whose threads cover the update's shape (`InPlaceDynamicUpdateSliceFusion`,
+  xla/backends/gpu/codegen/emitters/in_place_dynamic_update_slice.h, chosen in
+  xla/backends/gpu/codegen/fusions.cc); XLA:CPU forms the same
+  `dynamic-update-slice` fusions (tests/test_cost_pp_masks.py's compiled step). XLA:TPU
+  is not public: assumed alike. The XLA:CPU byte model (`Row.bytes`) keeps both apart.
+
 A `Domain` is one fusion scope: the body of a `shard_map`, `scan`, `while` or `cond`
 (loop bodies are separate computations to XLA, so nothing fuses across them). Each
 compute row of a domain gets a fusion id and its share of the group's traffic:
@@ -60,6 +72,10 @@ FUSIBLE = {"add", "add_any", "sub", "mul", "div", "neg", "max", "min", "exp", "e
 # where the operand is, and what needs their output in memory needs the operand there.
 PASS_THROUGH = MARKS | (FREE & FUSIBLE)
 REDUCTIONS = {"reduce_sum", "reduce_max", "reduce_min", "argmax", "argmin"}
+# The accelerator model's (`Domain.groups`): the loop-fusible ops and dynamic slices,
+# and the ops a loop fusion ends with, writing in place (module doc).
+SLICE_FUSIBLE = FUSIBLE | {"dynamic_slice"}
+IN_PLACE_ROOTS = {"dynamic_update_slice"}
 # Calls XLA inlines before fusing: their bodies join the caller's fusion scope.
 INLINED = {"jit", "pjit", "closed_call", "core_call", "remat2", "checkpoint", "custom_jvp_call",
            "custom_vjp_call", "custom_vjp_call_jaxpr", "custom_lin"}
@@ -158,10 +174,11 @@ class Domain:
         self.entries.append((row_index, name, list(ins), list(outs)))
 
     def groups(self, fusible: set, reductions: set, free: set,
-               epilogue: bool = True) -> tuple[list, list]:
+               epilogue: bool = True, roots: set = frozenset()) -> tuple[list, list]:
         """(group id per entry, bytes per entry) under the module doc's rules;
         `epilogue=False` forms no output fusion (a matmul is a library call that
-        writes its product, as on GPU)."""
+        writes its product, as on GPU); `roots` join the fusible producers of every
+        operand but their first (the buffer they update in place) and no consumer."""
         n = len(self.entries)
         parent = list(range(n))
         has_dot = [e[1] == "dot_general" for e in self.entries]
@@ -192,7 +209,9 @@ class Domain:
             return cs and key not in self.outs and all(self.entries[c][1] in joins for c in cs)
 
         for i, (_, name, ins, _) in enumerate(self.entries):
-            if name not in joins and name not in reductions:
+            if name in roots:
+                ins = ins[1:]
+            elif name not in joins and name not in reductions:
                 continue
             for key, _ in ins:
                 p = producer.get(key)

@@ -33,9 +33,11 @@ from jax.extend import core as jcore
 from engine.cost.fusion import (  # noqa: F401  (the op sets, as the ledger's)
     FREE,
     FUSIBLE,
+    IN_PLACE_ROOTS,
     INLINED,
     MARKS,
     REDUCTIONS,
+    SLICE_FUSIBLE,
     Domain,
     canon,
     io_bytes,
@@ -379,8 +381,9 @@ def _walk(jaxpr, stack, count, mesh_shape, rows, domain=None, alias=None, site=0
                                            domain.relayouts, pp))
     if own:
         domain.outs = {canon(v, alias, site) for v in jaxpr.outvars}
-        gid, moved = domain.groups(FUSIBLE, REDUCTIONS, FREE)
-        lib_gid, lib_moved = domain.groups(FUSIBLE, REDUCTIONS, FREE, epilogue=False)
+        gid, moved = domain.groups(SLICE_FUSIBLE, REDUCTIONS, FREE, roots=IN_PLACE_ROOTS)
+        lib_gid, lib_moved = domain.groups(SLICE_FUSIBLE, REDUCTIONS, FREE, epilogue=False,
+                                           roots=IN_PLACE_ROOTS)
         for (i, *_), g, b, lg, lb in zip(domain.entries, gid, moved, lib_gid, lib_moved):
             rows[i] = rows[i].replace(fused_bytes=float(b), fusion=domain.entries[g][0],
                                       lib_bytes=float(lb), lib_fusion=domain.entries[lg][0])
