@@ -12,8 +12,7 @@ import re
 import pytest
 
 from engine.cli.args import build_parser, parse_or_exit
-from engine.cost import hardware
-from engine.cost import pipeline as cp
+from engine.cost import hardware, pipeline as cp
 from engine.cost.ledger import step_ledger
 from engine.cost.price import priced_rows
 from layers import scopes

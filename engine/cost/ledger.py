@@ -272,10 +272,11 @@ def _mask_scan(body: list[Row]) -> bool:
     key-block scan that partial evaluation split off: per key block the causal mask,
     whether any query sees the block and the constant fills of the masked scores (a
     forward's `jnp.where(mask, s, MASK_VALUE)` under `jax.vjp`), no matmul and no
-    collective (a `pvary` marks, moves nothing). JAX hoists it out of the layer scan (loop-invariant residuals of the
-    layers) and stacks its outputs [J, ..., L, T]; the compiled step builds the stacks
-    once per forward (tests/test_cost_pp_masks.py), the target's flash kernel forms
-    the masks in registers: rows of the jnp kernel (`Row.kernel`)."""
+    collective (a `pvary` marks, moves nothing). JAX hoists it out of the layer scan
+    (loop-invariant residuals of the layers) and stacks its outputs [J, ..., L, T]; the
+    compiled step builds the stacks once per forward (tests/test_cost_pp_masks.py), the
+    target's flash kernel forms the masks in registers: rows of the jnp kernel
+    (`Row.kernel`)."""
     return bool(body) and all(r.kind == "memory" or r.primitive == "pvary" for r in body)
 
 
