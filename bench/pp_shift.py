@@ -18,6 +18,7 @@ layers.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -26,7 +27,7 @@ from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.cli.args import OneLineParser, force_host_devices  # noqa: E402
+from engine.cli.args import OneLineParser, UsageError, force_host_devices  # noqa: E402
 
 MiB = 2 ** 20
 
@@ -70,7 +71,11 @@ def _bytes(text: str) -> dict[str, float]:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     os.environ["SHARDWISE_LEDGER_CACHE"] = "off"  # the two shifts share their source
     force_host_devices(8)
     from engine.config import ConfigError, ParallelConfig, TrainConfig, model_config
@@ -108,10 +113,8 @@ def main(argv=None) -> int:
             print(f"error: {e}", file=sys.stderr)
             return 2
         for shift in ("sliced", "whole"):
-            patch = (mock.patch.object(shifts, "stage_shift", _whole(shifts.stage_shift))
-                     if shift == "whole" else mock.patch.object(shifts, "stage_shift",
-                                                                shifts.stage_shift))
-            with patch:
+            with (mock.patch.object(shifts, "stage_shift", _whole(shifts.stage_shift))
+                  if shift == "whole" else contextlib.nullcontext()):
                 trainer = Trainer(cfg, tcfg, layout, layout.mesh(), par)
                 step, params, opt_state, tokens, _ = compiled_step(trainer)
                 ledger = step_ledger(cfg, tcfg, layout, par)
