@@ -17,7 +17,6 @@ layers.
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
 import statistics
@@ -32,25 +31,19 @@ from engine.cli.args import OneLineParser, UsageError, force_host_devices  # noq
 MiB = 2 ** 20
 
 
-def _positive(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return int(text)
-
-
-def build_parser() -> argparse.ArgumentParser:
+def build_parser() -> OneLineParser:
     p = OneLineParser(prog="python bench/pp_shift.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--layout", default="pp2xtp2", help="a layout with pp and tp axes")
     p.add_argument("--schedules", nargs="+", default=["gpipe", "1f1b"],
                    choices=("gpipe", "1f1b", "interleaved", "zb1"))
-    p.add_argument("--microbatches", type=_positive, default=4)
-    p.add_argument("--virtual", type=_positive, default=2,
+    p.add_argument("--microbatches", type=int, default=4)
+    p.add_argument("--virtual", type=int, default=2,
                    help="chunks per device of the interleaved schedule")
     p.add_argument("--model", default="medium", choices=("tiny", "small", "medium"))
-    p.add_argument("--layers", type=_positive, default=8)
-    p.add_argument("--batch", type=_positive, default=16)
-    p.add_argument("--seq", type=_positive, default=128)
-    p.add_argument("--rounds", type=_positive, default=5, help="passes over the programs")
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--rounds", type=int, default=5, help="passes over the programs")
     return p
 
 
@@ -75,6 +68,10 @@ def main(argv=None) -> int:
         args = build_parser().parse_args(argv)
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    numbers = ("microbatches", "virtual", "layers", "batch", "seq", "rounds")
+    if min(getattr(args, n) for n in numbers) < 1:
+        print(f"error: --{', --'.join(numbers)} must be positive", file=sys.stderr)
         return 2
     os.environ["SHARDWISE_LEDGER_CACHE"] = "off"  # the two shifts share their source
     force_host_devices(8)
