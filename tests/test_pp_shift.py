@@ -62,7 +62,7 @@ def tick_collectives(layout, **parallel):
 X_BYTES = SHIFT_TCFG.batch // 2 * SHIFT_TCFG.seq * TINY.d_model * 4  # [B/M, L, D] f32
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", ["1f1b", pytest.param("gpipe", marks=pytest.mark.slow)])
 def test_allreduce_shifts_send_one_tp_th_of_x_over_pp_and_gather_it_over_tp(schedule):
     """pp2xtp2 --tp-comm allreduce: each shift's ppermute over pp moves x / tp (it moved
     x whole from every tp rank before), followed by an all-gather over tp of the whole
