@@ -15,8 +15,9 @@ layers/scopes.py) that say which unit runs them and which parts only the first s
                   its W a unit of its own)
     tick(t)     = max over stages s of work(t, s)      (accelerators: lock-step ticks)
                   + the tick's own rows (buffer writes, and the stage shifts'
-                  ppermutes on the ticks that run them: a shift runs only on the ticks
-                  where some stage sends, `Plan.send_x_T` / `send_ct_T`)
+                  ppermutes, with their all-gathers over tp where the value is
+                  replicated over tp, on the ticks that run them: a shift runs only on
+                  the ticks where some stage sends, `Plan.send_x_T` / `send_ct_T`)
                   - the forward shift's part hidden under the tick's backward
                   (`hidden_shift_T`: accelerators, whose collectives are async)
     step        = sum over ticks of tick(t) + the rows outside the scan (grad
