@@ -27,20 +27,31 @@ def traced():
 
 
 def test_the_forward_shift_hides_under_the_backward_slot_where_collectives_are_async(traced):
-    """Each tick = its slowest units + its own rows (two ppermutes of [B/M, L, D] over
-    pp, each on the ticks where some stage sends it; the buffer writes) - the forward shift's time hidden under the tick's slowest
-    backward, hand-counted here from the shift row's ring price (collective-permute:
-    bytes / bw + latency) and the hidden share of the H100 profile; the warm-up ticks,
-    which hold no backward, hide nothing."""
+    """Each tick = its slowest units + its own rows (the buffer writes, and two shifts
+    of [B/M, L, D], each a ppermute of half of it over pp and an all-gather over tp,
+    priced on the ticks where some stage sends it) - the forward shift's time hidden
+    under the tick's slowest backward, hand-counted here from the shift rows' ring
+    prices (collective-permute: bytes / bw + latency; all-gather over tp's links) and
+    the hidden share of the H100 profile; the warm-up ticks, which hold no backward,
+    hide nothing."""
     rows, layout, plan = traced
     hw = hardware.get("h100")
     mesh = layout.mesh_axes()
     pipe = cp.predict_pipeline(rows, hw, mesh, plan)
     once = cp._once([r for r in rows if scopes.PP_TICK in r.pp])
-    shifts = [r for r in once if r.primitive == "ppermute" and r.axes == ("pp",)
+    shifts = [r for r in once if r.primitive in ("ppermute", "all_gather_invariant")
               and not set(cp.UNITS.values()) & set(r.pp)]
-    assert len(shifts) == 2  # x forward, the cotangent back
-    x = collective_seconds(shifts[0], hw, mesh) * shifts[0].count
+    # x forward, the cotangent back: each replicated over tp (allreduce), so half of it
+    # goes over pp and the stage gathers the halves over tp (engine/parallel/shifts.py)
+    assert [(r.primitive, r.axes) for r in shifts] == [
+        ("ppermute", ("pp",)), ("all_gather_invariant", ("tp",))] * 2
+    assert 2 * shifts[0].bytes == shifts[1].bytes
+    x, ct = (sum(collective_seconds(r, hw, mesh) * r.count for r in rs)
+             for rs in (shifts[:2], shifts[2:]))
+    sends_T = plan.send_x_T * x + plan.send_ct_T * ct
+    assert len(set(sends_T)) > 1  # ticks that send differ: the writes are what they share
+    np.testing.assert_allclose(pipe.shift_T - sends_T, pipe.shift_T[0] - sends_T[0],
+                               rtol=1e-9)
     f, b = pipe.unit_s[cp.FORWARD], pipe.unit_s[cp.BACKWARD]
     backward_T = ((plan.backward_TP != pipeline.NONE) * b[None, :]).max(axis=1)
     hidden_T = (np.minimum(x, backward_T) * plan.send_x_T  # where the x shift runs

@@ -15,8 +15,9 @@ layers/scopes.py) that say which unit runs them and which parts only the first s
                   its W a unit of its own)
     tick(t)     = max over stages s of work(t, s)      (accelerators: lock-step ticks)
                   + the tick's own rows (buffer writes, and the stage shifts'
-                  ppermutes on the ticks that run them: a shift runs only on the ticks
-                  where some stage sends, `Plan.send_x_T` / `send_ct_T`)
+                  ppermutes, with their all-gathers over tp where the value is
+                  replicated over tp, on the ticks that run them: a shift runs only on
+                  the ticks where some stage sends, `Plan.send_x_T` / `send_ct_T`)
                   - the forward shift's part hidden under the tick's backward
                   (`hidden_shift_T`: accelerators, whose collectives are async)
     step        = sum over ticks of tick(t) + the rows outside the scan (grad
@@ -50,7 +51,7 @@ import math
 
 import numpy as np
 
-from engine.cost.ledger import Row
+from engine.cost.ledger import COLLECTIVES, Row
 from engine.cost.price import Prediction, fault_seconds, predict, with_faults
 from engine.parallel import pipeline
 from layers import scopes
@@ -131,12 +132,21 @@ def unit_of(row: Row) -> int | None:
 
 def _shifts(rows: list[Row]) -> tuple[list[Row], list[list[Row]]]:
     """(the tick's own rows but its shifts, [the activation shift's rows, the
-    cotangent's]) of `rows` (a tick's rows outside its units): the shifts are the
-    tick's ppermutes, traced in that order (engine/parallel/pipeline.py `tick`); no
-    cotangent shift without a backward."""
-    permutes = [r for r in rows if r.primitive == "ppermute"]
-    assert len(permutes) <= 2, "a tick shifts x and the cotangent, nothing else"
-    return [r for r in rows if r.primitive != "ppermute"], [[r] for r in permutes]
+    cotangent's]) of `rows` (a tick's rows outside its units): a shift is one of the
+    tick's ppermutes, traced in that order (engine/parallel/pipeline.py `tick`), with
+    the collectives that follow it: the all-gather over tp of its slices where the
+    value is replicated over tp (engine/parallel/shifts.py), priced on tp's links;
+    no cotangent shift without a backward."""
+    own, shifts = [], []
+    for r in rows:
+        if r.primitive == "ppermute":
+            shifts.append([r])
+        elif shifts and r.kind == "collective" and COLLECTIVES.get(r.primitive):
+            shifts[-1].append(r)
+        else:
+            own.append(r)
+    assert len(shifts) <= 2, "a tick shifts x and the cotangent, nothing else"
+    return own, shifts
 
 
 def _parts(rows: list[Row], T: int, M: int, pp: int, hw, mesh_axes, prefetch: bool,

@@ -65,7 +65,7 @@ import jax.numpy as jnp
 from jax import lax
 
 import collectives
-from engine.parallel import backward_split
+from engine.parallel import backward_split, shifts
 from engine.parallel.grads import spec_axes
 from engine.parallel.schedules import (  # noqa: F401  (the schedules' names, re-exported)
     NONE,
@@ -456,12 +456,12 @@ def run(stages: Stages, params, inputs_MBL, targets_MBL, x_shape, x_axes, axes: 
             return lax.cond(anywhere, lambda c: unit_fn(c, jnp.maximum(item, 0), on), idle, c)
         return lax.cond(on, lambda c: unit_fn(c, item), idle, c)
 
-    def shift(sends, v_BLD, direction):
-        """`v` sent one stage along the ring (`direction` +1: to the next stage), on the
-        ticks where some stage sends (`sends`, the same on every device: every device
-        runs the same collectives in the same order); elsewhere nothing moves and `v`
-        comes back (no stage reads it)."""
-        return lax.cond(sends, lambda v: collectives.ring_shift(v, pp, direction),
+    def shift(sends, v_BLD, direction, tp=None if axes.tp in x_axes else axes.tp):
+        """`v` sent one stage along the ring (`direction` +1: to the next stage), where
+        some stage sends (`sends`, alike on every device, which so run the same
+        collectives in the same order; elsewhere `v` comes back, unread). Replicated over
+        tp, 1/tp from each tp rank, gathered over tp on arrival (engine/parallel/shifts.py)."""
+        return lax.cond(sends, lambda v: shifts.stage_shift(v, pp, direction, tp),
                         lambda v: v, v_BLD)
 
     @jax.named_scope(scopes.PP_TICK)
