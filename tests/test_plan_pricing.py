@@ -102,6 +102,25 @@ def test_pp_pricing_in_every_order_equals_stage_by_stage(schedule, virtual):
     assert other.step_s != got.step_s
 
 
+@pytest.mark.parametrize("profile", ["h100", "cpu"])
+@pytest.mark.parametrize("sizes", [{"fsdp": 2, "tp": 4, "pp": 4}, {"fsdp": 2, "tp": 4}])
+def test_totals_without_the_itemized_rows_are_the_same(profile, sizes):
+    """The planner prices with `itemized=False` (no `Priced` row objects): the step and
+    its compute, communication and exposed communication equal the itemized
+    prediction's bit for bit, flat and pipelined, with and without overlap."""
+    hw = hardware.get(profile)
+    layout = Layout(tuple(sizes.items()))
+    par = ParallelConfig(microbatches=8, prefetch=True)
+    rows = ledger(1.3) if "pp" in sizes else [r.replace(pp=()) for r in ledger(1.3)
+                                               if "pp" not in r.axes]
+    full = pipe_cost.predict_step(rows, hw, layout, par, 2e8)[0]
+    fast = pipe_cost.predict_step(rows, hw, layout, par, 2e8, itemized=False)[0]
+    assert full.rows and not fast.rows
+    for field in ("step_s", "compute_s", "comm_s", "exposed_comm_s", "fault_s"):
+        assert getattr(fast, field) == getattr(full, field), field
+    assert full.exposed_comm_s > 0
+
+
 def test_a_program_that_does_not_trace_is_refused_not_fatal(monkeypatch):
     """A program whose step jax cannot trace is refused with why (in `Plan.refused`);
     the plan ranks the rest."""

@@ -111,11 +111,17 @@ def unit_rows(rows: list[Row], kind: int, stage: int, pp: int,
     """The rows unit `kind` runs on `stage`: its branch's, less the first stage's
     embedding elsewhere than stage 0 and the head and loss elsewhere than the last
     (under a uniform plan every stage runs both)."""
-    skip = set()
-    if not uniform:
-        skip = ({scopes.PP_FIRST} if stage > 0 else set()) | (
-            {scopes.PP_LAST} if stage < pp - 1 else set())
-    return [r for r in rows if unit_of(r) == kind and not skip & set(r.pp)]
+    return _on_stage([r for r in rows if unit_of(r) == kind], stage, pp, uniform)
+
+
+def _on_stage(rows: list[Row], stage: int, pp: int, uniform: bool) -> list[Row]:
+    """`rows` (one unit's) less the first stage's embedding elsewhere than stage 0 and
+    the head and loss elsewhere than the last (`unit_rows`)."""
+    if uniform:
+        return rows
+    skip = ({scopes.PP_FIRST} if stage > 0 else set()) | (
+        {scopes.PP_LAST} if stage < pp - 1 else set())
+    return [r for r in rows if not skip.intersection(r.pp)] if skip else rows
 
 
 def unit_of(row: Row) -> int | None:
@@ -150,12 +156,15 @@ def _shifts(rows: list[Row]) -> tuple[list[Row], list[list[Row]]]:
 
 
 def _parts(rows: list[Row], T: int, M: int, pp: int, hw, mesh_axes, prefetch: bool,
-           uniform: bool, virtual: int = 1, sends=()):
+           uniform: bool, virtual: int = 1, sends=(), itemized: bool = True):
     """(unit_s [3, pp], the tick's own rows' seconds (buffer writes, each shift's), the
     rows outside the ticks' Prediction, the report's flat Prediction) of `rows` priced
     with (hw, mesh_axes, prefetch), module doc. With V chunks per stage a unit's first-
     and last-stage parts count 1/V: a chunk's mean. sends: the ticks each shift runs
-    on ([T] bool each; default all)."""
+    on ([T] bool each; default all). itemized False: the report's Prediction without
+    its rows (`price.predict`)."""
+    seconds = lambda rs: (predict(rs, hw, mesh_axes, prefetch, itemized=False).step_s  # noqa: E731
+                          if rs else 0.0)
     outside, of_kind, writes, shifts, shown = _split(rows, T, M, sends)
     unit_s = np.zeros((len(UNITS), pp))
     alike: dict = {}  # stages between the first and the last run the same rows
@@ -165,18 +174,16 @@ def _parts(rows: list[Row], T: int, M: int, pp: int, hw, mesh_axes, prefetch: bo
             if same in alike:
                 unit_s[kind, s] = alike[same]
                 continue
-            part = unit_rows(of_kind[kind], kind, s, pp, uniform)
-            unit_s[kind, s] = predict(part, hw, mesh_axes, prefetch).step_s if part else 0.0
+            part = _on_stage(of_kind[kind], s, pp, uniform)  # of_kind: by `unit_of`
+            unit_s[kind, s] = seconds(part)
             if virtual > 1 and not uniform:  # embedding, head: in one of a stage's V chunks
                 body = [r for r in part if not EDGES & set(r.pp)]
-                edge_s = unit_s[kind, s] - (predict(body, hw, mesh_axes, prefetch).step_s
-                                            if body else 0.0)
+                edge_s = unit_s[kind, s] - seconds(body)
                 unit_s[kind, s] -= edge_s * (virtual - 1) / virtual
             alike[same] = unit_s[kind, s]
-    seconds = lambda rs: predict(rs, hw, mesh_axes, prefetch).step_s if rs else 0.0  # noqa: E731
     own_s = (seconds(writes), [seconds(rs) for rs in shifts])
-    out = predict(outside, hw, mesh_axes, prefetch)
-    return unit_s, own_s, out, predict(shown, hw, mesh_axes, prefetch)
+    out = predict(outside, hw, mesh_axes, prefetch, itemized=False)
+    return unit_s, own_s, out, predict(shown, hw, mesh_axes, prefetch, itemized)
 
 
 # the last ledger `_split` split: (rows, key, split); the planner prices one ledger in
@@ -224,13 +231,15 @@ def hidden_shift_T(the_plan: pipeline.Plan, backward_P, x_shift_s: float, hw) ->
 
 
 def predict_pipeline(rows: list[Row], hw, mesh_axes, the_plan: pipeline.Plan,
-                     prefetch: bool = False) -> PipelinePrediction:
-    """Price `rows` (the ledger of a pp step) tick by tick along `the_plan` (module doc)."""
+                     prefetch: bool = False, itemized: bool = True) -> PipelinePrediction:
+    """Price `rows` (the ledger of a pp step) tick by tick along `the_plan` (module doc).
+    itemized False: its `prediction` without rows (`price.predict`)."""
     T, pp = the_plan.forward_TP.shape
     M = the_plan.units  # units of each kind per device: M x V
     sends = (the_plan.send_x_T, the_plan.send_ct_T)
     unit_s, (writes_s, shifts_s), out, flat = _parts(
-        rows, T, M, pp, hw, mesh_axes, prefetch, the_plan.uniform, the_plan.virtual, sends)
+        rows, T, M, pp, hw, mesh_axes, prefetch, the_plan.uniform, the_plan.virtual, sends,
+        itemized)
     shift_T = np.full(T, writes_s) + sum(
         (s * np.asarray(runs, float) for s, runs in zip(shifts_s, sends)), np.zeros(T))
     work_TP = the_plan.work_TP(unit_s[FORWARD], unit_s[BACKWARD], unit_s[WEIGHT])
@@ -248,17 +257,20 @@ def predict_pipeline(rows: list[Row], hw, mesh_axes, the_plan: pipeline.Plan,
                               hidden_shift_s=float(hidden_T.sum()), shift_T=shift_T)
 
 
-def predict_step(rows: list[Row], hw, layout, parallel, mapped_bytes: float = 0.0):
+def predict_step(rows: list[Row], hw, layout, parallel, mapped_bytes: float = 0.0,
+                 itemized: bool = True):
     """(`Prediction` of the step, its `PipelinePrediction` or None): `price.predict`,
     or with a pp axis `predict_pipeline` along the step's schedule. mapped_bytes: each
     device's temporaries mapped anew every step (engine/run/host.py `mapped_each_step`, known
-    once the step is compiled), whose page faults the step pays (`price.fault_seconds`)."""
+    once the step is compiled), whose page faults the step pays (`price.fault_seconds`).
+    itemized False: the Prediction's totals without its rows (`price.predict`)."""
     fault_s = fault_seconds(hw, layout.size, mapped_bytes)
     the_plan = pipeline.step_plan(layout, parallel)
     if the_plan is None:
-        pred = predict(rows, hw, layout.mesh_axes(), prefetch=parallel.prefetch)
+        pred = predict(rows, hw, layout.mesh_axes(), parallel.prefetch, itemized)
         return with_faults(pred, fault_s), None
-    pipe = predict_pipeline(rows, hw, layout.mesh_axes(), the_plan, parallel.prefetch)
+    pipe = predict_pipeline(rows, hw, layout.mesh_axes(), the_plan, parallel.prefetch,
+                            itemized)
     pipe = dataclasses.replace(pipe, prediction=with_faults(pipe.prediction, fault_s))
     return pipe.prediction, pipe
 

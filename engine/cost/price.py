@@ -310,8 +310,11 @@ def hideable(row: Row, prefetch: bool = False) -> bool:
     return COLLECTIVES.get(row.primitive) == "collective-permute" and row.scope in BLOCK_SCOPES
 
 
-def predict(rows: list[Row], hw: Hardware, mesh_axes, prefetch: bool = False) -> Prediction:
-    """Price every row and combine them with the overlap model (module doc)."""
+def predict(rows: list[Row], hw: Hardware, mesh_axes, prefetch: bool = False,
+            itemized: bool = True) -> Prediction:
+    """Price every row and combine them with the overlap model (module doc). itemized
+    False: the totals alone, `Prediction.rows` empty (the planner prices thousands of
+    row sets and reads only the seconds)."""
     n_devices = 1
     for _, s in mesh_axes:
         n_devices *= s
@@ -337,6 +340,10 @@ def predict(rows: list[Row], hw: Hardware, mesh_axes, prefetch: bool = False) ->
     # what a hideable collective leaves on the critical path: the part beyond the
     # blocks' compute, and the slowdown of the compute it hides under
     left = 1 - hidden_frac + hidden_frac * hw.hidden_comm_share
+    if not itemized:
+        exposed = sum(t * (left if hides else 1) for _, t, bound, hides in priced
+                      if bound == "comm")
+        return Prediction((), compute, comm, exposed, compute + exposed, hw.name)
     priced = [Priced(r, t, bound, t * (left if hides else 1) if bound == "comm" else 0.0)
               for r, t, bound, hides in priced]
     exposed = sum(p.exposed for p in priced)

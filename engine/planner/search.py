@@ -163,7 +163,7 @@ def _priced(rows: list, cands: list, peaks: list, mem_of: dict, hw, capacity) ->
         key = (c.parallel, tuple(domain_share(hw, axes, g) for g in groups))
         if key not in seen:
             mapped = fit.mapped_bytes(mem_of[c.parallel], hw)
-            p = predict_step(rows, hw, c.layout, c.parallel, mapped)[0]
+            p = predict_step(rows, hw, c.layout, c.parallel, mapped, itemized=False)[0]
             seen[key] = (p.step_s, p.compute_s, p.comm_s, p.exposed_comm_s, mapped)
         out.append(seen[key])
     return out
@@ -381,7 +381,8 @@ def timed_prices(priced: list, tcfg: TrainConfig, hw, n: int, devices,
     out = []
     for p in priced:
         c = p.candidate
-        pred = predict_step(rows_of[c.program], hw, c.layout, c.parallel, p.mapped_bytes)[0]
+        pred = predict_step(rows_of[c.program], hw, c.layout, c.parallel, p.mapped_bytes,
+                            itemized=False)[0]
         out.append(Priced(c, pred.step_s, pred.compute_s, pred.comm_s, pred.exposed_comm_s,
                           mfu(c.cfg, tcfg, hw, n, pred.step_s), p.peak_bytes, True,
                           p.mapped_bytes))
