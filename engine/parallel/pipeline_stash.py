@@ -1,0 +1,114 @@
+"""The pipeline's slots: the buffers a stage keeps between ticks (engine/parallel/pipeline.py).
+
+Each buffer is [K, ...] with K slots from the tick table (engine/parallel/schedules.py
+`Plan`), item i held in slot i % K:
+
+    x       the activations [B, L, D] received from the previous stage (`Plan.x_slots`)
+    ct      the cotangents received from the next stage (`Plan.ct_slots`)
+    stash   what a forward unit leaves its backward (`Plan.stash_slots`): the leaves of
+            its `jax.vjp` pullback (`pullback_parts`), or under a cp ring its input
+    head    the head's pullback leaves of the last stage's last-chunk items, where the
+            head's vjp runs apart from the unit's (`Plan.head_slots`)
+    wstash  under a split plan, what W reads from B's tick to its own (`Plan.w_slots`)
+
+A buffer of pullback leaves is a list of [K, ...] arrays, one a leaf, each varying over
+the mesh axes its leaf varies over (read while tracing the unit that makes it:
+`slots_for`). A write under a uniform plan keeps the slot's old value where this
+stage's unit ran only to keep the devices' programs alike (`keep`)."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+import collectives
+
+
+def like(x: jax.Array, axes) -> jax.Array:
+    """`x` made varying over `axes` (it may vary over some already)."""
+    return collectives.broadcast(x, tuple(axes))
+
+
+def keep(active, new, old):
+    """`new`, or where this stage's unit is not `active` (a unit a uniform plan runs
+    only to keep the devices' programs alike) `old`."""
+    if active is True:
+        return new
+    return jax.tree.map(lambda a, b: jnp.where(active, a, b), new, old)
+
+
+def buffer(zero, slots: int) -> jax.Array:
+    """[max(slots, 1), *zero.shape] slots of `zero`'s shape, zeros varying as it does."""
+    return jnp.broadcast_to(zero, (max(slots, 1), *zero.shape))
+
+
+def slots_for(values, slots: int, *example, also=()) -> list[jax.Array]:
+    """`slots` zero slots for each array `values(*example)` returns, each varying over
+    the axes that array varies over (read while tracing) and `also`."""
+    vary = []
+
+    def traced(*args):
+        out = values(*args)
+        vary.extend(tuple(collectives.varying_axes(v)) for v in out)
+        return out
+
+    shapes = jax.eval_shape(traced, *example)
+    return [like(jnp.zeros((slots, *s.shape), s.dtype), dict.fromkeys((*a, *also)))
+            for s, a in zip(shapes, vary)]
+
+
+def read(buffers: list[jax.Array], slot) -> list[jax.Array]:
+    return [b[slot] for b in buffers]
+
+
+def write(buffers: list[jax.Array], slot, values, active=True) -> list[jax.Array]:
+    """`buffers` with `values` in `slot` (kept as they were where not `active`)."""
+    return [b.at[slot].set(keep(active, v, b[slot])) for b, v in zip(buffers, values)]
+
+
+def pullback_parts(f_vjp, params):
+    """(leaves, structure) of what a `jax.vjp` pullback of f(params, x) holds but the
+    params themselves: the residuals, and x where the backward needs it. The pullback is
+    a pytree (public since `jax.vjp` returns one); a leaf that is one of `params`' own
+    leaves is left out and put back live by `pullback`."""
+    leaves, treedef = jax.tree.flatten(f_vjp)
+    param_at = {id(leaf): j for j, leaf in enumerate(jax.tree.leaves(params))}
+    where = tuple(param_at.get(id(leaf)) for leaf in leaves)
+    return [leaf for leaf, j in zip(leaves, where) if j is None], (treedef, where)
+
+
+def pullback(structure, leaves, params):
+    """The pullback of `structure` (`pullback_parts`, traced by the forward unit) with
+    its residuals `leaves` and the live `params` where it held the forward's."""
+    treedef, where = structure
+    param_leaves, stashed = jax.tree.leaves(params), iter(leaves)
+    return jax.tree.unflatten(treedef, [next(stashed) if j is None else param_leaves[j]
+                                        for j in where])
+
+
+def initial(u, fwd_TP, bwd_TP) -> dict:
+    """The scan's carry before the first tick for `u` (`pipeline_units.Units`): every
+    buffer of the module doc that its plan uses, zero, the loss 0 and, in training, the
+    grads 0 (the blocks' as stored, the rest's in f32). fwd_TP, bwd_TP: the plan's
+    tables as arrays (an item of them types the example units traced for the shapes)."""
+    plan, zeros_x = u.plan, u.zeros_x
+    if u.residuals:
+        stash = slots_for(u.stash_parts, plan.stash_slots, u.params, zeros_x, fwd_TP[0, 0])
+    else:
+        stash = buffer(zeros_x, plan.stash_slots)
+    carry = dict(x=buffer(zeros_x, plan.x_slots), loss=u.loss0)
+    if u.apart:  # the head's residuals: the last stage's head slots, not every stash slot
+        carry["head"] = slots_for(u.head_parts, plan.head_slots, zeros_x, fwd_TP[0, 0])
+    if u.backward:
+        f32_zeros = lambda w: collectives.zeros_like(w).astype(jnp.float32)  # noqa: E731
+        carry.update(ct=buffer(zeros_x, plan.ct_slots), stash=stash, grads=(
+            jax.tree.map(collectives.zeros_like, u.params["blocks"]),
+            jax.tree.map(f32_zeros, u.rest_model)))
+    n_params = len(jax.tree.leaves(u.own(u.params, 0)))
+    if u.split:  # the backward cut into B and W, traced once on this level's values
+        example = (read(stash, 0) if u.residuals else zeros_x, u.own(u.params, 0), zeros_x,
+                   bwd_TP[0, u.stage])  # an item varies over pp
+        # each stage's W slots hold its own units' values: varying over pp, whatever the
+        # value (a layer index made from the item may come back invariant or not)
+        carry["wstash"] = slots_for(u.split_backward(example, n_params), plan.w_slots,
+                                    jax.tree.leaves(example), also=(u.pp,))
+    return carry
