@@ -13,7 +13,7 @@ Each buffer is [K, ...] with K slots from the tick table (engine/parallel/schedu
 
 A buffer of pullback leaves is a list of [K, ...] arrays, one a leaf, each varying over
 the mesh axes its leaf varies over (read while tracing the unit that makes it:
-`slots_for`). A write under a uniform plan keeps the slot's old value where this
+`slots_for`) and over pp: each stage's slots hold its own units' values. A write under a uniform plan keeps the slot's old value where this
 stage's unit ran only to keep the devices' programs alike (`keep`)."""
 from __future__ import annotations
 
@@ -91,13 +91,19 @@ def initial(u, fwd_TP, bwd_TP) -> dict:
     grads 0 (the blocks' as stored, the rest's in f32). fwd_TP, bwd_TP: the plan's
     tables as arrays (an item of them types the example units traced for the shapes)."""
     plan, zeros_x = u.plan, u.zeros_x
+    # a stage's slots hold its own units' values, read at its own item (the tables'
+    # row `stage`): varying over pp whatever the example traced at a fixed item gives
+    # (an int32 residual made from the item, the blocked kernel's key positions, is
+    # invariant at a constant item and varies over pp in the tick)
     if u.residuals:
-        stash = slots_for(u.stash_parts, plan.stash_slots, u.params, zeros_x, fwd_TP[0, 0])
+        stash = slots_for(u.stash_parts, plan.stash_slots, u.params, zeros_x, fwd_TP[0, 0],
+                          also=(u.pp,))
     else:
         stash = buffer(zeros_x, plan.stash_slots)
     carry = dict(x=buffer(zeros_x, plan.x_slots), loss=u.loss0)
     if u.apart:  # the head's residuals: the last stage's head slots, not every stash slot
-        carry["head"] = slots_for(u.head_parts, plan.head_slots, zeros_x, fwd_TP[0, 0])
+        carry["head"] = slots_for(u.head_parts, plan.head_slots, zeros_x, fwd_TP[0, 0],
+                                  also=(u.pp,))
     if u.backward:
         f32_zeros = lambda w: collectives.zeros_like(w).astype(jnp.float32)  # noqa: E731
         carry.update(ct=buffer(zeros_x, plan.ct_slots), stash=stash, grads=(
@@ -107,8 +113,6 @@ def initial(u, fwd_TP, bwd_TP) -> dict:
     if u.split:  # the backward cut into B and W, traced once on this level's values
         example = (read(stash, 0) if u.residuals else zeros_x, u.own(u.params, 0), zeros_x,
                    bwd_TP[0, u.stage])  # an item varies over pp
-        # each stage's W slots hold its own units' values: varying over pp, whatever the
-        # value (a layer index made from the item may come back invariant or not)
         carry["wstash"] = slots_for(u.split_backward(example, n_params), plan.w_slots,
                                     jax.tree.leaves(example), also=(u.pp,))
     return carry
