@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax._src.interpreters import partial_eval as pe  # dce_jaxpr: no public name
+from jax.extend import core
 
 import collectives
 
@@ -74,6 +76,52 @@ def pullback_parts(f_vjp, params):
     param_at = {id(leaf): j for j, leaf in enumerate(jax.tree.leaves(params))}
     where = tuple(param_at.get(id(leaf)) for leaf in leaves)
     return [leaf for leaf, j in zip(leaves, where) if j is None], (treedef, where)
+
+
+def _residual_jaxpr(residuals, params, x):
+    """`residuals(params, x)` (a list of arrays) traced: (a jaxpr whose inputs are its
+    constants' then params' then x's leaves, the constants, the params' leaf count)."""
+    closed = jax.make_jaxpr(residuals)(params, x)
+    return pe.convert_constvars_jaxpr(closed.jaxpr), closed.consts, len(jax.tree.leaves(params))
+
+
+def params_only(residuals, params, x) -> tuple[bool, ...]:
+    """For each array `residuals(params, x)` returns (a unit's pullback leaves less the
+    params: `pullback_parts`), whether it is made of the params (and the unit's
+    constants), not of x: the weights as the unit uses them (cast to the compute dtype,
+    gathered over fsdp). Such a residual is the same for every microbatch; the backward
+    rebuilds it (`rebuild`: the same values, bit for bit) rather than a stash slot holding
+    it once per microbatch in flight. One of the constants alone (the RoPE tables, the
+    unit's item) stays in the slot: rebuilt, XLA's sin and cos in another fusion moved
+    bf16 grads by an ulp."""
+    jaxpr, consts, n_params = _residual_jaxpr(residuals, params, x)
+    which = []
+    for k in range(len(jaxpr.outvars)):
+        _, used = pe.dce_jaxpr(jaxpr, [j == k for j in range(len(jaxpr.outvars))])
+        n = len(consts)
+        which.append(any(used[n:n + n_params]) and not any(used[n + n_params:]))
+    return tuple(which)
+
+
+def rebuild(residuals, which, params, x) -> list[jax.Array]:
+    """The residuals `which` marks (`params_only`) made again from the live `params`:
+    `residuals` traced and cut to the equations they need, which read no x."""
+    jaxpr, consts, _ = _residual_jaxpr(residuals, params, x)
+    cut, used = pe.dce_jaxpr(jaxpr, list(which))
+    ins = [*consts, *jax.tree.leaves(params), *jax.tree.leaves(x)]
+    return core.jaxpr_as_fun(core.ClosedJaxpr(cut, ()))(*(v for v, u in zip(ins, used) if u))
+
+
+def split(leaves, which):
+    """(the leaves `which` does not mark: what a stash slot holds, the marked ones)."""
+    return ([v for v, w in zip(leaves, which) if not w],
+            [v for v, w in zip(leaves, which) if w])
+
+
+def join(stashed, rebuilt, which) -> list:
+    """`split`'s two lists put back in the pullback's order."""
+    stashed, rebuilt = iter(stashed), iter(rebuilt)
+    return [next(rebuilt) if w else next(stashed) for w in which]
 
 
 def pullback(structure, leaves, params):

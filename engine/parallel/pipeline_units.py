@@ -145,12 +145,28 @@ class Units:
             return slots.like(self.stages.head_loss(rest, y_BLD, self.targets_MBL[i // self.V]),
                               (self.pp,))
 
-    def stash_parts(self, p, x_BLD, i):
-        """The leaves unit i's forward stashes (its pullback's, less the params)."""
-        q = self.own(p, i)
-        leaves, self.traced["structure"] = slots.pullback_parts(jax.vjp(
-            lambda q, x: self.unit(q, x, i, with_head=not self.apart), q, x_BLD)[1], q)
+    def residuals_of(self, i):
+        """(q, x) -> the leaves of unit i's pullback less the params q (`own`'s)."""
+        def leaves(q, x_BLD):
+            held, self.traced["structure"] = slots.pullback_parts(jax.vjp(
+                lambda q, x: self.unit(q, x, i, with_head=not self.apart), q, x_BLD)[1], q)
+            return held
+
         return leaves
+
+    def stash_parts(self, p, x_BLD, i):
+        """The leaves unit i's forward stashes: its pullback's, less the params and
+        less what is made of the params alone (`pipeline_stash.params_only`: the
+        weights as the unit uses them), which the backward rebuilds."""
+        q = self.own(p, i)
+        self.traced["which"] = slots.params_only(self.residuals_of(i), q, x_BLD)
+        return slots.split(self.residuals_of(i)(q, x_BLD), self.traced["which"])[0]
+
+    def pullback_of(self, stashed, q, i):
+        """Unit i's pullback from its stash slot's leaves and the live `own` q."""
+        which = self.traced["which"]
+        rebuilt = slots.rebuild(self.residuals_of(i), which, q, self.zeros_x)
+        return slots.pullback(self.traced["structure"], slots.join(stashed, rebuilt, which), q)
 
     def head_parts(self, y_BLD, i):
         """The leaves the head's pullback of item i holds (its slot's, under `apart`)."""
@@ -164,7 +180,7 @@ class Units:
         the input cotangent, the loss (taken here when the unit's input is stashed)].
         p: `own`'s, of a split plan (no chunks: V = 1, no pins)."""
         if self.residuals:
-            f_vjp, loss = slots.pullback(self.traced["structure"], stashed, p), self.loss0
+            f_vjp, loss = self.pullback_of(stashed, p, i), self.loss0
         else:
             (_, loss), f_vjp = jax.vjp(lambda p, x: self.unit(p, x, i), p, stashed)
         d_params, dx_BLD = f_vjp((ct_BLD, self.seed))
@@ -207,6 +223,7 @@ class Units:
         (y_BLD, loss), f_vjp = jax.vjp(
             lambda q, x: self.unit(q, x, i, with_head=not self.apart), q, x_BLD)
         leaves, self.traced["structure"] = slots.pullback_parts(f_vjp, q)
+        leaves, _ = slots.split(leaves, self.traced["which"])  # the rest rebuilt (`stash_parts`)
         assert [(r.shape, r.dtype) for r in leaves] == [
             (b.shape[1:], b.dtype) for b in c["stash"]], "the stash's residuals are the unit's"
         stash = slots.write(c["stash"], slot, leaves, active)
@@ -267,8 +284,7 @@ class Units:
             d_head, ct_BLD = self.either(last, head, lambda: (
                 jax.tree.map(jnp.zeros_like, self.rest_model), ct_BLD))
         if self.residuals:
-            f_vjp = slots.pullback(self.traced["structure"], slots.read(c["stash"], slot),
-                                   self.own(self.params, i))
+            f_vjp = self.pullback_of(slots.read(c["stash"], slot), self.own(self.params, i), i)
             loss = self.loss0
         else:
             (_, loss), f_vjp = jax.vjp(lambda q, x: self.unit(q, x, i),
