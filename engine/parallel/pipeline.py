@@ -25,7 +25,9 @@ per layer (`full`: each layer's input, as Megatron-LM's pipelines keep; `dots`: 
 named matmul outputs; `none`: everything). The last chunk takes the head's vjp apart
 and keeps its residuals in the last stage's own slots (`Plan.head_slots`). The
 residuals are the leaves of the `jax.vjp` pullbacks (their primal params, made outside
-the vjp by `own`, are not stashed: the backward puts the live ones back). Under a cp
+the vjp by `own`, are not stashed: the backward puts the live ones back; nor what is
+made of the params alone, the weights cast or gathered as the unit uses them: the
+backward rebuilds it, `pipeline_stash.params_only`). Under a cp
 ring the stash holds each unit's input instead and the backward recomputes the unit
 under `jax.vjp`; zb1 keeps the head's residuals in its units' stash.
 

@@ -6,7 +6,9 @@ Each buffer is [K, ...] with K slots from the tick table (engine/parallel/schedu
     x       the activations [B, L, D] received from the previous stage (`Plan.x_slots`)
     ct      the cotangents received from the next stage (`Plan.ct_slots`)
     stash   what a forward unit leaves its backward (`Plan.stash_slots`): the leaves of
-            its `jax.vjp` pullback (`pullback_parts`), or under a cp ring its input
+            its `jax.vjp` pullback (`pullback_parts`) but those made of the params
+            alone, which the backward rebuilds (`params_only`), or under a cp ring its
+            input
     head    the head's pullback leaves of the last stage's last-chunk items, where the
             head's vjp runs apart from the unit's (`Plan.head_slots`)
     wstash  under a split plan, what W reads from B's tick to its own (`Plan.w_slots`)
