@@ -64,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="python bench/pipeline.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--pp", nargs="+", type=int, default=[2, 4], choices=(2, 4, 8),
                    help="pipeline degrees (layout pp{p}xfsdp{8/p})")
-    p.add_argument("--schedules", nargs="+", default=["gpipe", "1f1b", "interleaved"],
+    p.add_argument("--schedules", nargs="+", default=["gpipe", "1f1b", "interleaved", "zb1"],
                    choices=("gpipe", "1f1b", "interleaved", "zb1"))
     p.add_argument("--m-per-pp", nargs="+", type=_positive, default=[1, 2, 4],
                    help="microbatches as multiples of pp")
@@ -77,25 +77,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="tiny", choices=("tiny", "medium"),
                    help="preset, run with 8 layers in f32")
     p.add_argument("--remat", default="full", choices=("full", "dots", "none"))
-    p.add_argument("--steps", type=_positive, default=3, help="steps timed")
+    p.add_argument("--steps", type=_positive, default=3,
+                   help="steps timed per round, each schedule's in turn (`round_robin`)")
+    p.add_argument("--rounds", type=_positive, default=2,
+                   help="passes over the schedules of one (pp, M), each timing --steps steps")
+    p.add_argument("--zero", type=int, default=3, choices=(1, 2, 3),
+                   help="ZeRO level over fsdp (3: each unit gathers its layers' weights)")
     p.add_argument("--trace-steps", type=_positive, default=2, help="steps profiled")
     p.add_argument("--json", default=None, help="write the rows as JSON")
     return p
 
 
-def unit_intervals(text: str, events) -> dict[int, float]:
-    """{device: seconds inside forward / backward units} from the trace's op events
-    (`engine.cost.trace.op_events`), nested ops (a stage cond inside a unit) counted
-    once: the union of their intervals."""
+def unit_intervals(text: str, events, kinds=None) -> dict[int, float]:
+    """{device: seconds inside the units of `kinds` (scopes; default the forward,
+    backward and W units)} from the trace's op events (`engine.cost.trace.op_events`),
+    nested ops (a stage cond inside a unit) counted once: the union of their intervals."""
     from engine.cost import hlo
     from layers import scopes
 
+    kinds = kinds or (scopes.PP_FORWARD, scopes.PP_BACKWARD, scopes.PP_WEIGHT)
     module = hlo.parse(text)
     first = {name: next((i.op_name for i in instrs if i.op_name), "")
              for name, instrs in module.computations.items()}
     units = {ins.name for ins in module.instructions()
-             if any(s in (ins.op_name or first.get(ins.callee, ""))
-                    for s in (scopes.PP_FORWARD, scopes.PP_BACKWARD, scopes.PP_WEIGHT))}
+             if any(s in (ins.op_name or first.get(ins.callee, "")) for s in kinds)}
     spans: dict[int, list] = {}
     for op, dev, start, dur in events:
         if op in units:
@@ -166,6 +171,36 @@ def tick_parts(text: str, events, devices, ticks: int) -> dict[str, float]:
     return {k: v / 1e9 / len(devices) / ticks for k, v in parts.items()}
 
 
+def unit_kinds(text: str, events, the_plan, n_devices: int, steps: int) -> dict[str, float]:
+    """A unit's mean traced time per kind (seconds): F, B (under a split plan the input
+    gradient alone) and W, each the union of its scope's op intervals summed over the
+    devices, over the units of that kind they ran in `steps` steps; and "F coll." etc.,
+    the time of the collectives inside them (the fsdp gathers, the grads'
+    reduce-scatters), summed the same way."""
+    from engine.cost import hlo
+    from engine.parallel.schedules import NONE
+    from layers import scopes
+
+    counts = {"F": (the_plan.forward_TP != NONE).sum(), "B": (the_plan.backward_TP != NONE).sum(),
+              "W": (the_plan.weight_TP != NONE).sum() if the_plan.split else 0}
+    pp = the_plan.forward_TP.shape[1]
+    by_name = {i.name: i for i in hlo.parse(text).instructions()}
+    collective = ("all-gather", "reduce-scatter", "all-reduce", "collective-permute",
+                  "all-to-all")
+    out = {}
+    for kind, scope in (("F", scopes.PP_FORWARD), ("B", scopes.PP_BACKWARD),
+                        ("W", scopes.PP_WEIGHT)):
+        busy = sum(unit_intervals(text, events, (scope,)).values())
+        comm = sum(dur for op, _, _, dur in events if op in by_name
+                   and scope in (by_name[op].op_name or "")
+                   and by_name[op].opcode.startswith(collective)) / 1e9
+        # the devices are pp stages x the other axes: each stage's units run on n/pp
+        units = counts[kind] * steps * n_devices // pp
+        out[kind] = busy / units if units else 0.0
+        out[f"{kind} coll."] = comm / units if units else 0.0
+    return out
+
+
 def _with_shifts(pipe, the_plan) -> float:
     """The predicted idle fraction of a device when every tick lasts its slowest stage's
     work plus the tick's shifts (the ops outside the units, which the trace counts as
@@ -175,10 +210,12 @@ def _with_shifts(pipe, the_plan) -> float:
     return 1 - work_TP.sum() / (pp * (the_plan.lockstep_T(*pipe.unit_s) + pipe.shift_T).sum())
 
 
-def run_one(cfg, tcfg, layout, par, args) -> dict:
+def run_one(cfg, tcfg, layout, par, args) -> tuple[dict, list]:
+    """(the row of one configuration but its step time, [its compiled step, params,
+    opt_state, tokens] run --trace-steps times: warm, for `round_robin`)."""
     import jax
 
-    from bench.timing import compiled_step, time_steps
+    from bench.timing import compiled_step
     from engine.cost import hardware, memory, trace
     from engine.cost.ledger import step_ledger
     from engine.cost.pipeline import predict_step
@@ -189,7 +226,6 @@ def run_one(cfg, tcfg, layout, par, args) -> dict:
     step, params, opt_state, tokens, _ = compiled_step(trainer)
     measured_mem = memory.measure(step)["peak"]
     predicted_mem = memory.predict(cfg, tcfg, layout, "cpu", parallel=par).peak
-    step_s, params, opt_state, _ = time_steps(step, params, opt_state, tokens, args.steps)
     with tempfile.TemporaryDirectory() as d:
         with jax.profiler.trace(d):
             for _ in range(args.trace_steps):
@@ -200,6 +236,7 @@ def run_one(cfg, tcfg, layout, par, args) -> dict:
     the_plan = pipeline.step_plan(layout, par)
     devices = [d.id for d in trainer.mesh.devices.flat]
     tick = tick_parts(step.as_text(), events, devices, the_plan.ticks * args.trace_steps)
+    kinds = unit_kinds(step.as_text(), events, the_plan, len(devices), args.trace_steps)
     wall = [e[2] for e in events], [e[2] + e[3] for e in events]
     traced_s = (max(wall[1]) - min(wall[0])) / 1e9 / args.trace_steps
     idle = [1 - busy.get(d, 0.0) / args.trace_steps / traced_s for d in devices]
@@ -214,13 +251,15 @@ def run_one(cfg, tcfg, layout, par, args) -> dict:
                 schedule_bubble=the_plan.bubble(),
                 measured_idle=statistics.mean(idle), measured_idle_min=min(idle),
                 measured_idle_max=max(idle), traced_step_s=traced_s,
-                measured_step_s=step_s, predicted_step_s=cpu.step_s,
+                predicted_step_s=cpu.step_s,
                 predicted_idle=cpu_pipe.bubble,
                 predicted_idle_shifts=_with_shifts(cpu_pipe, the_plan),
                 h100_bubble=h100.bubble, stash_slots=the_plan.stash_slots,
                 measured_peak_bytes=measured_mem, predicted_peak_bytes=predicted_mem,
-                tick_s=tick,
-                shifts_run=int(the_plan.send_x_T.sum() + the_plan.send_ct_T.sum()))
+                tick_s=tick, unit_kind_s=kinds,
+                predicted_unit_kind_s=dict(zip("FBW", cpu_pipe.unit_s.max(axis=1).tolist())),
+                shifts_run=int(the_plan.send_x_T.sum() + the_plan.send_ct_T.sum())), [
+        step, params, opt_state, tokens]
 
 
 def main(argv=None) -> int:
@@ -231,6 +270,7 @@ def main(argv=None) -> int:
 
     from tabulate import tabulate
 
+    from bench.timing import round_robin
     from engine.config import ParallelConfig, TrainConfig, model_config
     from engine.parallel.layout import Layout
 
@@ -245,15 +285,34 @@ def main(argv=None) -> int:
             print(f"error: 8 layers are not divisible by pp x V = {pp} x {args.virtual}",
                   file=sys.stderr)
             return 2
-    out = []
+    out, start = [], os.getloadavg()
     for pp in args.pp:
         layout = Layout.parse(f"pp{pp}xfsdp{8 // pp}")
         for m in (k * pp for k in args.m_per_pp):
+            rows, held = [], []
             for schedule in args.schedules:
                 v = args.virtual if schedule == "interleaved" else 1
-                par = ParallelConfig(microbatches=m, pp_schedule=schedule, pp_virtual=v)
-                out.append(run_one(cfg, tcfg, layout, par, args))
-                print(f"  done pp={pp} M={m} {schedule}", file=sys.stderr, flush=True)
+                par = ParallelConfig(microbatches=m, pp_schedule=schedule, pp_virtual=v,
+                                     zero=args.zero)
+                row, warm = run_one(cfg, tcfg, layout, par, args)
+                rows.append(row)
+                held.append(warm)
+                print(f"  traced pp={pp} M={m} {schedule}", file=sys.stderr, flush=True)
+            say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+            times = round_robin(held, args.rounds, args.steps, say)
+            for row, t in zip(rows, times):
+                row["step_s_rounds"] = [statistics.median(t[r * args.steps:(r + 1) * args.steps])
+                                        for r in range(args.rounds)]
+                row["measured_step_s"] = statistics.median(t)
+            base = rows[0]  # the ratios' reference: the first schedule (gpipe by default)
+            for row in rows:
+                row["step_ratio_rounds"] = [a / b for a, b in zip(row["step_s_rounds"],
+                                                                  base["step_s_rounds"])]
+                row["peak_ratio"] = row["measured_peak_bytes"] / base["measured_peak_bytes"]
+                row["idle_ratio"] = row["measured_idle"] / base["measured_idle"]
+                row["reference"] = base["schedule"]
+            out.extend(rows)
+            del held
     load = os.getloadavg()
     table = [[r["pp"], r["microbatches"],
               r["schedule"] + (f" V={r['virtual']}" if r["virtual"] > 1 else ""), r["ticks"], r["stash_slots"],
@@ -263,8 +322,9 @@ def main(argv=None) -> int:
               f"{r['measured_peak_bytes'] / MiB:.2f}", f"{r['predicted_peak_bytes'] / MiB:.2f}"]
              for r in out]
     print(f"{args.model}, 8 layers, f32, remat {args.remat}, batch {args.batch}, seq {args.seq}; "
-          f"layouts pp{{p}}xfsdp{{8/p}} on 8 host devices; load average "
-          f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
+          f"layouts pp{{p}}xfsdp{{8/p}} zero {args.zero} on 8 host devices; load average "
+          f"{start[0]:.2f} {start[1]:.2f} {start[2]:.2f} at the start, "
+          f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f} at the end")
     print(tabulate(table, ["pp", "M", "schedule", "ticks", "stash", "bubble (p-1)/(VM+p-1)",
                            "idle meas. (min-max)", "idle pred.", "+ shifts", "h100 bubble", "step s meas.",
                            "step s pred.", "peak MiB meas.", "peak MiB pred."],
@@ -278,9 +338,28 @@ def main(argv=None) -> int:
                      f"{r['traced_step_s'] / r['ticks'] * 1e3:.2f}"] for r in out],
                    ["pp", "M", "schedule", "ticks", "shifts run", *parts, "traced step / ticks"],
                    disable_numparse=True))
+    print("\nA unit's mean traced time per kind, ms (`unit_kinds`: B is the input gradient "
+          "alone under zb1), and the cpu profile's price of the slowest stage's")
+    kinds = ("F", "F coll.", "B", "B coll.", "W", "W coll.")
+    print(tabulate([[r["pp"], r["microbatches"], r["schedule"],
+                     *(f"{r['unit_kind_s'][k] * 1e3:.2f}" for k in kinds),
+                     *(f"{r['predicted_unit_kind_s'][k] * 1e3:.2f}" for k in "FBW")]
+                    for r in out],
+                   ["pp", "M", "schedule", *kinds, "F pred.", "B pred.", "W pred."],
+                   disable_numparse=True))
+    print(f"\nStep seconds, median of --steps {args.steps} per round, the schedules of one "
+          f"(pp, M) timed in turn (`round_robin`), and ratios to the first schedule's in the "
+          f"same round; idle and compiled peak as ratios to its")
+    print(tabulate([[r["pp"], r["microbatches"], r["schedule"],
+                     " ".join(f"{x:.3g}" for x in r["step_s_rounds"]),
+                     " ".join(f"{x:.2f}" for x in r["step_ratio_rounds"]),
+                     f"{r['idle_ratio']:.2f}", f"{r['peak_ratio']:.2f}"] for r in out],
+                   ["pp", "M", "schedule", "step s per round",
+                    f"step / {out[0]['reference']} per round", "idle ratio", "peak ratio"],
+                   disable_numparse=True))
     if args.json:
         Path(args.json).write_text(json.dumps(dict(
-            rows=out, load_average=load, config=dict(batch=args.batch, seq=args.seq,
+            rows=out, load_average=load, load_average_start=start, config=dict(batch=args.batch, seq=args.seq,
                                                      model=dataclasses.asdict(cfg))),
             indent=1))
     return 0

@@ -104,21 +104,23 @@ def test_a_stash_slot_grows_the_compiled_peak_as_predicted():
     assert (p8 - p3) == pytest.approx(c8 - c3, rel=0.15)
 
 
-def test_under_remat_none_a_slot_holds_the_chunks_activations_and_its_weights():
-    """Under remat none a unit's vjp residuals are its layers' activations and, once per
-    unit, the layers' weights cast to the compute dtype (`jax.vjp` keeps the cast it
-    multiplies by): a slot's bytes are A·B_m + W + the RoPE tables, W the chunk's
-    weights on a tp rank in bf16 whatever the microbatch's size B_m. Megatron holds its
-    16-bit weights once, not once per stashed microbatch. The memory model counts the
-    weights and is within 10 % under the traced slot at both sizes: it leaves out the
-    attention's output stashed a second time in wo's operand layout [B, L, H, K] beside
-    the kernel's [B, L, G, R, K] (H_tp·K = D/2 here, D/64 at Llama 3 405B's tp 8), the
-    RoPE tables and the embedding lookup's int32 / f32 residuals."""
-    from engine.parallel.params import param_shapes
-
+@pytest.mark.parametrize("layout", ["pp2xtp2", "pp2xfsdp2"])  # ZeRO-3: gathered in the unit
+def test_under_remat_none_a_slot_holds_the_chunks_activations_not_its_weights(layout):
+    """Under remat none a unit's vjp residuals are its layers' activations, the RoPE
+    tables, the unit's int32 item and the layers' weights cast to the compute dtype. The
+    weights are made of the params alone: the backward rebuilds them from the live
+    params (`pipeline_stash.params_only`), so a slot's bytes are A·B_m + the RoPE tables
+    + the item, no weights whatever the microbatch's size B_m (Megatron holds its 16-bit
+    weights once, not once per stashed microbatch); under ZeRO-3 over fsdp the weights
+    are gathered inside the unit and the backward gathers them again. The memory model's slot
+    leaves the weights out too and is within 15 % under the traced slot at both sizes:
+    it leaves out the attention's output stashed a second time in wo's operand layout
+    [B, L, H, K] beside the kernel's [B, L, G, R, K] (H_tp·K = D/2 here, D/64 at
+    Llama 3 405B's tp 8), the RoPE tables (5 % of the slot here) and the embedding
+    lookup's int32 / f32 residuals."""
     slot_bytes = {}
     for batch in (32, 64):
-        args = _args("pp2xtp2", "interleaved", 3, 2)
+        args = _args(layout, "interleaved", 3, 2)
         args[args.index("--layers") + 1] = "4"  # one-layer chunks (V 2, pp 2)
         args[args.index("--remat") + 1] = "none"
         args[args.index("--batch") + 1] = str(batch)
@@ -129,11 +131,8 @@ def test_under_remat_none_a_slot_holds_the_chunks_activations_and_its_weights():
         units = sum(v for k, v in pred.items.items() if k.startswith("pipeline: stash, ")
                     and "units'" in k)
         slot_bytes[batch] = traced_slot_bytes(cfg, tcfg, lay, parallel)[0]
-        assert 0.9 * slot_bytes[batch] < units / slots < slot_bytes[batch]
+        assert 0.85 * slot_bytes[batch] < units / slots < slot_bytes[batch]
     fixed = slot_bytes[32] - (slot_bytes[64] - slot_bytes[32])  # what B_m does not scale
-    blocks = param_shapes(cfg)["blocks"]
-    tp_sharded = ("wq", "wk", "wv", "wo", "wg", "wu", "wd")  # [.., H | G | F, ..] over tp 2
-    weights = 2 * sum(math.prod(blocks[k].shape[1:]) // 2 for k in tp_sharded)  # bf16
     L, K = tcfg.seq, cfg.head_dim
     rope = 8 * L * (K // 2) * 4  # eight f32 [1, L, 1, K/2] RoPE tables
-    assert fixed == weights + rope + 4  # and the unit's int32 item
+    assert fixed == rope + 4  # and the unit's int32 item: no weights

@@ -408,3 +408,14 @@ def test_interleaved_storage_keeps_checkpoints_in_the_model_order(tmp_path):
     want = float(plain.loss(params, plain.put_batch(tokens())))
     got_loss = float(inter.loss(loaded, inter.put_batch(tokens())))
     assert abs(got_loss - want) <= RTOL * abs(want)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", pytest.param("1f1b", marks=pytest.mark.slow)])
+def test_cp_pp_blocked_kernel_stashing_residuals_matches_single(schedule, init):
+    """cp x pp under the blocked kernel with remat none: the stash holds the kernel's
+    int32 key positions, which the tick makes from the item read at this stage's row
+    of the table (varying over pp, as every stash slot does), and the step equals
+    `single` under the same kernel."""
+    cfg = dataclasses.replace(PP_CFG, remat="none", attention="blocked")
+    got = loss_and_grads("cp2xpp2", init, cfg=cfg, microbatches=2, pp_schedule=schedule)
+    assert_matches(got, loss_and_grads("single", init, cfg=cfg), f"cp2xpp2 blocked {schedule}")

@@ -219,7 +219,9 @@ def pipelined(cfg, tcfg, layout, platform: str = "cpu", parallel=None) -> Memory
                        (XLA:CPU, pp4xfsdp2 tiny, M = 8: gpipe's peak exceeds 1f1b's by
                        its one more slot to 1 %): the unit's residuals (the stage's
                        `residuals` under the remat policy, which then leave the unit's
-                       own items; the peak grows 0.78 MiB a slot against 0.77
+                       own items, but the weights as the unit uses them (cast, gathered:
+                       made of the params alone, rebuilt by the backward unit, one
+                       unit's held there); the peak grows 0.78 MiB a slot against 0.77
                        predicted under none), and apart from them the head's
                        `loss_residuals` in `Plan.head_slots` slots (zb1: in every
                        stash slot); an interleaved unit's chunk of
@@ -255,8 +257,15 @@ def pipelined(cfg, tcfg, layout, platform: str = "cpu", parallel=None) -> Memory
     K = the_plan.stash_slots
     if pipeline.stash_residuals(layout, parallel):  # a unit's residuals per slot, not its input
         head = loss_residuals(scfg, stcfg, slayout, spar, x_micro, platform)
+        # the weights as the unit uses them are made of the params alone: its backward
+        # rebuilds them (`pipeline_stash.params_only`), one unit's at a time, not stashed
+        weights = {k: v for k, v in stage.items.items() if k.startswith("residual: gathered")}
         stash = {f"pipeline: stash, {K} units' vjp residuals":
-                 K * (stage.residuals + (head if the_plan.split else 0))}
+                 K * (stage.residuals - sum(weights.values())
+                      + (head if the_plan.split else 0))}
+        if weights:
+            stash["pipeline: the backward unit's weights as it uses them, rebuilt "
+                  "(compute dtype; f32 on cpu)"] = sum(weights.values())
         if not the_plan.split:
             H = the_plan.head_slots
             stash[f"pipeline: stash, the head's residuals, {H} slots"] = H * head

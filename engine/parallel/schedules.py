@@ -34,9 +34,14 @@ under a fused schedule at the same tick, whose forward slot runs first).
   the Ws wait for ticks a stage would idle: 3M + p − 1 ticks for M = p (a few more
   otherwise) where 1F1B in such ticks takes 3M + 3(p − 1); idle (p − 1)/(3M + p − 1).
   The W slots hold what W reads of B (the layers' output cotangents, the activations
-  the weight gradients multiply) from B's tick to W's. Fused lock-step ticks (a
-  forward and a backward each) would gain nothing from the split: the first stage's
-  cool-down has a B every tick, so its deferred Ws could only run after it.
+  the weight gradients multiply) from B's tick to W's. A tick lasts its slowest
+  stage's unit, so the one-unit ticks pay only while F, B and W cost about the same:
+  with F priced 1.5 B and 1.7 W (`Plan.bubble(forward, backward, weight)`; a ZeRO-3
+  forward carries its layers' fsdp gathers, its B none) zb1 idles more than 1F1B at
+  M = 4p on pp 2 and from M = 2p on pp 4. Fused lock-step ticks (a forward and a backward each) gain from the split
+  only where the Ws wait for the cool-down: a stage running a forward and a B every
+  steady tick has no room for a W, so its Ws pile up (M W slots, GPipe's memory) and
+  the first stage's run after its last B.
 """
 from __future__ import annotations
 
