@@ -280,6 +280,11 @@ def _mask_scan(body: list[Row]) -> bool:
     return bool(body) and all(r.kind == "memory" or r.primitive == "pvary" for r in body)
 
 
+def _tick_own(pp: tuple) -> bool:
+    """Whether a row of scopes `pp` is in the tick but in none of its units."""
+    return PP_TICK in pp and not set(pp) & set(PP_UNITS)
+
+
 def _inherit_unit(rows: list[Row], start: int) -> None:
     """Give the rows from `start` on (a branch of one of the tick's slot conds) the
     branch's unit where they lack one. JAX hoists loop-invariant values out of a scan
@@ -293,7 +298,7 @@ def _inherit_unit(rows: list[Row], start: int) -> None:
     unit = units.pop()
     for i in range(start, len(rows)):
         pp = rows[i].pp
-        if PP_TICK in pp and not set(pp) & set(PP_UNITS):
+        if _tick_own(pp):
             at = pp.index(PP_TICK) + 1
             rows[i] = rows[i].replace(pp=(*pp[:at], unit, *pp[at:]))
 
@@ -336,7 +341,7 @@ def _walk(jaxpr, stack, count, mesh_shape, rows, domain=None, alias=None, site=0
             continue
         if subs:
             start = len(rows)
-            slot = name == "cond" and PP_TICK in pp and not set(pp) & set(PP_UNITS)
+            slot = name == "cond" and _tick_own(pp)
             for sub, mult in subs:
                 branch = len(rows)
                 _walk(sub, here, count * mult, mesh_shape, rows,

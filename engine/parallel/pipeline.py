@@ -170,12 +170,14 @@ def run(stages: Stages, params, inputs_MBL, targets_MBL, x_shape, x_axes, axes: 
             return lax.cond(anywhere, lambda c: unit_fn(c, jnp.maximum(item, 0), on), idle, c)
         return lax.cond(on, lambda c: unit_fn(c, item), idle, c)
 
-    def shift(sends, v_BLD, direction, tp=None if axes.tp in x_axes else axes.tp):
+    x_tp = None if axes.tp in x_axes else axes.tp  # x replicated over tp: sent in slices
+
+    def shift(sends, v_BLD, direction):
         """`v` sent one stage along the ring (`direction` +1: to the next stage), where
         some stage sends (`sends`, alike on every device, which so run the same
         collectives in the same order; elsewhere `v` comes back, unread). Replicated over
         tp, 1/tp from each tp rank, gathered over tp on arrival (engine/parallel/shifts.py)."""
-        return lax.cond(sends, lambda v: shifts.stage_shift(v, pp, direction, tp),
+        return lax.cond(sends, lambda v: shifts.stage_shift(v, pp, direction, x_tp),
                         lambda v: v, v_BLD)
 
     @jax.named_scope(scopes.PP_TICK)

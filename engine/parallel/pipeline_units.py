@@ -169,6 +169,15 @@ class Units:
         rebuilt = slots.rebuild(self.residuals_of(i), which, q, self.zeros_x)
         return slots.pullback(self.traced["structure"], slots.join(stashed, rebuilt, which), q)
 
+    def pullback_and_loss(self, stashed, q, i):
+        """(unit i's pullback, the loss its backward takes) from its stash slot `stashed`
+        and the live `own` q: the stashed residuals' (the loss was taken in the forward),
+        or under a stashed input the unit recomputed under `jax.vjp` (its loss here)."""
+        if self.residuals:
+            return self.pullback_of(stashed, q, i), self.loss0
+        (_, loss), f_vjp = jax.vjp(lambda q, x: self.unit(q, x, i), q, stashed)
+        return f_vjp, loss
+
     def head_parts(self, y_BLD, i):
         """The leaves the head's pullback of item i holds (its slot's, under `apart`)."""
         leaves, self.traced["head"] = slots.pullback_parts(
@@ -180,10 +189,7 @@ class Units:
         """The backward of unit i from what its forward stashed: [*grads of p's leaves,
         the input cotangent, the loss (taken here when the unit's input is stashed)].
         p: `own`'s, of a split plan (no chunks: V = 1, no pins)."""
-        if self.residuals:
-            f_vjp, loss = self.pullback_of(stashed, p, i), self.loss0
-        else:
-            (_, loss), f_vjp = jax.vjp(lambda p, x: self.unit(p, x, i), p, stashed)
+        f_vjp, loss = self.pullback_and_loss(stashed, p, i)
         d_params, dx_BLD = f_vjp((ct_BLD, self.seed))
         return [*jax.tree.leaves(d_params), dx_BLD, loss]
 
@@ -263,8 +269,8 @@ class Units:
         slot, v = i % plan.stash_slots, i % V
         last = (self.stage == self.n - 1) & (v == V - 1)
         ct_BLD = jnp.where(last, 0.0, c["ct"][i % plan.ct_slots])
+        stashed = slots.read(c["stash"], slot) if self.residuals else c["stash"][slot]
         if self.split:  # B: the input cotangent now, what W needs into its slot
-            stashed = slots.read(c["stash"], slot) if self.residuals else c["stash"][slot]
             flat = jax.tree.leaves((stashed, self.own(self.params, i), ct_BLD, i))
             outs, cross = self.the_split.b(flat)
             n_params = self.n_params
@@ -284,12 +290,7 @@ class Units:
 
             d_head, ct_BLD = self.either(last, head, lambda: (
                 jax.tree.map(jnp.zeros_like, self.rest_model), ct_BLD))
-        if self.residuals:
-            f_vjp = self.pullback_of(slots.read(c["stash"], slot), self.own(self.params, i), i)
-            loss = self.loss0
-        else:
-            (_, loss), f_vjp = jax.vjp(lambda q, x: self.unit(q, x, i),
-                                       self.own(self.params, i), c["stash"][slot])
+        f_vjp, loss = self.pullback_and_loss(stashed, self.own(self.params, i), i)
         (d_blocks, d_pins, d_rest), dx_BLD = f_vjp((ct_BLD, self.seed))
         if self.apart:
             d_rest = jax.tree.map(jnp.add, d_rest, d_head)
