@@ -27,7 +27,7 @@ from jax import lax
 from jax._src import source_info_util  # the name stack `jax.core.eval_jaxpr` keeps
 from jax.extend import core
 
-from collectives.basic import varying_axes
+from collectives.basic import broadcast, varying_axes
 
 CALLS = ("jit", "pjit", "closed_call", "core_call", "remat2", "checkpoint",
          "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr")
@@ -84,8 +84,8 @@ def _match_varying(eqn, ins):
     union = frozenset().union(*vmas)
     if all(vma == union for vma in vmas):
         return ins
-    return [lax.pcast(jnp.asarray(x), tuple(sorted(union - vma)), to="varying")
-            if union - vma else x for x, vma in zip(ins, vmas)]
+    return [broadcast(jnp.asarray(x), tuple(sorted(union))) if union - vma else x
+            for x, vma in zip(ins, vmas)]
 
 
 def _bind(eqn, ins):
