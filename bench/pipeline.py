@@ -9,8 +9,9 @@ For each pp in --pp (layout pp{p}xfsdp{8/p}), M in {p, 2p, 4p} (--m-per-pp) and 
 configuration:
 
     bubble        (p-1)/(V·M+p-1) (V = 1 but for interleaved), the schedule's idle
-                  fraction (`Plan.bubble()`) when pp divides M; zb1 (p-1)/(3M+p-1), its
-                  one-unit ticks' idle fraction with F = B = W when M = p
+                  fraction (`Plan.bubble()`) when pp divides M; zb1 2(p-1)/(3M+2(p-1)), its
+                  idle fraction with F = B = W (1F1B's ticks, up to s Ws deferred on
+                  stage s)
     stash         the stash's slots per device (`Plan.stash_slots`): microbatches
                   (chunk units under interleaved) whose backward has not run
     idle meas.    the mean over devices of 1 - (time inside the pipeline's forward and
@@ -246,8 +247,9 @@ def run_one(cfg, tcfg, layout, par, args) -> tuple[dict, list]:
     pp, M = layout.degree("pp"), par.microbatches
     V = par.pp_virtual
     return dict(pp=pp, microbatches=M, schedule=par.pp_schedule, virtual=V,
-                ticks=the_plan.ticks, bubble_formula=(pp - 1) / (
-                    (3 if the_plan.split else V) * M + pp - 1),
+                ticks=the_plan.ticks, bubble_formula=(
+                    2 * (pp - 1) / (3 * M + 2 * (pp - 1)) if the_plan.split
+                    else (pp - 1) / (V * M + pp - 1)),
                 schedule_bubble=the_plan.bubble(),
                 measured_idle=statistics.mean(idle), measured_idle_min=min(idle),
                 measured_idle_max=max(idle), traced_step_s=traced_s,

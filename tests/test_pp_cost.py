@@ -172,12 +172,12 @@ def _shift_row(ticks, nbytes, pp):
 
 
 @pytest.mark.parametrize("pp", [2, 4])
-def test_zb1_price_is_one_unit_ticks_and_beats_1f1b_with_balanced_units(pp):
+def test_zb1_price_is_its_ticks_slowest_stage_and_beats_1f1b_with_balanced_units(pp):
     """zb1 priced from rows of a forward, a B and a W unit: each tick costs its slowest
-    stage's one unit plus the tick's row, and each of its two shifts (the activation's,
+    stage's units plus the tick's row, and each of its two shifts (the activation's,
     the cotangent's: the tick's ppermutes in that order) only on the ticks where some
-    stage sends one (`Plan.send_x_T`, `send_ct_T`): a W tick moves nothing. With
-    F = B = W the units take (3M + p - 1) ticks for M = p, and below 1F1B's
+    stage sends one (`Plan.send_x_T`, `send_ct_T`): the last ticks' Ws move nothing.
+    With F = B = W the units take (M + p - 1)(F + B + W) - (p - 1)W, below 1F1B's
     (M + p - 1)(F + B + W) at every M."""
     from engine.cost import hardware
     from engine.cost.pipeline import predict_pipeline
@@ -202,8 +202,7 @@ def test_zb1_price_is_one_unit_ticks_and_beats_1f1b_with_balanced_units(pp):
         assert 0 <= got.hidden_shift_s <= zb1.send_x_T.sum() * x
         assert got.step_s == pytest.approx(units + T * tick + zb1.send_x_T.sum() * x
                                            + zb1.send_ct_T.sum() * ct - got.hidden_shift_s)
-        if m == pp:
-            assert units == pytest.approx((3 * m + pp - 1) * F)
+        assert units == pytest.approx((3 * (m + pp - 1) - (pp - 1)) * F)
         assert units < one_f_one_b.ticks * (F + B + W)
         assert got.bubble == pytest.approx(zb1.bubble(1.0, 2.0, 1.0))
 

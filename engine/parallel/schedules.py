@@ -24,24 +24,24 @@ under a fused schedule at the same tick, whose forward slot runs first).
   s runs chunks s, s + pp, ...; forwards in groups of pp microbatches chunk by chunk
   (Megatron's interleaved order), backwards the reverse, each tick one forward and one
   backward chunk as 1F1B: (V·M + p − 1)·(F + B)/V when pp divides M.
-- zb1 (split: Qi et al. 2023's ZB-H1): each backward split into B, the input gradient
-  (what the previous stage waits for), and W, the weight gradient
-  (engine/parallel/backward_split.py), and one unit per tick, each of F, B, W about a
-  third of a microbatch's work on a stage. A stage runs its ready B first (the
-  critical path), else its next forward if it holds fewer than p microbatches
-  (forwarded, W not yet run: the first stage's bound under 1F1B, ZB-H1's memory), else
-  a pending W. The B chain walks back through the stages one B-long tick per hop while
-  the Ws wait for ticks a stage would idle: 3M + p − 1 ticks for M = p (a few more
-  otherwise) where 1F1B in such ticks takes 3M + 3(p − 1); idle (p − 1)/(3M + p − 1).
-  The W slots hold what W reads of B (the layers' output cotangents, the activations
-  the weight gradients multiply) from B's tick to W's. A tick lasts its slowest
-  stage's unit, so the one-unit ticks pay only while F, B and W cost about the same:
-  with F priced 1.5 B and 1.7 W (`Plan.bubble(forward, backward, weight)`; a ZeRO-3
-  forward carries its layers' fsdp gathers, its B none) zb1 idles more than 1F1B at
-  M = 4p on pp 2 and from M = 2p on pp 4. Fused lock-step ticks (a forward and a backward each) gain from the split
-  only where the Ws wait for the cool-down: a stage running a forward and a B every
-  steady tick has no room for a W, so its Ws pile up (M W slots, GPipe's memory) and
-  the first stage's run after its last B.
+- zb1 (fused, split: Qi et al. 2023's ZB-H1 in lock-step ticks): each backward split
+  into B, the input gradient (what the previous stage waits for), and W, the weight
+  gradient (engine/parallel/backward_split.py). The forwards and the Bs run as 1F1B's
+  (a ready forward and a ready B each tick, the last stage's B after its own forward),
+  and a third slot runs a W. A W is off the critical path, so stage s defers its Ws
+  while it holds at most s of them: stage s's first s Bs run in the ticks where stage 0
+  still only runs forwards, and deferring their Ws keeps those ticks F + B long instead
+  of F + B + W; in the steady state every stage runs F, B and W; after its last B stage
+  s runs its s deferred Ws in the s ticks until stage 0's last B, where it would idle.
+  1F1B's ticks and stash, (M + p − 1)·(F + B + W) − (p − 1)·W; with F = B = W idle
+  2(p − 1)/(3M + 2(p − 1)) against 1F1B's (p − 1)/(M + p − 1). The W slots hold what W
+  reads of B (the layers' output cotangents, the activations the weight gradients
+  multiply) from B's tick to W's: up to s + 1 on stage s. One unit per tick (ZB-H1's
+  own grain, 3M + p − 1 ticks) idles less in the lock-step model only while F, B and W
+  cost the same and a tick costs nothing of its own; on this CPU a tick's shifts and
+  dispatch cost about a unit's share and a ZeRO-3 forward carries its layers' fsdp
+  gathers (1.3-1.8x a B), and the one-unit table idled above 1F1B
+  (bench/results/2026-11-29-pipeline-schedules-cpu.md).
 """
 from __future__ import annotations
 
@@ -78,9 +78,10 @@ SCHEDULES: dict[str, Schedule] = {s.name: s for s in (
              doc="--pp-virtual V chunks per device, circular (device s runs chunks s, "
                  "s+pp, ...), fused 1F1B ticks of one chunk each: bubble "
                  "(pp-1)/(V·M+pp-1)"),
-    Schedule("zb1", fused=False, split=True,
-             doc="ZB-H1: each backward split into B (input grad) and W (weight grad), one "
-                 "unit per tick, Ws where a stage would wait: bubble (pp-1)/(3M+pp-1)"),
+    Schedule("zb1", fused=True, split=True,
+             doc="ZB-H1 in 1F1B's ticks: each backward split into B (input grad) and W "
+                 "(weight grad), stage s deferring up to s Ws into its cool-down: "
+                 "bubble 2(pp-1)/(3M+2(pp-1)) with F = B = W"),
 )}
 
 
@@ -307,8 +308,8 @@ def _finish(fwd_tick, bwd_tick, fwd_rows, bwd_rows, pp, V, backward, uniform,
 
 
 def _split_plan(pp: int, M: int, uniform: bool) -> Plan:
-    """zb1's table (module doc): one unit per tick per stage, B before F before W, at
-    most p microbatches forwarded and not yet through W on a stage."""
+    """zb1's table (module doc): the forwards and the Bs as 1F1B's, and stage s runs its
+    oldest deferred W where it would hold more than s of them, or has no other unit."""
     fwd_tick, bwd_tick, w_tick = {}, {}, {}
     next_f, next_b = [0] * pp, [0] * pp
     pending: list[list] = [[] for _ in range(pp)]  # B done, W not yet
@@ -317,18 +318,16 @@ def _split_plan(pp: int, M: int, uniform: bool) -> Plan:
     while any(n < M for n in next_b) or any(pending):
         rows = [[NONE] * pp for _ in range(3)]
         for s in range(pp):
-            m_b, m_f = next_b[s], next_f[s]
-            ready_b = m_b < m_f and (fwd_tick[(m_b, s)] < t if s == pp - 1
-                                     else bwd_tick.get((m_b, s + 1), t) < t)
-            held = m_f - (next_b[s] - len(pending[s]))  # forwarded, W not yet run
-            ready_f = m_f < M and held < pp and (
-                s == 0 or fwd_tick.get((m_f, s - 1), t) < t)
-            if ready_b:
-                rows[1][s] = m_b
-            elif ready_f:
+            m_f, m_b = next_f[s], next_b[s]
+            if m_f < M and (s == 0 or fwd_tick.get((m_f, s - 1), t) < t):
                 rows[0][s] = m_f
-            elif pending[s]:
-                rows[2][s] = pending[s].pop(0)
+            if m_b < m_f + (rows[0][s] != NONE) and (
+                    fwd_tick.get((m_b, s), t) < t or rows[0][s] == m_b if s == pp - 1
+                    else bwd_tick.get((m_b, s + 1), t) < t):
+                rows[1][s] = m_b
+            held = pending[s] + [m_b] * (rows[1][s] != NONE)
+            if held and (len(held) > s or rows[0][s] == rows[1][s] == NONE):
+                rows[2][s] = held[0]
         for s in range(pp):
             if rows[0][s] != NONE:
                 fwd_tick[(rows[0][s], s)] = t
@@ -339,6 +338,7 @@ def _split_plan(pp: int, M: int, uniform: bool) -> Plan:
                 pending[s].append(rows[1][s])
             if rows[2][s] != NONE:
                 w_tick[(rows[2][s], s)] = t
+                pending[s].remove(rows[2][s])
         fwd_rows.append(rows[0])
         bwd_rows.append(rows[1])
         w_rows.append(rows[2])
