@@ -26,7 +26,8 @@ elementwise and exposed collectives by kind and axes; the tick's own shifts and 
 writes; the bubble; the rows outside the ticks by scope) and the memory peak in parts
 (params, optimizer state, grads, the stash as slots x per slot, shift buffers, the
 transient of the unit's backward).
-Results: bench/results/2026-11-28-published-cpu.md, bench/results/2026-11-29-published-cpu.md.
+Results: bench/results/2026-11-28-published-cpu.md, bench/results/2026-11-29-published-cpu.md,
+bench/results/2026-11-29-published-gpu-cpu.md (rows without a pipeline).
 """
 from __future__ import annotations
 
