@@ -147,10 +147,10 @@ def flat_breakdown(r) -> list[str]:
     pred = predict(rows, hw, layout.mesh_axes(), parallel.prefetch)
     mfu = 100 * predicted_mfu(step, cfg, tcfg, hw, layout.size)
     lines = [f"{r.name}: {' '.join(s.flags)}",
-             f"  {hw.name}: step {step.step_s:.3f} s (MFU {mfu:.1f}) = compute "
-             f"{pred.compute_s:.3f} s + exposed communication {pred.exposed_comm_s:.3f} s "
-             f"of {pred.comm_s:.3f} s; matmul rate {hw.matmul_rate('bfloat16') / 1e12:.0f} "
-             f"TFLOP/s bf16"]
+             (f"  {hw.name}: step {step.step_s:.3f} s (MFU {mfu:.1f}) = compute "
+              f"{pred.compute_s:.3f} s + exposed communication {pred.exposed_comm_s:.3f} s "
+              f"of {pred.comm_s:.3f} s; matmul rate {hw.matmul_rate('bfloat16') / 1e12:.0f} "
+              "TFLOP/s bf16")]
     lines += [f"    {k:40s} {1e3 * t:9.1f} ms" + (f"  at {tf:.0f} TFLOP/s" if tf else "")
               for k, t, tf in rates(pred, hw)]
     return lines

@@ -215,7 +215,7 @@ def test_flash_attention_2_causal_backward_completes_its_published_forward_backw
     gt = dataclasses.replace(hardware.get("h100-gt"),
                              **hardware.FLASH_ATTENTION_2["h100-gt"])
     peak = hardware.H100_SXM_BF16
-    non_causal = dict(((512, 214), (1024, 260), (2048, 291), (4096, 310), (8192, 318)))
+    non_causal = {512: 214, 1024: 260, 2048: 291, 4096: 310, 8192: 318}
     for seq, fwd_bwd in ((512, 163), (1024, 221), (2048, 265), (4096, 294), (8192, 308),
                          (16384, 328)):
         f = gt.attention_fraction(seq, backward=False) * peak / 1e12

@@ -313,7 +313,7 @@ def test_a_row_without_a_pipeline_breaks_down_into_its_step():
     from engine.cost.price import predict
 
     r = next(r for r in RUNS if r.name == "MaxText llama2-7b 8xh100")
-    _, cfg, tcfg, parallel, layout, hw, rows, _ = pm.traced(r)
+    *_, parallel, layout, hw, rows, _ = pm.traced(r)
     step, _ = predict_step(rows, hw, layout, parallel)
     parts = pm.rates(predict(rows, hw, layout.mesh_axes(), parallel.prefetch), hw)
     assert sum(t for _, t, _ in parts) == pytest.approx(step.step_s)
