@@ -186,19 +186,19 @@ def test_attention_fraction_interpolates_the_published_speeds_by_sequence():
 
 def test_hopper_matmuls_run_at_the_clock_a_saturated_board_sustains():
     """A Hopper profile's matmuls run at its burst-measured rate (peak x matmul_eff) times
-    the sustained / burst ratio measured on 8 busy Hopper GPUs (MSMF 755.5 over MAMF
-    852.1 TFLOP/s); the A100 has no such measurement and keeps its rate, and a matmul's
+    the sustained / burst ratio measured on 8 busy Hopper GPUs (MSMF 698.6 over MAMF
+    823.9 TFLOP/s); the A100 has no such measurement and keeps its rate, and a matmul's
     attention kernel neighbour keeps its published speed."""
     (row,) = [r for r in _rows(lambda a, b: a @ b, (8192, 8192), (8192, 8192))
               if r.kind == "matmul"]
-    assert hardware.HOPPER_SUSTAINED == pytest.approx(755.5 / 852.1)
+    assert hardware.HOPPER_SUSTAINED == pytest.approx(698.6 / 823.9)
     for name in ("h100", "h100-gt", "h100-a3"):
         hw = hardware.get(name)
         burst = hw.matmul_peak(row.dtype) * hw.matmul_eff
         seconds, bound = compute_seconds(row, hw, 1)
         # a 8192^3 dot is compute-bound: its time is its FLOPs at the sustained rate
         assert bound == "compute"
-        assert seconds == pytest.approx(row.flops / (burst * 755.5 / 852.1))
+        assert seconds == pytest.approx(row.flops / (burst * 698.6 / 823.9))
         assert hw.mfu_peak_of("bfloat16") == 989e12  # the MFU denominator stays the spec
     a100 = hardware.get("a100")
     assert compute_seconds(row, a100, 1)[0] == pytest.approx(

@@ -224,19 +224,14 @@ def _tpu(name, bf16, hbm, ici_one_way, fast_domain, capacity, torus):
 # clock (100 iterations after 50 warmup a shape, well under a second); a training step
 # holds the tensor cores busy for seconds and the clock settles where the board's power
 # limit holds it. The same benchmark now reports both (ml-engineering,
-# compute/accelerator/benchmarks/README.md, "How MAMF and MSMF are defined" and "What
-# was measured: alone vs all-8 concurrent"): MAMF, "the boost-clock burst ceiling" (the
-# median of a shape's 5 fastest iterations at boost, after 0.25 s idle), and MSMF, "the
-# steady rate under full load, which matches real training throughput" (the best rate a
-# shape holds over a 4 s window once the clock has settled at the power cap); on 8 H200
-# computing at once (all 8 GPUs x 5 rounds, n = 40, torch 2.14.0+cu130, bf16) MSMF
-# 755.5 TFLOP/s at 1850-1938 MHz against MAMF 852.1: the sustained rate is 0.887 of the
-# burst (`HOPPER_SUSTAINED`; GPU0 alone 744.8 / 848.4 = 0.878; the README's earlier
-# version, before its MSMF searched the K a shape sustains best at, gave 698.6 / 823.9 =
-# 0.848 on the same protocol). The H200 is
+# compute/accelerator/benchmarks/README.md, "What we measured: alone vs all-8
+# concurrent"): MAMF, "the boost-clock burst ceiling", and MSMF, "the power-saturated,
+# sustained rate that matches real training throughput"; on 8 H200 computing at once
+# (all 8 GPUs x 5 rounds, torch 2.14, bf16) MSMF 698.6 TFLOP/s at 1405-1527 MHz against
+# MAMF 823.9: the sustained rate is 0.848 of the burst (`HOPPER_SUSTAINED`). The H200 is
 # the H100's compute (the same GH100 die, 132 SMs, 989 TFLOP/s bf16 and 700 W; the
 # source's MAMF table lists the H100 SXM with "H200 is the same"), so every Hopper
-# profile's matmuls run at matmul_eff x 0.887 (`Hardware.matmul_sustained`). No such
+# profile's matmuls run at matmul_eff x 0.848 (`Hardware.matmul_sustained`). No such
 # pair is published for the A100 (1.0 there), nor for the attention kernels, whose
 # figures stay as published. mem_eff 0.85 (STREAM-like
 # copies); link_eff 0.8: nccl-tests bus bandwidth ~230 GB/s of 300 (A100) and ~360 of
@@ -317,7 +312,7 @@ def _gpu(name, bf16, tf32, fp32, hbm, nvlink_dir, nic, matmul_eff, attention_eff
 H100_NCCL = NcclNet(nvlink=370e9, nic=48e9, arch="hopper", nvls=480e9)
 # sustained / burst matmul rate of a Hopper GPU among 8 computing at once (MSMF / MAMF,
 # the figures above)
-HOPPER_SUSTAINED = 755.5 / 852.1
+HOPPER_SUSTAINED = 698.6 / 823.9
 A100_NCCL = NcclNet(nvlink=232e9, nic=24e9, arch="ampere")
 
 
