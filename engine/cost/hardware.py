@@ -223,9 +223,10 @@ def _tpu(name, bf16, hbm, ici_one_way, fast_domain, capacity, torus):
 # (80.3%), as a model's own shapes are not the best one. Those are bursts at the boost
 # clock (100 iterations after 50 warmup a shape, well under a second); a training step
 # holds the tensor cores busy for seconds and the clock settles where the board's power
-# limit holds it. The same benchmark now reports both (ml-engineering,
-# compute/accelerator/benchmarks/README.md, "What we measured: alone vs all-8
-# concurrent"): MAMF, "the boost-clock burst ceiling", and MSMF, "the power-saturated,
+# limit holds it. The same benchmark now reports both (ml-engineering, branch
+# fast-mamf at 082816f, 2026-08-10, compute/accelerator/benchmarks/README.md, "What we
+# measured: alone vs all-8 concurrent"; its compute/accelerator/README.md table: H200
+# alone MSMF 708.5 / MAMF 841.9, 0.842): MAMF, "the boost-clock burst ceiling", and MSMF, "the power-saturated,
 # sustained rate that matches real training throughput"; on 8 H200 computing at once
 # (all 8 GPUs x 5 rounds, torch 2.14, bf16) MSMF 698.6 TFLOP/s at 1405-1527 MHz against
 # MAMF 823.9: the sustained rate is 0.848 of the burst (`HOPPER_SUSTAINED`). The H200 is
