@@ -22,7 +22,9 @@ Rules, fact -> setting:
   `attn_impl: triton` (the tables' commits, b2a43a1 and 5e85bd6, whose
   `submit_benchmarks.py` defaults `--attn_impl` to triton, which `sweep.sh` never passes)
   is the first FlashAttention's Triton port (`hardware.FLASH_ATTENTION_TRITON`);
-  torchtitan's SDPA flash backend is FlashAttention-2 (`FLASH_ATTENTION_2`); MaxText
+  torchtitan's SDPA flash backend is FlashAttention-2 (`FLASH_ATTENTION_2`: SDPA's cuDNN
+  backend is opt-in since PyTorch 2.5.1, pytorch/pytorch#138649, and torchtitan asks
+  for FLASH_ATTENTION on H100, pytorch/torchtitan#1196); MaxText
   calls Pallas splash on TPU and cuDNN's fused attention through XLA on GPU
   (`attention=cudnn_flash_te`), each the profile's own kernel; Megatron 2021 predates
   FlashAttention and forms the [s, s] scores (`--attention reference`); a source that

@@ -15,13 +15,19 @@ much of a miss each accounts for (the table prices them):
   added into its rows);
 - no bubble: every unit back to back (M·V forward and backward units of the slowest
   stage, plus the rows outside the ticks), both mechanisms out.
-`--breakdown` prints, per pipelined row, the predicted step in parts (ticks x the
+`--breakdown` prints, per row (pipelined or not: `--only torchtitan --breakdown`), the
+predicted step in parts. A row without a pipeline: matmuls, the attention kernel's
+forward, recompute and backward, elementwise work and each collective kind's exposed
+time, with the rate each compute part ran at (matmuls: their FLOPs over their time; the
+flash kernel: in its benchmarks' convention, half the [L, L] FLOPs). A pipelined row:
+(ticks x the
 slowest stage's forward and backward units, each split into matmul, attention,
 elementwise and exposed collectives by kind and axes; the tick's own shifts and buffer
 writes; the bubble; the rows outside the ticks by scope) and the memory peak in parts
 (params, optimizer state, grads, the stash as slots x per slot, shift buffers, the
 transient of the unit's backward).
-Results: bench/results/2026-11-28-published-cpu.md, bench/results/2026-11-29-published-cpu.md.
+Results: bench/results/2026-11-28-published-cpu.md, bench/results/2026-11-29-published-cpu.md,
+bench/results/2026-11-29-published-gpu-cpu.md (rows without a pipeline).
 """
 from __future__ import annotations
 
@@ -32,7 +38,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import published  # noqa: E402
-from bench.published_runs import RUNS  # noqa: E402
+from bench.published_runs import HELD_OUT, RUNS  # noqa: E402
 
 
 def mechanisms(plan) -> dict:
@@ -106,6 +112,50 @@ def _fmt(parts: dict, scale: float = 1e3, unit: str = "ms") -> str:
     return ", ".join(f"{k} {v * scale:.3g}" for k, v in parts.items()) + f" ({unit})"
 
 
+def rates(pred, hw) -> list[tuple]:
+    """[(part, seconds, TFLOP/s or None)] of a `price.Prediction` on `hw`: matmuls, the attention
+    kernel by phase (its rate in its benchmarks' convention, `price.attention_flops`),
+    elementwise work and each collective's exposed time by (primitive, axes)."""
+    from engine.cost.price import attention_flops
+
+    seconds, flops = {}, {}
+    for p in pred.rows:
+        r = p.row
+        if p.bound == "comm":
+            key, t, f = f"{r.primitive} {','.join(r.axes)} (exposed)", p.exposed, 0.0
+        elif r.kind == "matmul":
+            key, t, f = "matmul", p.seconds, r.flops * r.count
+        elif r.kind == "attention":
+            key = f"attention {r.phase}"
+            t, f = p.seconds, attention_flops(r, hw) * r.count
+        else:
+            key, t, f = "elementwise", p.seconds, 0.0
+        seconds[key] = seconds.get(key, 0.0) + t
+        flops[key] = flops.get(key, 0.0) + f
+    return [(k, t, flops[k] / t / 1e12 if flops[k] and t else None)
+            for k, t in sorted(seconds.items(), key=lambda kv: -kv[1]) if t > 0]
+
+
+
+def flat_breakdown(r) -> list[str]:
+    """A row without a pipeline: its predicted step in parts with their rates."""
+    from engine.cost.pipeline import predict_step
+    from engine.cost.price import predict, predicted_mfu
+
+    s, cfg, tcfg, parallel, layout, hw, rows, _ = traced(r)
+    step, _ = predict_step(rows, hw, layout, parallel)
+    pred = predict(rows, hw, layout.mesh_axes(), parallel.prefetch)
+    mfu = 100 * predicted_mfu(step, cfg, tcfg, hw, layout.size)
+    lines = [f"{r.name}: {' '.join(s.flags)}",
+             (f"  {hw.name}: step {step.step_s:.3f} s (MFU {mfu:.1f}) = compute "
+              f"{pred.compute_s:.3f} s + exposed communication {pred.exposed_comm_s:.3f} s "
+              f"of {pred.comm_s:.3f} s; matmul rate {hw.matmul_rate('bfloat16') / 1e12:.0f} "
+              "TFLOP/s bf16")]
+    lines += [f"    {k:40s} {1e3 * t:9.1f} ms" + (f"  at {tf:.0f} TFLOP/s" if tf else "")
+              for k, t, tf in rates(pred, hw)]
+    return lines
+
+
 def breakdown(r) -> list[str]:
     """The row's predicted step and memory peak in parts (module doc), as lines."""
     from engine.cost import pipeline as cp
@@ -113,6 +163,8 @@ def breakdown(r) -> list[str]:
     from engine.cost.price import predict
     from layers import scopes
 
+    if r.pp == 1:
+        return flat_breakdown(r)
     s, cfg, tcfg, parallel, layout, hw, rows, plan = traced(r)
     mesh = layout.mesh_axes()
     pipe = cp.predict_pipeline(rows, hw, mesh, plan, parallel.prefetch)
@@ -152,11 +204,15 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--only", default=None, help="rows whose name contains this text")
     p.add_argument("--breakdown", action="store_true",
-                   help="print each row's step and memory peak in parts instead")
+                   help="print each row's step (and a pipelined row's memory peak) in "
+                        "parts instead, held-out rows included")
     args = p.parse_args(argv)
-    rows = [r for r in RUNS if r.pp > 1 and (args.only is None or args.only in r.name)]
+    pick = [r for r in RUNS + (HELD_OUT if args.breakdown else ())
+            if args.only is None or args.only in r.name]
+    rows = pick if args.breakdown else [r for r in pick if r.pp > 1]
     if not rows:
-        print(f"error: no pipelined row matches {args.only!r}", file=sys.stderr)
+        what = "row" if args.breakdown else "pipelined row"
+        print(f"error: no {what} matches {args.only!r}", file=sys.stderr)
         return 2
     if args.breakdown:
         published._plans_once()

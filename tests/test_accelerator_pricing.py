@@ -184,6 +184,48 @@ def test_attention_fraction_interpolates_the_published_speeds_by_sequence():
     assert hardware.get("cpu").flash is False and h100.flash and a100.flash
 
 
+def test_hopper_matmuls_run_at_the_clock_a_saturated_board_sustains():
+    """A Hopper profile's matmuls run at its burst-measured rate (peak x matmul_eff) times
+    the sustained / burst ratio measured on 8 busy Hopper GPUs (MSMF 698.6 over MAMF
+    823.9 TFLOP/s); the A100 has no such measurement and keeps its rate, and a matmul's
+    attention kernel neighbour keeps its published speed."""
+    (row,) = [r for r in _rows(lambda a, b: a @ b, (8192, 8192), (8192, 8192))
+              if r.kind == "matmul"]
+    assert hardware.HOPPER_SUSTAINED == pytest.approx(698.6 / 823.9)
+    for name in ("h100", "h100-gt", "h100-a3"):
+        hw = hardware.get(name)
+        burst = hw.matmul_peak(row.dtype) * hw.matmul_eff
+        seconds, bound = compute_seconds(row, hw, 1)
+        # a 8192^3 dot is compute-bound: its time is its FLOPs at the sustained rate
+        assert bound == "compute"
+        assert seconds == pytest.approx(row.flops / (burst * 698.6 / 823.9))
+        assert hw.mfu_peak_of("bfloat16") == 989e12  # the MFU denominator stays the spec
+    a100 = hardware.get("a100")
+    assert compute_seconds(row, a100, 1)[0] == pytest.approx(
+        row.flops / (a100.matmul_peak(row.dtype) * a100.matmul_eff))
+    assert hardware.get("h100").attention_fraction(2048, False) == pytest.approx(484 / 989)
+
+
+def test_flash_attention_2_causal_backward_completes_its_published_forward_backward():
+    """FlashAttention-2 on H100 (torchtitan's kernel): forward with causal mask as the
+    FlashAttention-3 paper measured it, backward what the causal forward + backward of
+    the flash-attention repository's H100 figure leaves: at every published length one
+    forward and one backward (2.5 forwards' FLOPs) take the figure's time, and the
+    causal backward is slower than the non-causal one (214 ... 318 TFLOP/s) up to 8k."""
+    gt = dataclasses.replace(hardware.get("h100-gt"),
+                             **hardware.FLASH_ATTENTION_2["h100-gt"])
+    peak = hardware.H100_SXM_BF16
+    non_causal = {512: 214, 1024: 260, 2048: 291, 4096: 310, 8192: 318}
+    for seq, fwd_bwd in ((512, 163), (1024, 221), (2048, 265), (4096, 294), (8192, 308),
+                         (16384, 328)):
+        f = gt.attention_fraction(seq, backward=False) * peak / 1e12
+        b = gt.attention_fraction(seq, backward=True) * peak / 1e12
+        assert 1 / f + 2.5 / b == pytest.approx(3.5 / fwd_bwd)
+        assert f == pytest.approx(dict(hardware.H100_FA2_FWD)[seq])
+        if seq in non_causal:
+            assert b < non_causal[seq]
+
+
 def test_a3_vms_share_their_network_and_maxtexts_gpu_rows_ran_on_them():
     """MaxText's A3 rows run on A3 High VMs: inside a VM the H100 board's NVLink, across
     VMs the VM's 1,000 Gb/s shared by its 8 GPUs. A dp all-reduce with one rank per VM

@@ -301,3 +301,26 @@ def test_interleaved_chunks_are_what_each_source_states():
     megatron = {r.name.split()[1]: virtual(r) for r in RUNS if r.framework == "megatron-2021"}
     assert megatron["76.1B"] == 60 // (4 * 5) and megatron["310.1B"] == 96 // (16 * 3)
     assert megatron["529.6B"] == 105 // 35 and megatron["1T"] == 1
+
+
+def test_a_row_without_a_pipeline_breaks_down_into_its_step():
+    """`published_mechanisms --breakdown` on a row without pp: its parts (matmuls, the
+    attention kernel by phase, elementwise work, each collective's exposed time) add up
+    to the priced step, and the matmuls ran at the profile's sustained matmul rate."""
+    from bench import published_mechanisms as pm
+    from bench.published_runs import RUNS
+    from engine.cost.pipeline import predict_step
+    from engine.cost.price import predict
+
+    r = next(r for r in RUNS if r.name == "MaxText llama2-7b 8xh100")
+    *_, parallel, layout, hw, rows, _ = pm.traced(r)
+    step, _ = predict_step(rows, hw, layout, parallel)
+    parts = pm.rates(predict(rows, hw, layout.mesh_axes(), parallel.prefetch), hw)
+    assert sum(t for _, t, _ in parts) == pytest.approx(step.step_s)
+    by_name = {k: tf for k, _, tf in parts}
+    assert {"matmul", "elementwise", "attention fwd", "attention bwd"} <= set(by_name)
+    assert by_name["matmul"] <= hw.matmul_rate("bfloat16") / 1e12
+    assert by_name["matmul"] > 0.95 * hw.matmul_rate("bfloat16") / 1e12  # 7B's big dots
+    # the kernel's forward at 4096 keys, in its benchmarks' convention (FA3 paper: 518)
+    assert by_name["attention fwd"] == pytest.approx(518, rel=1e-3)
+    assert pm.flat_breakdown(r)[0].startswith(r.name)

@@ -58,6 +58,10 @@ class Hardware:
     slow: Link
     fast_domain: int
     matmul_eff: float = 1.0
+    # the share of its matmul rate a chip sustains once its tensor cores hold it at its
+    # power limit, where the measurement behind matmul_eff is a short burst at the boost
+    # clock (GPUs: `HOPPER_SUSTAINED`); 1: the rate as measured
+    matmul_sustained: float = 1.0
     mem_eff: float = 1.0
     link_eff: float = 1.0
     overlap: bool = True
@@ -137,6 +141,11 @@ class Hardware:
     def matmul_peak(self, dtype: str) -> float:
         return self.peak_flops.get(dtype, self.peak_flops["float32"])
 
+    def matmul_rate(self, dtype: str) -> float:
+        """FLOP/s a training step's matmuls of `dtype` run at: the peak times
+        matmul_eff times matmul_sustained."""
+        return self.matmul_peak(dtype) * self.matmul_eff * self.matmul_sustained
+
     @property
     def hidden_comm_share(self) -> float:
         """Share of a hidden collective's time left on the critical path: the compute it
@@ -211,7 +220,21 @@ def _tpu(name, bf16, hbm, ici_one_way, fast_domain, capacity, torus):
 # (H100, ~740 TFLOP/s): below the best shape of a brute-force shape search, the
 # "maximum achievable matmul FLOPS" of Bekman's ml-engineering book (compute/accelerator,
 # mamf-finder.py, torch 2.6-2.7): 271.2 TFLOP/s on A100 SXM (86.9%), 794.5 on H100 SXM
-# (80.3%), as a model's own shapes are not the best one; mem_eff 0.85 (STREAM-like
+# (80.3%), as a model's own shapes are not the best one. Those are bursts at the boost
+# clock (100 iterations after 50 warmup a shape, well under a second); a training step
+# holds the tensor cores busy for seconds and the clock settles where the board's power
+# limit holds it. The same benchmark now reports both (ml-engineering, branch
+# fast-mamf at 082816f, 2026-08-10, compute/accelerator/benchmarks/README.md, "What we
+# measured: alone vs all-8 concurrent"; its compute/accelerator/README.md table: H200
+# alone MSMF 708.5 / MAMF 841.9, 0.842): MAMF, "the boost-clock burst ceiling", and MSMF, "the power-saturated,
+# sustained rate that matches real training throughput"; on 8 H200 computing at once
+# (all 8 GPUs x 5 rounds, torch 2.14, bf16) MSMF 698.6 TFLOP/s at 1405-1527 MHz against
+# MAMF 823.9: the sustained rate is 0.848 of the burst (`HOPPER_SUSTAINED`). The H200 is
+# the H100's compute (the same GH100 die, 132 SMs, 989 TFLOP/s bf16 and 700 W; the
+# source's MAMF table lists the H100 SXM with "H200 is the same"), so every Hopper
+# profile's matmuls run at matmul_eff x 0.848 (`Hardware.matmul_sustained`). No such
+# pair is published for the A100 (1.0 there), nor for the attention kernels, whose
+# figures stay as published. mem_eff 0.85 (STREAM-like
 # copies); link_eff 0.8: nccl-tests bus bandwidth ~230 GB/s of 300 (A100) and ~360 of
 # 450 (H100). overlap_slowdown 0.189: Lee et al. 2025, "Characterizing
 # Compute-Communication Overlap in GPU-Accelerated Distributed Deep Learning"
@@ -235,8 +258,16 @@ def _tpu(name, bf16, hbm, ici_one_way, fast_domain, capacity, torus):
 # A run whose framework called an older kernel is priced at that kernel's rate
 # (`FLASH_ATTENTION_2`): FlashAttention-2 on H100 (no WGMMA / TMA, written for Ampere),
 # same figures of the FlashAttention-3 paper: forward with causal mask 191 / 260 / 298 /
-# 319 / 333 / 335 TFLOP/s, backward 214 / 260 / 291 / 310 / 318 / 322. On A100
-# FlashAttention-2 is the kernel the profile already prices (0.55).
+# 319 / 333 / 335 TFLOP/s (backward without it 214 / 260 / 291 / 310 / 318 / 322). Its
+# causal backward is what the causal forward + backward of the flash-attention
+# repository's H100 figure (assets/flash2_h100_fwd_bwd_benchmark.png, the
+# FlashAttention-2 paper's Fig. 7d, "FlashAttention-2", causal, head dim 128) leaves
+# after that forward: 163 / 221 / 265 / 294 / 308 / 328 TFLOP/s forward + backward, in
+# the benchmark's convention of 2.5 forwards' FLOPs a backward (its
+# benchmarks/benchmark_flash_attention.py `flops`), so backward = 2.5 / (3.5 / fwd_bwd -
+# 1 / fwd): 154 / 208 / 254 / 285 / 299 / 325 (`causal_backward`), below the non-causal
+# backward at every length but 16k, as a causal kernel's skipped and masked tiles make
+# it. On A100 FlashAttention-2 is the kernel the profile already prices (0.55).
 # The first FlashAttention's kernels (`FLASH_ATTENTION_TRITON`): its Triton port
 # (flash_attn_triton.py of the flash-attention repository, Triton before its MLIR
 # backend) on A100, and the CUDA kernel (FlashAttention-1) on H100, from the benchmark
@@ -280,6 +311,9 @@ def _gpu(name, bf16, tf32, fp32, hbm, nvlink_dir, nic, matmul_eff, attention_eff
 
 
 H100_NCCL = NcclNet(nvlink=370e9, nic=48e9, arch="hopper", nvls=480e9)
+# sustained / burst matmul rate of a Hopper GPU among 8 computing at once (MSMF / MAMF,
+# the figures above)
+HOPPER_SUSTAINED = 698.6 / 823.9
 A100_NCCL = NcclNet(nvlink=232e9, nic=24e9, arch="ampere")
 
 
@@ -287,8 +321,22 @@ A100_NCCL = NcclNet(nvlink=232e9, nic=24e9, arch="ampere")
 # H100 SXM5 benchmarks, head dim 128 (the figures above)
 H100_CUDNN = ((512, 315, 305), (1024, 410, 408), (2048, 484, 465), (4096, 518, 499),
               (8192, 529, 518), (16384, 539, 516))
-H100_FA2 = ((512, 191, 214), (1024, 260, 260), (2048, 298, 291), (4096, 319, 310),
-            (8192, 333, 318), (16384, 335, 322))
+H100_FA2_FWD = ((512, 191), (1024, 260), (2048, 298), (4096, 319), (8192, 333),
+                (16384, 335))
+# (sequence, forward + backward TFLOP/s) of FlashAttention-2 on H100, causal, head dim 128
+H100_FA2_FWD_BWD = ((512, 163), (1024, 221), (2048, 265), (4096, 294), (8192, 308),
+                    (16384, 328))
+
+
+def causal_backward(forward, forward_backward) -> tuple:
+    """((sequence, forward, backward TFLOP/s), ...) from a kernel's published forward
+    and forward + backward speeds at the same sequences: the backward's time is the pair's
+    less the forward's, its FLOPs 2.5 forwards' (the flash-attention benchmarks' count)."""
+    both = dict(forward_backward)
+    return tuple((s, f, 2.5 / (3.5 / both[s] - 1 / f)) for s, f in forward)
+
+
+H100_FA2 = causal_backward(H100_FA2_FWD, H100_FA2_FWD_BWD)
 # (sequence, forward + backward TFLOP/s) of the first FlashAttention's kernels, head dim
 # 128, causal (the figures above)
 A100_FA_TRITON = ((512, 50), (1024, 61), (2048, 68), (4096, 74), (8192, 78), (16384, 80))
@@ -316,7 +364,8 @@ PROFILES = {
     "h100": dataclasses.replace(
         _gpu("H100-SXM", H100_SXM_BF16, 494.7e12, 67e12, 3.35e12, 450e9, 50e9, 0.75, 0.0,
              H100_NCCL),
-        attention_rates=flash_rates(H100_SXM_BF16, H100_CUDNN)),
+        attention_rates=flash_rates(H100_SXM_BF16, H100_CUDNN),
+        matmul_sustained=HOPPER_SUSTAINED),
 }
 
 # The profile fields of FlashAttention-2 (the kernel PyTorch's SDPA flash backend and

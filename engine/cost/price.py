@@ -1,12 +1,13 @@
 """Price ledger rows on a hardware profile and predict the step.
 
-Compute rows by roofline: max(FLOPs / (peak * matmul_eff), bytes / (hbm * mem_eff)),
-matmuls at the peak of their operand dtype, other rows at the vector rate (exp, log
-and the like, `TRANSCENDENTAL`, at the profile's rate for them where it has one), the
-stack's share of the bytes of a scan's stacked inputs and outputs (`Row.scan_stack`) at
-`cold_hbm` where the profile has one (a host whose caches hold a layer's working set but
-not the stacks), the rest of those rows' bytes at `hbm`; a matmul whose
-exact dot the profile has timed (`Hardware.dot_seconds`, measured in the same run by
+Compute rows by roofline: max(FLOPs / rate, bytes / (hbm * mem_eff)), matmuls at
+`Hardware.matmul_rate` of their operand dtype (peak x matmul_eff x matmul_sustained: on
+a GPU the clock a step's load sustains, not a benchmark's boost burst), other rows at
+the vector rate (exp, log and the like, `TRANSCENDENTAL`, at the profile's rate for
+them where it has one), the stack's share of the bytes of a scan's stacked inputs and
+outputs (`Row.scan_stack`) at `cold_hbm` where the profile has one (a host whose caches
+hold a layer's working set but not the stacks), the rest of those rows' bytes at `hbm`;
+a matmul whose exact dot the profile has timed (`Hardware.dot_seconds`, measured in the same run by
 `engine/cost/microbench.py`) costs its measured time, and so does a collective whose
 kind, group size, bytes and dtype it has timed (`Hardware.collective_seconds`; an
 all-reduce timed between the matmuls that feed and read it). Other
@@ -288,7 +289,7 @@ def compute_seconds(row: Row, hw: Hardware, n_devices: int) -> tuple[float, str]
     if row.kind == "attention":
         peak, flops = attention_rate(row, hw), attention_flops(row, hw)
     elif row.kind == "matmul":
-        peak, flops = hw.matmul_peak(row.dtype) * hw.matmul_eff, row.flops
+        peak, flops = hw.matmul_rate(row.dtype), row.flops
     elif row.primitive in TRANSCENDENTAL and hw.transcendental_flops:
         peak, flops = hw.transcendental_flops, row.flops
     else:

@@ -182,7 +182,7 @@ def roofs(pred: Prediction, hw: Hardware, n_devices: int) -> list[tuple[str, flo
         out = [(f"measured {d} matmuls (overall rate)", flops[d] / seconds[d], nbytes)
                for d in sorted(flops) if seconds[d]]
     else:
-        out = [(f"{d} matmul", hw.matmul_peak(d) * hw.matmul_eff / share, nbytes)
+        out = [(f"{d} matmul", hw.matmul_rate(d) / share, nbytes)
                for d in sorted(hw.peak_flops)]
     out.append(("elementwise", hw.vector_flops / share, nbytes))
     if hw.transcendental_flops:
