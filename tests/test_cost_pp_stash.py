@@ -136,3 +136,26 @@ def test_under_remat_none_a_slot_holds_the_chunks_activations_not_its_weights(la
     L, K = tcfg.seq, cfg.head_dim
     rope = 8 * L * (K // 2) * 4  # eight f32 [1, L, 1, K/2] RoPE tables
     assert fixed == rope + 4  # and the unit's int32 item: no weights
+
+
+def test_zb1_w_reads_the_matmuls_inputs_from_the_stash_slot_not_a_copy():
+    """Under remat none a zb1 unit's W reads the weight matmuls' inputs (the normed x, the
+    attention's output, the MLP's hidden activation) from the unit's stash slot, which
+    the table holds until W's tick, and only what B makes (the matmuls' output
+    cotangents, the norms') from its W slot: the traced W slot is within 15 % of the
+    memory model's B_m·L·a·(7D + (H + 2G)K + 3F) a layer, and a copy of those inputs
+    in it (2D + HK + F more, 33 % here) would fail that."""
+    args = _args("pp2xfsdp2", "zb1", 3)
+    args[args.index("--remat") + 1] = "none"
+    args[args.index("--microbatches") + 1] = "4"
+    cfg, tcfg, parallel, lay, _ = parse_or_exit(args, build_parser())
+    plan = pipeline.step_plan(lay, parallel)
+    assert plan.w_slots not in (plan.stash_slots, plan.x_slots, plan.ct_slots)
+    scan = _tick_scan(trace_step(cfg, tcfg, lay, parallel).jaxpr, plan.ticks)
+    first, n_carry = scan_counts(scan)
+    traced = sum(math.prod(v.aval.shape[1:]) * jnp.dtype(v.aval.dtype).itemsize
+                 for v in scan.invars[first:first + n_carry]
+                 if v.aval.shape[:1] == (plan.w_slots,))
+    pred = memory.predict(cfg, tcfg, lay, "accelerator", parallel=parallel)
+    model = sum(v for k, v in pred.items.items() if "W slots" in k) / plan.w_slots
+    assert 0.85 * traced < model <= traced

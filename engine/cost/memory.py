@@ -233,11 +233,14 @@ def pipelined(cfg, tcfg, layout, platform: str = "cpu", parallel=None) -> Memory
                        more copy of the stage's grads beside the unit's); under ZeRO-2
                        its embedding and unembedding whole over fsdp (`whole_head_grads`)
         W slots        zb1 only: w_slots x what a unit's W reads of its B, per layer
-                       B_m·L_x·a·(9D + 2(H_tp + G_tp)K + 4F_tp): the weight matmuls'
-                       inputs and output cotangents, the norms' (whatever the remat
-                       policy: W needs the activations `full` would recompute; tiny,
-                       8 layers, pp2, M = 4: 23 D-sized tensors a layer under full, 20
-                       under none, traced)
+                       B_m·L_x·a·(9D + 2(H_tp + G_tp)K + 4F_tp) under `full`: the
+                       weight matmuls' inputs and output cotangents, the norms'
+                       (B recomputes the inputs; tiny, 8 layers, pp2, M = 4: 23
+                       D-sized tensors a layer, traced); under `dots` and `none` the
+                       matmuls' inputs W reads stay in the stash slot, held to W's tick,
+                       so less (2D + H_tp·K + F_tp): B_m·L_x·a·(7D + (H_tp + 2G_tp)K +
+                       3F_tp); under the traced slot on pp2xfsdp2 / pp2xtp2 by 7 / 16 %
+                       (none), 17 / 24 % (dots), 13 / 17 % (full)
 
     B_m = this device's rows of one microbatch; a = bytes of the activation dtype."""
     from engine.parallel import pipeline
@@ -276,7 +279,9 @@ def pipelined(cfg, tcfg, layout, platform: str = "cpu", parallel=None) -> Memory
     if the_plan.split:  # zb1: what W reads of B, per unit (docstring)
         d = dims(scfg, stcfg, slayout, platform, spar,
                  kernel_priced(scfg, stcfg, slayout, platform, spar), param_shapes(scfg))
-        per_layer = d.B * d.Lx * d.a * (9 * d.D + 2 * (d.Htp + d.Gtp) * d.K + 4 * d.Ftp)
+        per_layer = d.B * d.Lx * d.a * (
+            9 * d.D + 2 * (d.Htp + d.Gtp) * d.K + 4 * d.Ftp if scfg.remat == "full"
+            else 7 * d.D + (d.Htp + 2 * d.Gtp) * d.K + 3 * d.Ftp)
         stash[f"pipeline: W slots, {the_plan.w_slots} units' weight-gradient inputs"] = (
             the_plan.w_slots * scfg.n_layers * per_layer)
     items = {**stash,

@@ -38,9 +38,11 @@ transpose, ZeRO-2's fsdp reduce-scatter, runs once after them).
 
 A split schedule (zb1) runs each backward as two units (engine/parallel/backward_split.py
 cuts the pullback's jaxpr by dependency): B, at the backward's tick, gives the input
-cotangent (and, where the unit's input is stashed, the loss); W, in a third slot at a
-later tick, the params' grads. B leaves W what W reads of it (the crossing values) and
-the inputs W reads itself (residuals, or the unit's input) in `Plan.w_slots` slots.
+cotangent (and, where the unit's input is stashed, the loss); W, in a third slot after
+the tick's shifts, at B's tick or a later one, the params' grads. B leaves W what W
+reads of it (the crossing values, and the cotangent B received where W reads it) in
+`Plan.w_slots` slots; the residuals (or the unit's input) W reads stay in the unit's
+stash slot, which the table holds until W's tick.
 
 Interleaved (circular, `--pp-virtual V`): the model is cut into pp·V chunks of
 N/(pp·V) layers and device s runs chunks s, s + pp, ..., so a microbatch goes round the

@@ -11,7 +11,8 @@ Each buffer is [K, ...] with K slots from the tick table (engine/parallel/schedu
             input
     head    the head's pullback leaves of the last stage's last-chunk items, where the
             head's vjp runs apart from the unit's (`Plan.head_slots`)
-    wstash  under a split plan, what W reads from B's tick to its own (`Plan.w_slots`)
+    wstash  under a split plan, what W reads of B from B's tick to its own
+            (`Plan.w_slots`); W reads the residuals from the stash slot
 
 A buffer of pullback leaves is a list of [K, ...] arrays, one a leaf, each varying over
 the mesh axes its leaf varies over (read while tracing the unit that makes it:

@@ -203,12 +203,15 @@ class Units:
         self.live = list(range(n_stashed, n_stashed + n_params)) + [len(flat_example) - 1]
         self.the_split = backward_split.split(self.pullback_flat, *example,
                                               b_out=[False] * n_params + [True, True])
-        self.w_own = [k for k, m in enumerate(self.the_split.w_reads)
-                      if m and k not in self.live]
+        w_own = [k for k, m in enumerate(self.the_split.w_reads) if m and k not in self.live]
+        # W reads the stashed ones from the unit's stash slot (held until W's tick:
+        # `Plan.stash_slots`), the others (the cotangent B received) from its W slot
+        self.w_stashed = [k for k in w_own if k < n_stashed]
+        self.w_held = [k for k in w_own if k >= n_stashed]
 
         def w_inputs(flat):
             _, cross = self.the_split.b(flat)
-            return [*cross, *(flat[k] for k in self.w_own)]
+            return [*cross, *(flat[k] for k in self.w_held)]
 
         return w_inputs
 
@@ -280,7 +283,7 @@ class Units:
                 grads = self.add_flat(grads, outs[:n_params])
             c = dict(c, grads=slots.keep(active, grads, c["grads"]))
             wstash = slots.write(c["wstash"], i % plan.w_slots,
-                                 [*cross, *(flat[k] for k in self.w_own)], active)
+                                 [*cross, *(flat[k] for k in self.w_held)], active)
             return dx_BLD, dict(c, wstash=wstash,
                                 loss=c["loss"] + slots.keep(active, loss, 0.0))
         if self.apart:  # the head's pullback from its slot gives the last chunk's ct
@@ -300,14 +303,21 @@ class Units:
 
     @jax.named_scope(scopes.PP_WEIGHT)
     def weight_(self, c, i, active=True):
-        """W: the params' grads of unit i from what its B left in its slot."""
+        """W: the params' grads of unit i from what its B left in its W slot and the
+        stash slot its forward left (both held until this tick)."""
         held = slots.read(c["wstash"], i % self.plan.w_slots)
-        n_cross = len(held) - len(self.w_own)
+        n_cross = len(held) - len(self.w_held)
         flat = [None] * len(self.the_split.w_reads)
         for k, value in zip(self.live, [*jax.tree.leaves(self.own(self.params, i)), i]):
             flat[k] = value
-        for k, value in zip(self.w_own, held[n_cross:]):
+        for k, value in zip(self.w_held, held[n_cross:]):
             flat[k] = value
+        if self.w_stashed:
+            slot = i % self.plan.stash_slots
+            stashed = jax.tree.leaves(slots.read(c["stash"], slot) if self.residuals
+                                      else c["stash"][slot])
+            for k in self.w_stashed:
+                flat[k] = stashed[k]
         grads = self.add_flat(c["grads"],
                               self.the_split.w(flat, held[:n_cross])[:self.n_params])
         return self.zeros_x, dict(c, grads=slots.keep(active, grads, c["grads"]))

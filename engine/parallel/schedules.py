@@ -95,7 +95,8 @@ class Plan:
     none. *_slots: buffer sizes such that item i in slot i % slots never meets another
     item still held there. weight_TP: [T, pp] the item whose weight gradient W the
     device runs at tick t under a split schedule (its backward_TP then runs B alone),
-    None otherwise; w_slots: the slots of what W reads of B."""
+    None otherwise; w_slots: the slots of what W reads of B (a split plan holds the
+    stash slot from the forward to W, which reads it too)."""
 
     forward_TP: np.ndarray
     backward_TP: np.ndarray
@@ -282,7 +283,9 @@ def _finish(fwd_tick, bwd_tick, fwd_rows, bwd_rows, pp, V, backward, uniform,
     """The Plan of the ticks the simulation gave each unit: tables, buffer slots."""
     t, C = len(fwd_rows), pp * V
     item = lambda m, c: m * V + c // pp  # noqa: E731  (the buffers' index of (m, chunk c))
-    stash = [(c % pp, item(m, c), _f(fwd_tick[m, c]), _b(bwd_tick[m, c]))
+    # a stash slot is read by the backward, under a split plan by its B and then its W
+    stash = [(c % pp, item(m, c), _f(fwd_tick[m, c]),
+              _b(bwd_tick[m, c]) if w_tick is None else _w(w_tick[m, c]))
              for (m, c) in bwd_tick]
     xs = [(c % pp, item(m, c), _arrive(fwd_tick[m, c - 1]), _f(fwd_tick[m, c]))
           for (m, c) in fwd_tick if c > 0]
