@@ -46,10 +46,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 GiB = 2 ** 30
 # topology names of TPU slices by chip count (Cloud TPU system-architecture pages: v4 and
-# v5p are 3-D tori, wrapped once every side is 4 chips or more; v5e is a 2-D mesh, its
+# v5p are 3-D tori, wrapped once every side is 4 chips or more, a side of AxBxC at most
+# 4 or a multiple of 4, so v4-384's 192 chips are 4x4x12; v5e is a 2-D mesh, its
 # 256-chip pod wrapped along both sides); each v4 / v5p chip is one "megacore" device
 CUBES = {4: (2, 2, 1), 8: (2, 2, 2), 16: (2, 2, 4), 32: (2, 4, 4), 64: (4, 4, 4),
-         128: (4, 4, 8), 256: (4, 8, 8), 512: (8, 8, 8), 1024: (8, 8, 16),
+         128: (4, 4, 8), 192: (4, 4, 12), 256: (4, 8, 8), 512: (8, 8, 8), 1024: (8, 8, 16),
          2048: (8, 16, 16)}
 PLANES = {4: (2, 2), 8: (2, 4), 16: (4, 4), 32: (4, 8), 64: (8, 8), 128: (8, 16),
           256: (16, 16)}
