@@ -134,6 +134,20 @@ def live_at_peak(dump: Path, n: int) -> list[tuple[str, int]]:
     return sorted(((name, int(b)) for name, b in found), key=lambda x: -x[1])[:n]
 
 
+def live_peak_bytes(dump: Path) -> int | None:
+    """Bytes live at once at the peak of the step's live-range report in an XLA dump
+    directory (the arguments and the temporaries live at that instruction: what the
+    memory model's peak adds up), None without one. The buffer assignment's total is at
+    least this: its heap also holds the holes left where buffers live at different times
+    could not share an offset."""
+    reports = sorted(dump.glob("*train_step*live-range.txt"))
+    if not reports:
+        return None
+    found = re.findall(r"\(cumulative: (\d+) bytes\)",
+                       reports[-1].read_text().split("(peak):", 1)[-1].split("Stack trace", 1)[0])
+    return int(found[-1]) if found else None
+
+
 # XLA:TPU's refusal of a step whose temporaries exceed the chip's HBM
 OUT_OF_HBM = re.compile(r"RESOURCE_EXHAUSTED: Ran out of memory.*?temporaries \(([\d.]+)G\) "
                         r"exceeds available HBM \(([\d.]+)G\)", re.S)
@@ -303,10 +317,12 @@ def main(argv=None) -> int:
         row = compile_step(name, hardware, *configs, cost=args.cost)
         row["assigned"] = row["needs"] if row["needs"] is not None else assigned_bytes(dump)
         row["live"] = live_at_peak(dump, args.live)
+        row["live_peak"] = live_peak_bytes(dump)
         shutil.rmtree(dump)  # one module's dump at a time
         dump.mkdir()
         out.append(row)
-        print(f"{row['name']} on {row['topology']}: {verdict(row)}; model "
+        live = "" if row["live_peak"] is None else f", {row['live_peak'] / GiB:.2f} GiB live at once"
+        print(f"{row['name']} on {row['topology']}: {verdict(row)}{live}; model "
               f"{row['model_peak'] / GiB:.2f} GiB ({row['compile_s']:.0f} s)", flush=True)
         for buffer, size in row["live"]:
             print(f"    {size / GiB:7.3f} GiB  {buffer}")
@@ -321,10 +337,12 @@ def main(argv=None) -> int:
     shutil.rmtree(dump)
     print(tabulate([[r["name"], r["topology"], r["fits_compiler"], r["fits_model"],
                      None if r["assigned"] is None else r["assigned"] / GiB,
+                     None if r["live_peak"] is None else r["live_peak"] / GiB,
                      r["model_peak"] / GiB, r["hbm"] / GiB,
                      None if r["compiler"] is None else r["compiler"]["peak"] / GiB]
                     for r in out],
-                   ["run", "slice", "compiles", "fits (model)", "XLA:TPU GiB", "model GiB",
+                   ["run", "slice", "compiles", "fits (model)", "XLA:TPU GiB", "live at peak GiB",
+                    "model GiB",
                     "HBM GiB", "memory_analysis GiB"], floatfmt=".2f"))
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))

@@ -59,6 +59,21 @@ def test_live_at_peak_reads_the_peak_section_largest_first(tmp_path):
     assert T.live_at_peak(tmp_path / "missing", 2) == []
 
 
+def test_live_peak_bytes_is_the_peak_sections_running_total(tmp_path):
+    """The last cumulative figure of the peak section (what is live at once), not the
+    largest buffer, not a later section's figures."""
+    assert T.live_peak_bytes(tmp_path) is None
+    (tmp_path / "module_0000.jit__train_step.cl_1.after_optimizations-live-range.txt").write_text(
+        "HloLiveRange (max 9):\n  BufferLiveRange:\n    a{}:0-3 (cumulative: 7 bytes)\n"
+        "  Live ranges at 5 (peak):\n"
+        "    big{1}: 300 bytes (cumulative: 300 bytes)\n"
+        "    mid{}: 20 bytes (cumulative: 320 bytes)\n"
+        "    small{}: 10 bytes (cumulative: 330 bytes)\n"
+        "  Stack trace breakdown for peak usage: 330 bytes\n"
+        "    main (100.0%, total: 330 bytes) (cumulative: 999 bytes)\n")
+    assert T.live_peak_bytes(tmp_path) == 330
+
+
 def test_without_libtpu_the_tool_says_so_in_one_line(capsys, monkeypatch):
     monkeypatch.setattr(T, "libtpu_installed", lambda: False)
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")  # main sets it only where unset
