@@ -14,10 +14,13 @@ XLA:TPU, never run. XLA:TPU refuses a step whose buffer assignment (the argument
 every temporary, as it packs them) exceeds the chip's HBM (RESOURCE_EXHAUSTED, with both
 figures): whether it compiles is the compiler's own verdict on fit, and the assignment's
 total ('Total bytes used', read from XLA's dump of the step) is the figure it checks.
-Printed beside it: `memory.predict(..., platform="tpu")`, the peak `bench/published.py`
-and the planner judge fit by, and `memory_analysis()` of the compiled step, whose temp
-is larger than what that check counts (the v4 22B step: 39.6 GiB there, accepted on
-32 GiB chips; why was not found).
+Printed beside it: the bytes live at once at the peak of XLA's live-range report (what
+the memory model's one-moment sum compares with; the assignment adds the holes its
+heap packing leaves), `memory.predict(..., platform="tpu")`, the peak
+`bench/published.py` and the planner judge fit by, and `memory_analysis()` of the
+compiled step, whose temp is larger than what that check counts (the v4 22B step: 39.6
+GiB there, accepted on 32 GiB chips; why was not found). Figures:
+bench/results/2026-11-29-tpu-memory-cpu.md.
 
 Attention compiles as the `blocked` kernel (the flash algorithm in jnp, which XLA:TPU
 compiles like any layer) where a run asks for `auto`: this engine's Pallas kernel is
