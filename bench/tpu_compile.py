@@ -151,6 +151,20 @@ def live_peak_bytes(dump: Path) -> int | None:
     return int(found[-1]) if found else None
 
 
+def next_dump(dump: Path, keep: str | None, i: int) -> None:
+    """Empty the dump directory for the next step (one module's dump at a time): its
+    files moved to `keep`/step<i> (replacing an older one) where `keep` is given, else
+    deleted."""
+    if keep:
+        kept = Path(keep) / f"step{i}"
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(kept, ignore_errors=True)
+        shutil.move(dump, kept)
+    else:
+        shutil.rmtree(dump)
+    dump.mkdir()
+
+
 # XLA:TPU's refusal of a step whose temporaries exceed the chip's HBM
 OUT_OF_HBM = re.compile(r"RESOURCE_EXHAUSTED: Ran out of memory.*?temporaries \(([\d.]+)G\) "
                         r"exceeds available HBM \(([\d.]+)G\)", re.S)
@@ -268,6 +282,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "beside the ledger's; XLA counts a loop body once, so compare "
                         "steps without loops: --layers 1 --attention reference")
     g.add_argument("--json", default=None, help="write the rows as JSON")
+    g.add_argument("--dump", default=None, metavar="DIR",
+                   help="keep XLA's dump of each step (optimized HLO, buffer assignment, "
+                        "live ranges) in DIR/step<i> instead of deleting it")
     p = train_parser(prog="python bench/tpu_compile.py", description=__doc__.split("\n\n")[0],
                      parents=[own], groups=("model", "parallel", "batch", "training"))
     p.set_defaults(activations="bf16")
@@ -321,8 +338,7 @@ def main(argv=None) -> int:
         row["assigned"] = row["needs"] if row["needs"] is not None else assigned_bytes(dump)
         row["live"] = live_at_peak(dump, args.live)
         row["live_peak"] = live_peak_bytes(dump)
-        shutil.rmtree(dump)  # one module's dump at a time
-        dump.mkdir()
+        next_dump(dump, args.dump, len(out))
         out.append(row)
         live = "" if row["live_peak"] is None else f", {row['live_peak'] / GiB:.2f} GiB live at once"
         print(f"{row['name']} on {row['topology']}: {verdict(row)}{live}; model "

@@ -83,6 +83,22 @@ def test_without_libtpu_the_tool_says_so_in_one_line(capsys, monkeypatch):
     assert T.main(["--only", "no such run"]) == 2
 
 
+def test_next_dump_keeps_each_steps_dump_only_when_asked(tmp_path):
+    dump = tmp_path / "dump"
+    dump.mkdir()
+    (dump / "a.txt").write_text("step 0")
+    T.next_dump(dump, None, 0)
+    assert dump.is_dir() and not any(dump.iterdir())
+    (dump / "a.txt").write_text("step 1")
+    T.next_dump(dump, str(tmp_path / "kept"), 1)
+    assert (tmp_path / "kept" / "step1" / "a.txt").read_text() == "step 1"
+    assert dump.is_dir() and not any(dump.iterdir())
+    (dump / "b.txt").write_text("again")
+    T.next_dump(dump, str(tmp_path / "kept"), 1)  # a rerun replaces the old step's files
+    assert sorted(p.name for p in (tmp_path / "kept" / "step1").iterdir()) == ["b.txt"]
+    assert T.build_parser().parse_args(["--dump", "d"]).dump == "d"
+
+
 def test_assigned_bytes_reads_the_buffer_assignment_total(tmp_path):
     assert T.assigned_bytes(tmp_path) is None
     (tmp_path / "module_0000.jit__train_step.cl_1.after_optimizations-buffer-assignment.txt"
