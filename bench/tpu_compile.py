@@ -14,10 +14,13 @@ XLA:TPU, never run. XLA:TPU refuses a step whose buffer assignment (the argument
 every temporary, as it packs them) exceeds the chip's HBM (RESOURCE_EXHAUSTED, with both
 figures): whether it compiles is the compiler's own verdict on fit, and the assignment's
 total ('Total bytes used', read from XLA's dump of the step) is the figure it checks.
-Printed beside it: `memory.predict(..., platform="tpu")`, the peak `bench/published.py`
-and the planner judge fit by, and `memory_analysis()` of the compiled step, whose temp
-is larger than what that check counts (the v4 22B step: 39.6 GiB there, accepted on
-32 GiB chips; why was not found).
+Printed beside it: the bytes live at once at the peak of XLA's live-range report (what
+the memory model's one-moment sum compares with; the assignment adds the holes its
+heap packing leaves), `memory.predict(..., platform="tpu")`, the peak
+`bench/published.py` and the planner judge fit by, and `memory_analysis()` of the
+compiled step, whose temp is larger than what that check counts (the v4 22B step: 39.6
+GiB there, accepted on 32 GiB chips; why was not found). Figures:
+bench/results/2026-11-29-tpu-memory-cpu.md.
 
 Attention compiles as the `blocked` kernel (the flash algorithm in jnp, which XLA:TPU
 compiles like any layer) where a run asks for `auto`: this engine's Pallas kernel is
@@ -46,10 +49,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 GiB = 2 ** 30
 # topology names of TPU slices by chip count (Cloud TPU system-architecture pages: v4 and
-# v5p are 3-D tori, wrapped once every side is 4 chips or more; v5e is a 2-D mesh, its
+# v5p are 3-D tori, wrapped once every side is 4 chips or more, a side of AxBxC at most
+# 4 or a multiple of 4, so v4-384's 192 chips are 4x4x12; v5e is a 2-D mesh, its
 # 256-chip pod wrapped along both sides); each v4 / v5p chip is one "megacore" device
 CUBES = {4: (2, 2, 1), 8: (2, 2, 2), 16: (2, 2, 4), 32: (2, 4, 4), 64: (4, 4, 4),
-         128: (4, 4, 8), 256: (4, 8, 8), 512: (8, 8, 8), 1024: (8, 8, 16),
+         128: (4, 4, 8), 192: (4, 4, 12), 256: (4, 8, 8), 512: (8, 8, 8), 1024: (8, 8, 16),
          2048: (8, 16, 16)}
 PLANES = {4: (2, 2), 8: (2, 4), 16: (4, 4), 32: (4, 8), 64: (8, 8), 128: (8, 16),
           256: (16, 16)}
@@ -131,6 +135,34 @@ def live_at_peak(dump: Path, n: int) -> list[tuple[str, int]]:
     section = text.split("(peak):", 1)[-1]
     found = re.findall(r"^\s+(\S+): (\d+) bytes", section, flags=re.M)
     return sorted(((name, int(b)) for name, b in found), key=lambda x: -x[1])[:n]
+
+
+def live_peak_bytes(dump: Path) -> int | None:
+    """Bytes live at once at the peak of the step's live-range report in an XLA dump
+    directory (the arguments and the temporaries live at that instruction: what the
+    memory model's peak adds up), None without one. The buffer assignment's total is at
+    least this: its heap also holds the holes left where buffers live at different times
+    could not share an offset."""
+    reports = sorted(dump.glob("*train_step*live-range.txt"))
+    if not reports:
+        return None
+    found = re.findall(r"\(cumulative: (\d+) bytes\)",
+                       reports[-1].read_text().split("(peak):", 1)[-1].split("Stack trace", 1)[0])
+    return int(found[-1]) if found else None
+
+
+def next_dump(dump: Path, keep: str | None, i: int) -> None:
+    """Empty the dump directory for the next step (one module's dump at a time): its
+    files moved to `keep`/step<i> (replacing an older one) where `keep` is given, else
+    deleted."""
+    if keep:
+        kept = Path(keep) / f"step{i}"
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(kept, ignore_errors=True)
+        shutil.move(dump, kept)
+    else:
+        shutil.rmtree(dump)
+    dump.mkdir()
 
 
 # XLA:TPU's refusal of a step whose temporaries exceed the chip's HBM
@@ -250,6 +282,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "beside the ledger's; XLA counts a loop body once, so compare "
                         "steps without loops: --layers 1 --attention reference")
     g.add_argument("--json", default=None, help="write the rows as JSON")
+    g.add_argument("--dump", default=None, metavar="DIR",
+                   help="keep XLA's dump of each step (optimized HLO, buffer assignment, "
+                        "live ranges) in DIR/step<i> instead of deleting it")
     p = train_parser(prog="python bench/tpu_compile.py", description=__doc__.split("\n\n")[0],
                      parents=[own], groups=("model", "parallel", "batch", "training"))
     p.set_defaults(activations="bf16")
@@ -302,10 +337,11 @@ def main(argv=None) -> int:
         row = compile_step(name, hardware, *configs, cost=args.cost)
         row["assigned"] = row["needs"] if row["needs"] is not None else assigned_bytes(dump)
         row["live"] = live_at_peak(dump, args.live)
-        shutil.rmtree(dump)  # one module's dump at a time
-        dump.mkdir()
+        row["live_peak"] = live_peak_bytes(dump)
+        next_dump(dump, args.dump, len(out))
         out.append(row)
-        print(f"{row['name']} on {row['topology']}: {verdict(row)}; model "
+        live = "" if row["live_peak"] is None else f", {row['live_peak'] / GiB:.2f} GiB live at once"
+        print(f"{row['name']} on {row['topology']}: {verdict(row)}{live}; model "
               f"{row['model_peak'] / GiB:.2f} GiB ({row['compile_s']:.0f} s)", flush=True)
         for buffer, size in row["live"]:
             print(f"    {size / GiB:7.3f} GiB  {buffer}")
@@ -320,10 +356,12 @@ def main(argv=None) -> int:
     shutil.rmtree(dump)
     print(tabulate([[r["name"], r["topology"], r["fits_compiler"], r["fits_model"],
                      None if r["assigned"] is None else r["assigned"] / GiB,
+                     None if r["live_peak"] is None else r["live_peak"] / GiB,
                      r["model_peak"] / GiB, r["hbm"] / GiB,
                      None if r["compiler"] is None else r["compiler"]["peak"] / GiB]
                     for r in out],
-                   ["run", "slice", "compiles", "fits (model)", "XLA:TPU GiB", "model GiB",
+                   ["run", "slice", "compiles", "fits (model)", "XLA:TPU GiB", "live at peak GiB",
+                    "model GiB",
                     "HBM GiB", "memory_analysis GiB"], floatfmt=".2f"))
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))

@@ -7,11 +7,14 @@ from bench import tpu_compile as T
 
 
 def test_every_published_tpu_run_has_a_slice_of_its_chip_count():
+    """Every run on one TPU slice (no DCN data-parallel axis), not only those the table
+    already knows: a v4 / v5p slice's sides are each at most 4 or a multiple of 4."""
     from bench.published import HELD_OUT, RUNS
 
-    tpu = [r for r in RUNS + HELD_OUT if r.hardware in T.PREFIX and T.one_slice(r)]
-    assert tpu, "the published table has TPU rows"
+    tpu = [r for r in RUNS + HELD_OUT if r.hardware in T.PREFIX and not r.layout.startswith("dp")]
+    assert any(r.chips == 192 for r in tpu), "v4-384's 192 chips are a published run"
     for r in tpu:
+        assert T.one_slice(r), r.name
         t = T.topology(r.hardware, r.chips)
         dims = [int(x) for x in t["topology_name"].split(":")[1].split("x")]
         n = 1
@@ -19,12 +22,15 @@ def test_every_published_tpu_run_has_a_slice_of_its_chip_count():
             n *= d
         assert n == r.chips, (r.name, t)
         assert len(dims) == (2 if r.hardware == "v5e" else 3)
+        if r.hardware != "v5e":
+            assert dims == sorted(dims) and all(d <= 4 or d % 4 == 0 for d in dims), t
 
 
 def test_slices_wrap_as_the_tpu_pages_say():
     assert T.topology("v4", 64)["wrap"] == (True, True, True)  # 4x4x4: a full torus
     assert T.topology("v4", 32)["wrap"] == (False, False, False)  # 2x4x4
     assert T.topology("v5p", 64)["topology_name"] == "v5:4x4x4"
+    assert T.topology("v4", 192)["topology_name"] == "v4:4x4x12"  # v4-384
     assert T.topology("v5e", 256)["wrap"] == (True, True, False)
     assert T.topology("v5e", 256)["chip_config_name"] == "default"
     assert T.topology("v4", 8)["chip_config_name"] == "megacore"
@@ -53,6 +59,21 @@ def test_live_at_peak_reads_the_peak_section_largest_first(tmp_path):
     assert T.live_at_peak(tmp_path / "missing", 2) == []
 
 
+def test_live_peak_bytes_is_the_peak_sections_running_total(tmp_path):
+    """The last cumulative figure of the peak section (what is live at once), not the
+    largest buffer, not a later section's figures."""
+    assert T.live_peak_bytes(tmp_path) is None
+    (tmp_path / "module_0000.jit__train_step.cl_1.after_optimizations-live-range.txt").write_text(
+        "HloLiveRange (max 9):\n  BufferLiveRange:\n    a{}:0-3 (cumulative: 7 bytes)\n"
+        "  Live ranges at 5 (peak):\n"
+        "    big{1}: 300 bytes (cumulative: 300 bytes)\n"
+        "    mid{}: 20 bytes (cumulative: 320 bytes)\n"
+        "    small{}: 10 bytes (cumulative: 330 bytes)\n"
+        "  Stack trace breakdown for peak usage: 330 bytes\n"
+        "    main (100.0%, total: 330 bytes) (cumulative: 999 bytes)\n")
+    assert T.live_peak_bytes(tmp_path) == 330
+
+
 def test_without_libtpu_the_tool_says_so_in_one_line(capsys, monkeypatch):
     monkeypatch.setattr(T, "libtpu_installed", lambda: False)
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")  # main sets it only where unset
@@ -60,6 +81,22 @@ def test_without_libtpu_the_tool_says_so_in_one_line(capsys, monkeypatch):
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: libtpu is not installed") and "\n" not in err
     assert T.main(["--only", "no such run"]) == 2
+
+
+def test_next_dump_keeps_each_steps_dump_only_when_asked(tmp_path):
+    dump = tmp_path / "dump"
+    dump.mkdir()
+    (dump / "a.txt").write_text("step 0")
+    T.next_dump(dump, None, 0)
+    assert dump.is_dir() and not any(dump.iterdir())
+    (dump / "a.txt").write_text("step 1")
+    T.next_dump(dump, str(tmp_path / "kept"), 1)
+    assert (tmp_path / "kept" / "step1" / "a.txt").read_text() == "step 1"
+    assert dump.is_dir() and not any(dump.iterdir())
+    (dump / "b.txt").write_text("again")
+    T.next_dump(dump, str(tmp_path / "kept"), 1)  # a rerun replaces the old step's files
+    assert sorted(p.name for p in (tmp_path / "kept" / "step1").iterdir()) == ["b.txt"]
+    assert T.build_parser().parse_args(["--dump", "d"]).dump == "d"
 
 
 def test_assigned_bytes_reads_the_buffer_assignment_total(tmp_path):
@@ -76,7 +113,8 @@ def test_a_configuration_without_a_slice_or_with_only_is_refused_in_one_line(cap
     assert T.main(["--hardware", "v4", "--layout", "dp6", "--model", "tiny",
                    "--batch", "12"]) == 2
     assert capsys.readouterr().err.strip() == (
-        "error: no v4 slice of 6 chips here (known: 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)")
+        "error: no v4 slice of 6 chips here (known: 4, 8, 16, 32, 64, 128, 192, 256, 512, 1024, "
+        "2048)")
     assert T.main(["--hardware", "v5e", "--only", "22B"]) == 2
     assert "give one" in capsys.readouterr().err
     # the parallel flags a configuration needs are there
