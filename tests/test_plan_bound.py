@@ -186,3 +186,21 @@ def test_best_first_top_equals_exhaustive():
     assert fast.pruned > 0 and every.pruned == 0
     assert len(fast.ranked) + len(fast.over) + fast.pruned == len(every.ranked) + len(every.over)
     assert [key(p) for p in fast.ranked[:3]] == [key(p) for p in every.ranked[:3]]
+
+
+@pytest.mark.parametrize("profile", ["h100", "a100", "v5e"])
+def test_the_bounds_matmul_rate_is_the_rate_the_price_runs_a_matmul_at(profile):
+    """A compute-bound bf16 matmul (8192^3: far above every profile's ridge point) is
+    priced at `Hardware.matmul_rate`, the peak x matmul_eff x, on a Hopper GPU, the
+    sustained clock's share; the bound's rate is that one, so the bound is as tight as the
+    price allows (at peak x matmul_eff alone it would sit 15 % under on an H100)."""
+    from engine.cost.price import compute_seconds
+    from engine.cost.rows import Row
+
+    hw = hardware.get(profile)
+    n = 8192
+    row = Row("mlp", "fwd", "matmul", "dot_general", "bfloat16", (n, n), 2.0 * n ** 3,
+              3 * n * n * 2.0, 1)
+    seconds, bound_by = compute_seconds(row, hw, 1)
+    assert bound_by == "compute"
+    assert row.flops / bound.best_matmul_rate(hw) == pytest.approx(seconds, rel=1e-9)

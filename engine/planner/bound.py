@@ -9,8 +9,8 @@ parts of that step that no overlap in engine/cost/price.py hides:
 
 - matmuls: the step's matmul FLOPs spread evenly over the devices (no layout does less
   per device than its share: replicated work only adds), each at the profile's matmul
-  peak x `matmul_eff` (`price.compute_seconds` prices a matmul at the max of that and
-  its bytes at HBM rate); on a shared host the devices' work adds up as it does there.
+  rate, `Hardware.matmul_rate` (`price.compute_seconds` prices a matmul at the max of
+  that and its bytes at HBM rate); on a shared host the devices' work adds up as it does there.
   FLOPs: 2 per param per token for the forward, 4 for the backward, 2 more for the
   blocks' recompute under remat `full`; the head's 6 per param per token; with experts,
   `top_k` experts a token (times the capacity factor where it drops tokens). Attention
@@ -68,8 +68,9 @@ def matmul_flops(cfg, tcfg) -> tuple[float, float]:
 
 
 def best_matmul_rate(hw) -> float:
-    """FLOP/s of the profile's fastest matmul dtype at its matmul efficiency."""
-    return max(hw.matmul_peak(d) for d in ("bfloat16", "float32")) * hw.matmul_eff
+    """FLOP/s of the profile's fastest matmul dtype as the price runs it
+    (`Hardware.matmul_rate`: its efficiency, and on a GPU the sustained clock)."""
+    return max(hw.matmul_rate(d) for d in ("bfloat16", "float32"))
 
 
 def attention_seconds(cfg, tcfg, hw) -> float:
