@@ -35,8 +35,9 @@ under a fused schedule at the same tick, whose forward slot runs first).
   s runs its s deferred Ws in the s ticks until stage 0's last B, where it would idle.
   1F1B's ticks and stash, (M + p − 1)·(F + B + W) − (p − 1)·W; with F = B = W idle
   2(p − 1)/(3M + 2(p − 1)) against 1F1B's (p − 1)/(M + p − 1). The W slots hold what W
-  reads of B (the layers' output cotangents, the activations the weight gradients
-  multiply) from B's tick to W's: up to s + 1 on stage s. One unit per tick (ZB-H1's
+  reads of B (the layers' output cotangents; under remat full also the activations B
+  recomputed) from B's tick to W's, up to s + 1 on stage s; the stash slot is held to
+  W's tick, and W reads the activations the stash keeps from it. One unit per tick (ZB-H1's
   own grain, 3M + p − 1 ticks) idles less in the lock-step model only while F, B and W
   cost the same and a tick costs nothing of its own; on this CPU a tick's shifts and
   dispatch cost about a unit's share and a ZeRO-3 forward carries its layers' fsdp
