@@ -238,13 +238,19 @@ def plan(schedule: Schedule, pp: int, microbatches: int, backward: bool = True,
     """Simulate `schedule` tick by tick (module doc). Forward only when not `backward`
     (evaluation: every schedule runs its forwards in its order, one per tick).
     `uniform`: every device runs the same program each tick (engine/parallel/pipeline.py)."""
-    M, V = microbatches, virtual
+    ticks = _ticks(schedule, pp, microbatches, virtual, backward)
+    if schedule.split and backward:
+        return _split_plan(*ticks, pp, uniform)
+    return _finish(*ticks, pp, virtual, backward, uniform)
+
+
+def _ticks(schedule: Schedule, pp: int, M: int, V: int, backward: bool):
+    """(fwd_tick, bwd_tick, fwd_rows, bwd_rows): the tick of each (microbatch, chunk)'s
+    forward and backward, and each tick's row of items per stage (module doc)."""
     C = pp * V
     order_f, order_b = _orders(pp, M, V)
     fwd_tick: dict = {}
     bwd_tick: dict = {}
-    if schedule.split and backward:
-        return _split_plan(pp, M, uniform)
     next_f, next_b = [0] * pp, [0] * pp
     fwd_rows, bwd_rows = [], []
     t = 0
@@ -276,7 +282,7 @@ def plan(schedule: Schedule, pp: int, microbatches: int, backward: bool = True,
         fwd_rows.append(f_row)
         bwd_rows.append(b_row)
         t += 1
-    return _finish(fwd_tick, bwd_tick, fwd_rows, bwd_rows, pp, V, backward, uniform)
+    return fwd_tick, bwd_tick, fwd_rows, bwd_rows
 
 
 def _finish(fwd_tick, bwd_tick, fwd_rows, bwd_rows, pp, V, backward, uniform,
@@ -311,41 +317,26 @@ def _finish(fwd_tick, bwd_tick, fwd_rows, bwd_rows, pp, V, backward, uniform,
                 uniform, weight_TP, w_slots)
 
 
-def _split_plan(pp: int, M: int, uniform: bool) -> Plan:
-    """zb1's table (module doc): the forwards and the Bs as 1F1B's, and stage s runs its
-    oldest deferred W where it would hold more than s of them, or has no other unit."""
-    fwd_tick, bwd_tick, w_tick = {}, {}, {}
-    next_f, next_b = [0] * pp, [0] * pp
+def _split_plan(fwd_tick, bwd_tick, fwd_rows, bwd_rows, pp: int, uniform: bool) -> Plan:
+    """zb1's table (module doc) from its fused ticks (`_ticks`, V = 1): each B's W in a
+    third slot, stage s running its oldest deferred W where it would hold more than s
+    of them, or has no other unit."""
+    w_tick, w_rows = {}, []
     pending: list[list] = [[] for _ in range(pp)]  # B done, W not yet
-    fwd_rows, bwd_rows, w_rows = [], [], []
     t = 0
-    while any(n < M for n in next_b) or any(pending):
-        rows = [[NONE] * pp for _ in range(3)]
+    while t < len(fwd_rows) or any(pending):
+        if t == len(fwd_rows):
+            fwd_rows.append([NONE] * pp)
+            bwd_rows.append([NONE] * pp)
+        w_row = [NONE] * pp
         for s in range(pp):
-            m_f, m_b = next_f[s], next_b[s]
-            if m_f < M and (s == 0 or fwd_tick.get((m_f, s - 1), t) < t):
-                rows[0][s] = m_f
-            if m_b < m_f + (rows[0][s] != NONE) and (
-                    fwd_tick.get((m_b, s), t) < t or rows[0][s] == m_b if s == pp - 1
-                    else bwd_tick.get((m_b, s + 1), t) < t):
-                rows[1][s] = m_b
-            held = pending[s] + [m_b] * (rows[1][s] != NONE)
-            if held and (len(held) > s or rows[0][s] == rows[1][s] == NONE):
-                rows[2][s] = held[0]
-        for s in range(pp):
-            if rows[0][s] != NONE:
-                fwd_tick[(rows[0][s], s)] = t
-                next_f[s] += 1
-            if rows[1][s] != NONE:
-                bwd_tick[(rows[1][s], s)] = t
-                next_b[s] += 1
-                pending[s].append(rows[1][s])
-            if rows[2][s] != NONE:
-                w_tick[(rows[2][s], s)] = t
-                pending[s].remove(rows[2][s])
-        fwd_rows.append(rows[0])
-        bwd_rows.append(rows[1])
-        w_rows.append(rows[2])
+            f, b = fwd_rows[t][s], bwd_rows[t][s]
+            if b != NONE:
+                pending[s].append(b)
+            if pending[s] and (len(pending[s]) > s or f == b == NONE):
+                w_row[s] = pending[s].pop(0)
+                w_tick[(w_row[s], s)] = t
+        w_rows.append(w_row)
         t += 1
     return _finish(fwd_tick, bwd_tick, fwd_rows, bwd_rows, pp, 1, True, uniform,
                    w_tick, w_rows)
