@@ -196,11 +196,21 @@ def megatron_flops_per_token(r: Run) -> float:
     return 96 * l * h * h * (1 + s / (6 * h) + r.vocab / (16 * l * h))
 
 
+def params6_flops_per_token(r: Run) -> float:
+    """6 x the parameters, MaxText's 2023 count (train.py: `6 * num_model_parameters`),
+    its embedding tied (counted once): per layer the four attention projections, the MLP
+    (its FLOPs as this engine's SwiGLU of `mlp_dim`) and two norms."""
+    d, hd = r.d_model, r.head_dim
+    layer = 2 * d * hd * (r.heads + r.kv_heads) + 3 * d * r.mlp_dim + 2 * d
+    return 6 * (r.layers * layer + r.vocab * d + d)
+
+
 def tokens_per_chip(r: Run, engine_flops_per_token: float | None = None) -> float:
     """Published tokens/s per chip; "engine_tflops" needs the engine's FLOPs per token."""
     if r.unit == "tps":
         return r.throughput
     per_token = {"maxtext_tflops": maxtext_flops_per_token,
+                 "params6_tflops": params6_flops_per_token,
                  "megatron_tflops": megatron_flops_per_token}.get(r.unit)
     per_token = per_token(r) if per_token else engine_flops_per_token
     return r.throughput * 1e12 / per_token

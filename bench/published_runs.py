@@ -46,7 +46,8 @@ FRAMEWORK_NAMES = ("composer", "torchtitan-compile", "torchtitan-eager", "maxtex
 @dataclasses.dataclass(frozen=True)
 class Run:
     """One published run. throughput: tokens/s per chip ("tps"), model TFLOP/s per chip in
-    MaxText's convention ("maxtext_tflops"), hardware TFLOP/s per GPU in Megatron's
+    MaxText's convention ("maxtext_tflops"; its 2023 one, 6 x the parameters a token:
+    "params6_tflops"), hardware TFLOP/s per GPU in Megatron's
     ("megatron_tflops"), or TFLOP/s per GPU in a convention the source does not state,
     read as this engine's ("engine_tflops"). source_mfu: the source's own MFU figure.
     remat: none | full | dots | alternate (the engine's policy the source's maps to). zero: 0 for
@@ -183,6 +184,32 @@ def _v5p(scale, slice_n, slices, pdb, tp, remat, tflops, mfu):
 def _v4_22b(slices, tflops, mfu):
     return _maxtext("22B", "v4", slices, 64, (48, 6144, 24, 24576), 13, "fsdp64", "full",
                     tflops, mfu, False)
+
+
+MAXTEXT_2023 = ("https://github.com/AI-Hypercomputer/maxtext/tree/e286533d (README.md; "
+                "MaxText/configs/1xv4-384.sh and base.yml at that commit)")
+
+
+def _v4_52b_2023():
+    """MaxText's 52B on one v4-384 as its README published it (154 TFLOP/s, 56.0 %): the
+    figure came with commit e286533d (2023-03-14) beside its config, 1xv4-384.sh, whose
+    last line reads "# achieves 154 TFLOP/s, 52B". pyconfig multiplied base_emb_dim,
+    base_num_heads, base_mlp_dim and base_num_decoder_layers by `scale` 4: 32 layers, D
+    12288, 32 heads of 256, a ReLU MLP of 49152 (two matrices: priced as a SwiGLU of the
+    same FLOPs, 2/3 of it), vocab 32768, 1,024 tokens. Its train.py counted 6 x the
+    parameters a token (`params6_tflops`); its embedding is tied (logits_via_embedding),
+    which this engine prices untied (one more D x V matrix: memory, no FLOPs)."""
+    layers, d, heads, head_dim, relu_mlp, vocab, seq, pdb = 32, 12288, 32, 256, 49152, 32768, 1024, 10
+    quotes = (("hardware", "1x v4-384"), ("chips", "ici_fsdp_parallelism=192"),
+              ("seq", "max_target_length: 1024 (base.yml)"),
+              ("batch", f"per_device_batch_size={pdb}"),
+              ("layout", "ici_fsdp_parallelism=192 ici_tensor_parallelism=1"),
+              ("precision", 'dtype: "bfloat16" (base.yml)'), ("remat", "remat_policy=full"),
+              ("framework", "MaxText train.py (2023-03, jax 0.4.6)"),
+              ("mlp", 'mlp_activations: ["relu"] (base.yml), base_mlp_dim=12288, scale=4'))
+    return Run("MaxText 52B (2023) 192xv4", "v4", 192, layers, d, heads, heads, head_dim,
+               relu_mlp * 2 // 3, vocab, seq, pdb * 192, "fsdp192", "full", 3, 154,
+               "params6_tflops", 56.0, MAXTEXT_2023, "maxtext", quotes)
 
 
 def _a3_llama2_7b(vms, tflops):
@@ -366,8 +393,7 @@ HELD_OUT = (
     _maxtext("128B", "v5e", 1, 256, maxtext_scale(128), 1, "fsdp16xtp16",
              "qkv_proj_offloaded", 110, 56.06, True),
     _v4_22b(4, 149, 54.3),
-    _maxtext("52B", "v4", 1, 192, (32, 12288, 32, 49152), 7, "fsdp192", "full", 154, 56.0,
-             False),
+    _v4_52b_2023(),
     _v5p(32, 128, 2, 6, 4, "minimal", 319, 69.43),
     _v5p(128, 512, 1, 1, 8, "minimal", 316, 68.83),
     _v5p(512, 1024, 2, 2, 8, "full", 282, 61.45),

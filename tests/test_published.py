@@ -192,6 +192,19 @@ def test_maxtext_parameter_scale_follows_its_rule():
     assert maxtext_scale(128) == (64, 8192, 128, 57344)
 
 
+def test_maxtext_2023_52b_row_is_its_configs_52b_parameters():
+    """The 2023 MaxText 52B row (1xv4-384.sh at e286533d, scale 4 of base.yml) counts
+    52B parameters by its train.py's rule, and its SwiGLU stand-in has the ReLU MLP's
+    FLOPs: 2·D·49152 = 3·D·F."""
+    from bench.published import params6_flops_per_token
+    from bench.published_runs import HELD_OUT
+
+    (r,) = [r for r in HELD_OUT if r.name.startswith("MaxText 52B")]
+    assert 3 * r.mlp_dim == 2 * 49152 and r.head_dim * r.heads == 8192
+    params = params6_flops_per_token(r) / 6
+    assert 51.5e9 < params < 52.5e9, params
+
+
 def _flag(settings, name):
     flags = list(settings.flags)
     return flags[flags.index(name) + 1] if name in flags else None
