@@ -52,7 +52,7 @@ from jax.sharding import Mesh  # noqa: E402
 
 from engine.cli.args import keep_freed_memory  # noqa: E402
 from engine.config import TrainConfig, model_config  # noqa: E402
-from engine.cost.hardware import CALIBRATION_PATH  # noqa: E402
+from engine.cost.calibration import CALIBRATION_PATH  # noqa: E402
 from engine.cost.ledger import step_ledger  # noqa: E402
 from engine.cost.microbench import (  # noqa: E402
     arithmetic_chain,

@@ -188,7 +188,7 @@ def host_profile(n: int, calibration: str | None) -> tuple:
     keep_freed_memory()
     import jax
 
-    from engine.cost.hardware import ProfileError
+    from engine.cost.calibration import ProfileError
     from engine.planner.auto import hardware_profile
 
     if len(jax.devices()) < n:

@@ -21,7 +21,7 @@ Rules, fact -> setting:
   kernels fuse them. Attention is the kernel the framework calls: Composer's
   `attn_impl: triton` (the tables' commits, b2a43a1 and 5e85bd6, whose
   `submit_benchmarks.py` defaults `--attn_impl` to triton, which `sweep.sh` never passes)
-  is the first FlashAttention's Triton port (`hardware.FLASH_ATTENTION_TRITON`);
+  is the first FlashAttention's Triton port (`attention_rates.FLASH_ATTENTION_TRITON`);
   torchtitan's SDPA flash backend is FlashAttention-2 (`FLASH_ATTENTION_2`: SDPA's cuDNN
   backend is opt-in since PyTorch 2.5.1, pytorch/pytorch#138649, and torchtitan asks
   for FLASH_ATTENTION on H100, pytorch/torchtitan#1196); MaxText
@@ -32,7 +32,7 @@ Rules, fact -> setting:
   the accelerator profiles price as their flash kernel: `auto` there is the dense
   reference). Composer's MPT loss is flash-attn's fused
   cross-entropy (its `loss_fn` default, `fused_crossentropy`), which holds the logits and
-  their grad in bf16 (`hardware.FUSED_CROSS_ENTROPY`; memory only). torchtitan's TP plan
+  their grad in bf16 (`attention_rates.FUSED_CROSS_ENTROPY`; memory only). torchtitan's TP plan
   is Megatron sequence parallelism (`--tp-comm sequence`), Megatron 2021's all-reduces
   (`allreduce`).
 - tp collectives overlapped with compute (MaxText's `xla_tpu_overlap_compute_collective_tc`,
@@ -86,7 +86,7 @@ from bench.published_runs import HELD_OUT, PEAK, RUNS, Run  # noqa: E402
 
 # framework -> (attention kernel: "" the profile's, "flash2", "triton"; --attention;
 # elementwise ops fused; --tp-comm without overlap; loss: "xentropy" a fused
-# cross-entropy kernel, `hardware.FUSED_CROSS_ENTROPY`, else the engine's f32 loss)
+# cross-entropy kernel, `attention_rates.FUSED_CROSS_ENTROPY`, else the engine's f32 loss)
 FRAMEWORKS = {
     "composer": dict(kernel="triton", attention="auto", fused=False, tp_comm="allreduce",
                      loss="xentropy"),
@@ -219,14 +219,14 @@ def tokens_per_chip(r: Run, engine_flops_per_token: float | None = None) -> floa
 def profile(r: Run, s: Settings | None = None):
     """The hardware profile `r` ran on, with the attention kernel and fusion of `s`
     (default: as its source ran it)."""
-    from engine.cost import hardware
+    from engine.cost import attention_rates, hardware
 
     s = s or source_settings(r)
     hw = hardware.get(r.hardware)
     if s.kernel:
-        hw = dataclasses.replace(hw, **hardware.KERNELS[s.kernel][r.hardware])
+        hw = dataclasses.replace(hw, **attention_rates.KERNELS[s.kernel][r.hardware])
     if s.loss:
-        hw = dataclasses.replace(hw, **hardware.FUSED_CROSS_ENTROPY)
+        hw = dataclasses.replace(hw, **attention_rates.FUSED_CROSS_ENTROPY)
     return hw if s.fused else dataclasses.replace(hw, fusion=False)
 
 

@@ -163,12 +163,12 @@ def run_peak(cfg, trainer) -> float:
 
 def main(argv=None) -> int:
     cfg, tcfg, parallel, layout, mine = parse_or_exit(argv, build_parser())
-    from engine.cost import hardware
+    from engine.cost import calibration, hardware
 
     try:
         problem = flag_problem(mine)
         hw = None if problem else hardware.get(mine.hardware, mine.calibration)
-    except hardware.ProfileError as e:
+    except calibration.ProfileError as e:
         problem = str(e)
     if problem:
         print(f"error: {problem}", file=sys.stderr)

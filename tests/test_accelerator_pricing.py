@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import pytest
 
 from engine.config import ParallelConfig, TrainConfig, model_config
-from engine.cost import hardware
+from engine.cost import attention_rates, hardware
 from engine.cost.ledger import ledger, step_ledger
 from engine.cost.price import (
     attention_flops,
@@ -213,15 +213,15 @@ def test_flash_attention_2_causal_backward_completes_its_published_forward_backw
     forward and one backward (2.5 forwards' FLOPs) take the figure's time, and the
     causal backward is slower than the non-causal one (214 ... 318 TFLOP/s) up to 8k."""
     gt = dataclasses.replace(hardware.get("h100-gt"),
-                             **hardware.FLASH_ATTENTION_2["h100-gt"])
-    peak = hardware.H100_SXM_BF16
+                             **attention_rates.FLASH_ATTENTION_2["h100-gt"])
+    peak = attention_rates.H100_SXM_BF16
     non_causal = {512: 214, 1024: 260, 2048: 291, 4096: 310, 8192: 318}
     for seq, fwd_bwd in ((512, 163), (1024, 221), (2048, 265), (4096, 294), (8192, 308),
                          (16384, 328)):
         f = gt.attention_fraction(seq, backward=False) * peak / 1e12
         b = gt.attention_fraction(seq, backward=True) * peak / 1e12
         assert 1 / f + 2.5 / b == pytest.approx(3.5 / fwd_bwd)
-        assert f == pytest.approx(dict(hardware.H100_FA2_FWD)[seq])
+        assert f == pytest.approx(dict(attention_rates.H100_FA2_FWD)[seq])
         if seq in non_causal:
             assert b < non_causal[seq]
 

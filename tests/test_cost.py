@@ -11,7 +11,7 @@ import math
 import pytest
 
 from engine.config import ParallelConfig, TrainConfig, model_config
-from engine.cost import hardware
+from engine.cost import calibration, hardware
 from engine.cost.ledger import Row, step_ledger
 from engine.cost.memory import compile_step
 from engine.cost.price import collective_seconds, predict, predicted_mfu
@@ -113,7 +113,7 @@ def test_the_ledger_traces_the_targets_weight_gather():
 
     assert "uint32" in gathered(packed) and "uint32" not in gathered(plain)
     assert _bytes_by(packed) == _bytes_by(plain)
-    assert hardware.cpu_defaults().bf16_collectives_in_f32
+    assert calibration.cpu_defaults().bf16_collectives_in_f32
     assert not any(hardware.get(n).bf16_collectives_in_f32 for n in ("v5e", "h100", "a100"))
 
 
@@ -286,7 +286,7 @@ def test_a_measured_collective_is_priced_at_its_measurement():
     row = Row("mlp", "fwd", "collective", "psum", "float32", (256,), 0.0, 1024.0, 1,
               ("tp",), 2)
     other = row.replace(bytes=2048.0)
-    hw = dataclasses.replace(hardware.cpu_defaults(),
+    hw = dataclasses.replace(calibration.cpu_defaults(),
                              collective_seconds={collective_key(row): 0.125})
     assert collective_seconds(row, hw, (("tp", 2),)) == 0.125
     latency, bw = hw.collective_fit["all-reduce"]
@@ -320,7 +320,7 @@ def test_page_faults_add_every_devices_mapped_bytes_spread_over_the_cores(monkey
     from engine.cost.pipeline import predict_step
 
     monkeypatch.setattr(price.os, "cpu_count", lambda: 2)
-    hw = dataclasses.replace(hardware.cpu_defaults(), fault_cost=1e-9)
+    hw = dataclasses.replace(calibration.cpu_defaults(), fault_cost=1e-9)
     assert price.fault_seconds(hw, 1, 1e8) == pytest.approx(0.1)
     assert price.fault_seconds(hw, 8, 1e8) == pytest.approx(8 * 0.1 / 2)
     assert price.fault_seconds(hw, 8, 0) == 0.0

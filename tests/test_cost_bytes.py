@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from engine.cost import hardware
+from engine.cost import calibration, hardware
 from engine.parallel.layout import Layout
 
 
@@ -230,7 +230,7 @@ def test_a_scans_stacked_traffic_is_priced_out_of_cache():
     share = {"dynamic_update_slice": 0.5, "dynamic_slice": 0.5, "broadcast_in_dim": 1.0}
     assert {r.primitive for r in cold} == set(share)
     assert all(r.scan_stack == share[r.primitive] for r in cold)
-    hw = hardware.cpu_defaults()
+    hw = calibration.cpu_defaults()
     assert hw.cold_hbm == 0 and all(p.cold_hbm == 0 for p in hardware.PROFILES.values())
     slow = dataclasses.replace(hw, cold_hbm=hw.hbm / 4)
     for r in rows:
@@ -348,7 +348,7 @@ def test_a_carry_the_body_still_reads_after_replacing_it_is_copied_every_iterati
         for r in rows:
             assert (r.primitive, r.bytes, r.count) == ("copy", 2 * 128 * 128 * 4, 6)
             assert not r.scan_stack
-            assert moved_bytes(r, hardware.cpu_defaults()) == r.bytes
+            assert moved_bytes(r, calibration.cpu_defaults()) == r.bytes
             assert moved_bytes(r, dataclasses.replace(hardware.get("h100"), fusion=False)) == 0
             assert moved_bytes(r, hardware.get("v5e")) == 0
 

@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from engine.cost import hardware
+from engine.cost import calibration, hardware
 from engine.cost.ledger import Row
 from engine.cost.price import collective_seconds, compute_seconds, predict
 
@@ -80,7 +80,7 @@ def test_profiles_slowdown_and_the_cpu_exposes_everything():
         assert hardware.get(name).overlap_slowdown == 0.189
     for name in ("v4", "v5e", "v5p"):
         assert hardware.get(name).overlap_slowdown == 0.0
-    cpu = dataclasses.replace(hardware.cpu_defaults(), beside_cost=0.0)
+    cpu = dataclasses.replace(calibration.cpu_defaults(), beside_cost=0.0)
     rows = [matmul("mlp", 1e10), gather("gather_params", "bwd", 1e6)]
     _, (comm,) = seconds(rows, cpu)
     assert predict(rows, cpu, MESH).exposed_comm_s == pytest.approx(comm)
@@ -93,7 +93,7 @@ def test_on_a_shared_host_what_would_hide_is_exposed_and_contends_with_the_compu
     runs beside it on the same cores and costs 1 + beside_cost times its own time; one
     between dependent computations (a forward gather without prefetch, a tp
     all-reduce) costs its own time. The compute is priced as it was."""
-    cpu = dataclasses.replace(hardware.cpu_defaults(), beside_cost=beside)
+    cpu = dataclasses.replace(calibration.cpu_defaults(), beside_cost=beside)
     rows = [matmul("mlp", 1e10), gather("gather_params", "bwd", 1e6),
             gather("gather_params", "fwd", 1e6), gather("attention", "fwd", 1e6)]
     comp, (bwd, fwd, tp) = seconds(rows, cpu)
@@ -103,4 +103,4 @@ def test_on_a_shared_host_what_would_hide_is_exposed_and_contends_with_the_compu
     assert plain.exposed_comm_s == pytest.approx((1 + beside) * bwd + fwd + tp)
     assert ahead.exposed_comm_s == pytest.approx((1 + beside) * (bwd + fwd) + tp)
     assert ahead.step_s == pytest.approx(comp + ahead.exposed_comm_s)
-    assert hardware.cpu_defaults().beside_cost == 0.88  # CPU_DEFAULTS, measured here
+    assert calibration.cpu_defaults().beside_cost == 0.88  # CPU_DEFAULTS, measured here

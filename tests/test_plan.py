@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from engine.config import TrainConfig, model_config  # noqa: E402
-from engine.cost import hardware  # noqa: E402
+from engine.cost import calibration, hardware  # noqa: E402
 from engine.cost.ledger import step_ledger  # noqa: E402
 from engine.cost.price import predict  # noqa: E402
 from engine.parallel import validate
@@ -171,7 +171,7 @@ def test_orders_share_one_traced_program():
     same_axes = lambda rows: [dataclasses.replace(r, axes=tuple(sorted(r.axes))) for r in rows]
     assert same_axes(rows_a) == same_axes(rows_b)
     assert rows_a != rows_b  # the comparison above can fail
-    for hw in (hardware.cpu_defaults(), hardware.get("h100")):
+    for hw in (calibration.cpu_defaults(), hardware.get("h100")):
         for lay in (a, b):
             assert (predict(rows_a, hw, lay.mesh_axes()).step_s
                     == predict(rows_b, hw, lay.mesh_axes()).step_s)
@@ -196,7 +196,7 @@ def test_pp_candidates_choose_a_schedule_and_share_its_trace():
           and c.parallel.tp_comm == "ring" and c.parallel.zero == 3 and not c.parallel.prefetch}
     assert by["gpipe"].program == by["1f1b"].program != by["interleaved"].program
     rows = {s: step_ledger(cfg, tcfg, lay, by[s].parallel) for s in ("gpipe", "1f1b")}
-    for hw in (hardware.cpu_defaults(), hardware.get("h100")):
+    for hw in (calibration.cpu_defaults(), hardware.get("h100")):
         own = predict_step(rows["1f1b"], hw, lay, by["1f1b"].parallel)[0].step_s
         shared = predict_step(rows["gpipe"], hw, lay, by["1f1b"].parallel)[0].step_s
         assert shared == pytest.approx(own, rel=1e-3)
@@ -321,7 +321,7 @@ def test_refine_prices_the_near_candidates_with_their_timed_matmuls():
     from engine.cost.price import compute_seconds
 
     cfg, tcfg = model_config("tiny"), TrainConfig(batch=4, seq=32)
-    hw = hardware.cpu_defaults()
+    hw = calibration.cpu_defaults()
     ranked = plan.plan(cfg, tcfg, 2, hw, None, {"remat": "full"}).ranked
     near = [p for p in ranked if p.step_s <= 1.15 * ranked[0].step_s]
     assert 1 < len(near) < len(ranked)
@@ -354,7 +354,7 @@ def test_refine_prices_the_near_candidates_with_their_timed_matmuls():
 @pytest.mark.slow
 def test_over_memory_candidates_are_dropped():
     cfg, tcfg = model_config("tiny"), TrainConfig(batch=4, seq=32)
-    hw = hardware.cpu_defaults()
+    hw = calibration.cpu_defaults()
     full = plan.plan(cfg, tcfg, 2, hw, None, {"remat": "full"})
     peaks = sorted({p.peak_bytes for p in full.ranked})
     cut = (peaks[0] + peaks[-1]) / 2
@@ -395,7 +395,7 @@ def test_a_step_that_maps_its_temporaries_pays_their_page_faults_on_the_cpu():
     if not host.keep_freed_memory():
         pytest.skip("not glibc: the mapped temporaries are not modelled")
     cfg, tcfg, hw = model_config("small", remat="full", dtype="bf16"), TrainConfig(), \
-        hardware.cpu_defaults()
+        calibration.cpu_defaults()
     (single,) = plan.plan(cfg, tcfg, 1, hw, None, {"remat": "full"}).ranked
     c = single.candidate
     mem = fit.predicted(cfg, tcfg, c.parallel, c.layout, hw)

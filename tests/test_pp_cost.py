@@ -133,7 +133,7 @@ def test_pipeline_price_is_ticks_of_the_slowest_stage(name, v, pp):
     on every stage, so every schedule takes (V·M + p - 1)(F + B) and idles
     (p-1)/(V·M+p-1) of a stage's time, whatever B / F. On a shared host idle slots cost
     no time, V·M (F + B), though a stage waits as long."""
-    from engine.cost import hardware
+    from engine.cost import calibration, hardware
     from engine.cost.pipeline import predict_pipeline
     from engine.cost.price import predict
     from layers import scopes
@@ -155,7 +155,7 @@ def test_pipeline_price_is_ticks_of_the_slowest_stage(name, v, pp):
             assert got.step_s == pytest.approx(units + T * tick)
             assert units == pytest.approx((v * m + pp - 1) * (F + B))
             assert got.bubble == pytest.approx(formula)
-            cpu = hardware.cpu_defaults()
+            cpu = calibration.cpu_defaults()
             F, B, tick = (predict([dataclasses.replace(r, count=1)], cpu, mesh).step_s
                           for r in rows)
             shared = predict_pipeline(rows, cpu, mesh, the_plan)
@@ -213,7 +213,7 @@ def test_uniform_pipeline_price_runs_every_kind_of_unit_its_tick_holds(name):
     included), so a tick costs F, B, or F + B when some stage's forward slot and some
     stage's backward slot are full, on an accelerator and on a shared host alike: both
     schedules take (M + p - 1)(F + B)."""
-    from engine.cost import hardware
+    from engine.cost import calibration, hardware
     from engine.cost.ledger import Row
     from engine.cost.pipeline import predict_pipeline
     from engine.cost.price import predict
@@ -226,7 +226,7 @@ def test_uniform_pipeline_price_runs_every_kind_of_unit_its_tick_holds(name):
                pp=(scopes.PP_TICK, scopes.PP_BACKWARD, scopes.PP_LAST))
     rows = [_unit_row(scopes.PP_FORWARD, 1e12, T), _unit_row(scopes.PP_BACKWARD, 2e12, T),
             head, _unit_row(None, 1e9, T)]
-    for hw in (hardware.get("h100"), hardware.cpu_defaults()):
+    for hw in (hardware.get("h100"), calibration.cpu_defaults()):
         one = lambda rs: predict([dataclasses.replace(r, count=1) for r in rs], hw,  # noqa: E731
                                  (("pp", pp),)).step_s
         F, B, tick = one(rows[:1]), one(rows[1:3]), one(rows[3:])

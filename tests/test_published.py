@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from engine.config import ParallelConfig, TrainConfig, model_config
-from engine.cost import hardware, memory
+from engine.cost import attention_rates, hardware, memory
 from engine.parallel.layout import Layout
 
 
@@ -116,7 +116,7 @@ def test_rows_price_the_attention_kernel_and_chip_their_source_ran():
     foundry = [r for r in RUNS if r.name.startswith("llm-foundry")]
     titan = next(r for r in RUNS if r.name.startswith("torchtitan"))
     maxtext = next(r for r in RUNS if r.name.startswith("MaxText"))
-    flash2 = hardware.FLASH_ATTENTION_2
+    flash2 = attention_rates.FLASH_ATTENTION_2
     # torchtitan: FlashAttention-2, slower than the h100 profile's cuDNN kernel
     hw, cudnn = profile(titan), hardware.get("h100")
     assert hw.attention_rates == flash2[titan.hardware]["attention_rates"]
@@ -128,7 +128,7 @@ def test_rows_price_the_attention_kernel_and_chip_their_source_ran():
     assert {r.hardware for r in foundry} == {"h100", "a100"}
     for r in foundry:
         hw, fa2 = profile(r), dataclasses.replace(hardware.get(r.hardware), **flash2[r.hardware])
-        assert hw.attention_rates == hardware.FLASH_ATTENTION_TRITON[r.hardware]["attention_rates"]
+        assert hw.attention_rates == attention_rates.FLASH_ATTENTION_TRITON[r.hardware]["attention_rates"]
         fwd, bwd = (hw.attention_fraction(r.seq, b) for b in (False, True))
         assert fwd == bwd < min(fa2.attention_fraction(r.seq, b) for b in (False, True))
     a100 = profile(next(r for r in foundry if r.hardware == "a100"))

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import pytest
 
 from engine.config import ParallelConfig, TrainConfig, model_config
-from engine.cost import hardware
+from engine.cost import calibration, hardware
 from engine.cost.ledger import ledger, relayout_order, step_ledger
 from engine.cost.microbench import flat_mesh, relayout_bandwidth, typical_relayout
 from engine.cost.price import predict
@@ -65,7 +65,7 @@ def test_relayout_copies_are_priced_on_the_cpu_only():
     rows = step_ledger(CFG, TCFG, lay)
     copies = [r for r in rows if r.relayout]
     assert copies
-    cpu = dataclasses.replace(hardware.cpu_defaults(), relayout_bw=1e9)
+    cpu = dataclasses.replace(calibration.cpu_defaults(), relayout_bw=1e9)
     pred = predict(rows, cpu, lay.mesh_axes())
     priced = sum(p.seconds for p in pred.rows if p.row.relayout)
     assert priced == pytest.approx(8 * sum(r.bytes * r.count for r in copies) / 1e9)
@@ -115,7 +115,7 @@ def test_a_bf16_collective_is_cast_to_f32_and_back_on_the_cpu_only(monkeypatch):
     rs = next(r for r in bf16 if r.primitive == "reduce_scatter")
     assert widen_bytes("reduce-scatter", rs.bytes, 4) == 1.5 * rs.bytes * (1 + 1 / 4)
     assert not any(r.widen for r in rows if r.kind == "collective")
-    cpu, h100 = hardware.cpu_defaults(), hardware.get("h100")
+    cpu, h100 = calibration.cpu_defaults(), hardware.get("h100")
     assert set(casts) <= set(priced_rows(rows, cpu))
     assert not set(casts) & set(priced_rows(rows, h100))
     assert sum(p.seconds for p in predict(rows, cpu, lay.mesh_axes()).rows

@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import roofline  # noqa: E402
 from engine.config import TrainConfig, model_config  # noqa: E402
-from engine.cost import hardware  # noqa: E402
+from engine.cost import calibration, hardware  # noqa: E402
 from engine.cost.ledger import step_ledger  # noqa: E402
 from engine.cost.price import model_flops, predict, predicted_mfu  # noqa: E402
 from engine.parallel.layout import Layout  # noqa: E402
@@ -168,7 +168,7 @@ def test_mfu_is_a_percent_of_the_machine_peak(tmp_path, capsys):
 
 def test_cpu_defaults_mfu_peak_is_not_below_the_pricing_rate():
     """A peak below the rate pricing assumes puts MFU over 100% for a step priced at it."""
-    d = hardware.CPU_DEFAULTS
+    d = calibration.CPU_DEFAULTS
     for dtype in ("float32", "bfloat16"):
         assert d["mfu_peak"][dtype] >= d["peak_flops"][dtype]
 
@@ -188,7 +188,7 @@ def test_predicted_points_sit_on_or_under_the_roofs(tmp_path, concurrent):
     """Every scope's predicted rate (FLOP/s per device) is at most the best roof at its
     intensity: roofs are the rates the prediction used, per device (divided by the
     device count only when the profile's rates are the whole host's)."""
-    hw = hardware.cpu_profile(_profile_file(tmp_path))
+    hw = calibration.cpu_profile(_profile_file(tmp_path))
     if concurrent:  # as microbench.in_run_profile leaves it: per-device rates, dots timed
         cfg, tcfg, lay = model_config("tiny"), TrainConfig(), Layout.parse("fsdp8")
         rows = step_ledger(cfg, tcfg, lay)
@@ -210,7 +210,7 @@ def test_predicted_points_sit_on_or_under_the_roofs(tmp_path, concurrent):
 
 
 def test_predicted_mfu_uses_mfu_peak(tmp_path):
-    hw = hardware.cpu_profile(_profile_file(tmp_path, mfu_peak={"float32": 1e11}))
+    hw = calibration.cpu_profile(_profile_file(tmp_path, mfu_peak={"float32": 1e11}))
     cfg, tcfg = model_config("tiny", dtype="f32"), TrainConfig()
     lay = Layout.parse("single")
     pred = predict(step_ledger(cfg, tcfg, lay), hw, lay.mesh_axes())

@@ -138,7 +138,7 @@ def test_xla_cost_reads_the_flops_and_counts_the_loops():
 
 def test_ledger_cost_counts_the_attention_the_compile_runs():
     from engine.config import ParallelConfig, TrainConfig, model_config
-    from engine.cost import hardware
+    from engine.cost import calibration
     from engine.cost.ledger import step_ledger
     from engine.cost.price import priced_rows
     from engine.parallel.layout import Layout
@@ -151,7 +151,7 @@ def test_ledger_cost_counts_the_attention_the_compile_runs():
     # and none of the copies XLA:CPU adds to lay out dot operands (XLA:TPU's layout
     # assignment picks the dots' operand layouts itself) or the casts it adds around bf16
     # collectives (XLA:TPU runs them in bf16)
-    on_cpu = [r for r in priced_rows(rows, hardware.cpu_defaults()) if r.kind != "collective"]
+    on_cpu = [r for r in priced_rows(rows, calibration.cpu_defaults()) if r.kind != "collective"]
     assert any(r.kernel == "blocked" for r in on_cpu) and any(r.relayout for r in on_cpu)
     assert any(r.widen for r in on_cpu)
     on_cpu = [r for r in on_cpu if not (r.relayout or r.widen)]

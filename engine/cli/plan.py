@@ -141,7 +141,7 @@ def main(argv=None) -> int:
         check_apart({"--calibration": mine.calibration}, {"--json": mine.json})
         if mine.json:
             check_output_file(mine.json, "--json")
-        from engine.cost.hardware import ProfileError
+        from engine.cost.calibration import ProfileError
 
         try:
             hw = hardware_profile(mine.hardware, mine.calibration)

@@ -1,21 +1,18 @@
 """Hardware profiles: what one chip computes and moves per second, from published specs.
 
 Peak figures are dense (no sparsity) per chip. Efficiency factors turn peaks into what
-well-tuned kernels reach, each justified where it is set. The `cpu` profile is measured
-on this machine by `bench/calibrate.py`, which writes `CALIBRATION_PATH`.
+well-tuned kernels reach, each justified where it is set. The attention kernels' rates
+are in engine/cost/attention_rates.py; the `cpu` profile, measured on this machine by
+`bench/calibrate.py`, in engine/cost/calibration.py.
 """
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import os
 from pathlib import Path
 
+from engine.cost.attention_rates import A100_SXM_BF16, H100_CUDNN, H100_SXM_BF16, flash_rates
 from engine.cost.nccl import NcclNet
-
-CALIBRATION_PATH = Path(os.environ.get("SHARDWISE_CPU_PROFILE",
-                                       Path.home() / ".cache" / "shardwise" / "cpu_profile.json"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -241,47 +238,8 @@ def _tpu(name, bf16, hbm, ici_one_way, fast_domain, capacity, torus):
 # (arXiv:2507.03114): GPT and LLaMA training on 4 A100, H100, MI250 and MI210, compute
 # kernels overlapped with collectives run 18.9% slower on average (40.0% at most) than
 # with no communication beside them.
-# Attention: the flash kernel XLA calls on GPU (cuDNN fused attention), bf16, head
-# dim 128, causal.
-# - H100: `attention_rates` from the FlashAttention-3 paper (Shah et al. 2024,
-#   arXiv:2407.08608), H100 80GB SXM5, head dim 128, sequence 512 to 16k at 16k tokens
-#   per batch: the forward figure with causal mask (Fig. 5, "Attention forward speed")
-#   and the backward figure, published without causal mask only (Fig. 6, "Attention
-#   backward speed"), taken as the causal backward's (an upper bound: at short
-#   sequences a causal kernel runs below its non-causal speed, as the forward does).
-#   cuDNN: forward 315 / 410 / 484 / 518 / 529 / 539 TFLOP/s, backward 305 / 408 / 465 /
-#   499 / 518 / 516 at 512 / 1k / 2k / 4k / 8k / 16k (`H100_CUDNN`).
-# - A100: FlashAttention-2 (Dao 2023, arXiv:2307.08691): forward + backward at 50-73% of
-#   the A100's peak across its benchmarks, head dim 128 causal near the low end:
-#   attention_eff 0.55 of the peak for both, over the causal tiles computed
-#   (price.causal_tile_fraction); no per-length figures are transcribed here.
-# A run whose framework called an older kernel is priced at that kernel's rate
-# (`FLASH_ATTENTION_2`): FlashAttention-2 on H100 (no WGMMA / TMA, written for Ampere),
-# same figures of the FlashAttention-3 paper: forward with causal mask 191 / 260 / 298 /
-# 319 / 333 / 335 TFLOP/s (backward without it 214 / 260 / 291 / 310 / 318 / 322). Its
-# causal backward is what the causal forward + backward of the flash-attention
-# repository's H100 figure (assets/flash2_h100_fwd_bwd_benchmark.png, the
-# FlashAttention-2 paper's Fig. 7d, "FlashAttention-2", causal, head dim 128) leaves
-# after that forward: 163 / 221 / 265 / 294 / 308 / 328 TFLOP/s forward + backward, in
-# the benchmark's convention of 2.5 forwards' FLOPs a backward (its
-# benchmarks/benchmark_flash_attention.py `flops`), so backward = 2.5 / (3.5 / fwd_bwd -
-# 1 / fwd): 154 / 208 / 254 / 285 / 299 / 325 (`causal_backward`), below the non-causal
-# backward at every length but 16k, as a causal kernel's skipped and masked tiles make
-# it. On A100 FlashAttention-2 is the kernel the profile already prices (0.55).
-# The first FlashAttention's kernels (`FLASH_ATTENTION_TRITON`): its Triton port
-# (flash_attn_triton.py of the flash-attention repository, Triton before its MLIR
-# backend) on A100, and the CUDA kernel (FlashAttention-1) on H100, from the benchmark
-# figures of the flash-attention repository's README (assets/flash2_a100_fwd_bwd_benchmark.png
-# and flash2_h100_fwd_bwd_benchmark.png, the FlashAttention-2 paper's Figs. 4 and 7),
-# forward + backward with causal mask, head dim 128, 512 / 1k / 2k / 4k / 8k / 16k:
-# "FlashAttention Triton" on A100 80GB SXM4 50 / 61 / 68 / 74 / 78 / 80 TFLOP/s;
-# "FlashAttention" on H100 80GB SXM5 98 / 109 / 108 / 126 / 135 / 137. The figures give
-# forward + backward only, so both passes are priced at that rate (exact for their sum,
-# the step's case without recomputation). No H100 figure of the Triton port is
-# published; the CUDA kernel stands for it: on the A100 figure the two are within 1-5
-# TFLOP/s at every length (FlashAttention 55 / 62 / 69 / 76 / 80 / 83), and the port's
-# own docstring says "Overall Triton forward + backward is slightly slower than CUDA
-# forward + backward".
+# Attention: the kernels' published rates and their sources are in
+# engine/cost/attention_rates.py (`H100_CUDNN`, `FLASH_ATTENTION_2`, ...).
 # HBM per chip: 80 GB (A100-SXM4-80GB and H100-SXM5 datasheets).
 #
 # Collectives (`nccl`, engine/cost/nccl.py: NCCL's own cost model and algorithm choice),
@@ -317,44 +275,6 @@ HOPPER_SUSTAINED = 698.6 / 823.9
 A100_NCCL = NcclNet(nvlink=232e9, nic=24e9, arch="ampere")
 
 
-# (sequence, forward TFLOP/s, backward TFLOP/s) of the FlashAttention-3 paper's
-# H100 SXM5 benchmarks, head dim 128 (the figures above)
-H100_CUDNN = ((512, 315, 305), (1024, 410, 408), (2048, 484, 465), (4096, 518, 499),
-              (8192, 529, 518), (16384, 539, 516))
-H100_FA2_FWD = ((512, 191), (1024, 260), (2048, 298), (4096, 319), (8192, 333),
-                (16384, 335))
-# (sequence, forward + backward TFLOP/s) of FlashAttention-2 on H100, causal, head dim 128
-H100_FA2_FWD_BWD = ((512, 163), (1024, 221), (2048, 265), (4096, 294), (8192, 308),
-                    (16384, 328))
-
-
-def causal_backward(forward, forward_backward) -> tuple:
-    """((sequence, forward, backward TFLOP/s), ...) from a kernel's published forward
-    and forward + backward speeds at the same sequences: the backward's time is the pair's
-    less the forward's, its FLOPs 2.5 forwards' (the flash-attention benchmarks' count)."""
-    both = dict(forward_backward)
-    return tuple((s, f, 2.5 / (3.5 / both[s] - 1 / f)) for s, f in forward)
-
-
-H100_FA2 = causal_backward(H100_FA2_FWD, H100_FA2_FWD_BWD)
-# (sequence, forward + backward TFLOP/s) of the first FlashAttention's kernels, head dim
-# 128, causal (the figures above)
-A100_FA_TRITON = ((512, 50), (1024, 61), (2048, 68), (4096, 74), (8192, 78), (16384, 80))
-H100_FA1 = ((512, 98), (1024, 109), (2048, 108), (4096, 126), (8192, 135), (16384, 137))
-
-
-# the bf16 peaks the benchmarks' chips are rated at (H100 SXM5, A100 SXM4)
-H100_SXM_BF16 = 989e12
-A100_SXM_BF16 = 312e12
-
-
-def flash_rates(peak: float, table) -> tuple:
-    """`Hardware.attention_rates` from ((sequence, forward, backward TFLOP/s), ...)
-    measured on a chip of bf16 matmul `peak` FLOP/s; ((sequence, forward + backward),
-    ...): both passes at that rate."""
-    return tuple((s, r[0] * 1e12 / peak, r[-1] * 1e12 / peak) for s, *r in table)
-
-
 PROFILES = {
     "v4": _tpu("TPU v4", 275e12, 1.2e12, 4.5e10, 4096, 32 * 2**30, (4, 4, 4)),
     "v5e": _tpu("TPU v5e", 197e12, 8.1e11, 4.5e10, 256, 16 * 2**30, (16, 16)),
@@ -367,27 +287,6 @@ PROFILES = {
         attention_rates=flash_rates(H100_SXM_BF16, H100_CUDNN),
         matmul_sustained=HOPPER_SUSTAINED),
 }
-
-# The profile fields of FlashAttention-2 (the kernel PyTorch's SDPA flash backend and
-# flash-attn 2 run) per GPU profile, from the figures above.
-_H100_FA2 = dict(attention_rates=flash_rates(H100_SXM_BF16, H100_FA2))
-FLASH_ATTENTION_2 = {"h100": _H100_FA2, "h100-gt": _H100_FA2,
-                     "a100": dict(attention_eff=0.55, attention_rates=())}
-# The profile fields of the first FlashAttention's kernels (its Triton port on A100, the
-# CUDA kernel standing for it on H100), from the figures above.
-_H100_FA1 = dict(attention_rates=flash_rates(H100_SXM_BF16, H100_FA1))
-FLASH_ATTENTION_TRITON = {"h100": _H100_FA1, "h100-gt": _H100_FA1,
-                          "a100": dict(attention_eff=0.0, attention_rates=flash_rates(
-                              A100_SXM_BF16, A100_FA_TRITON))}
-# A GPU run whose loss is flash-attn's fused softmax cross-entropy (its CrossEntropyLoss,
-# the xentropy CUDA kernel: llm-foundry's MPT `loss_fn` default, `fused_crossentropy`,
-# llmfoundry/models/mpt/modeling_mpt.py): its forward saves the logits as they come (bf16
-# under autocast) and its backward writes dlogits with `torch.empty_like(logits)`, so the
-# loss holds two compute-dtype [B, L, V] buffers where an f32 loss holds f32 ones
-# (engine/cost/memory_items.py `loss_items`).
-FUSED_CROSS_ENTROPY = dict(memory_platform="accelerator-xentropy")
-# a framework's attention kernel (bench/published.py `FRAMEWORKS`) -> its fields
-KERNELS = {"flash2": FLASH_ATTENTION_2, "triton": FLASH_ATTENTION_TRITON}
 
 # H100 as torchtitan's benchmark pages describe their Grand Teton hosts: "96GB HBM2e with
 # 2.4 TB/sec peak memory bandwidth", run at "the default 500W power limit" (the SXM5
@@ -416,118 +315,12 @@ PROFILES["h100-a3"] = dataclasses.replace(
     slow=Link(A3_HIGH_NIC, PROFILES["h100"].slow.latency),
     nccl=dataclasses.replace(H100_NCCL, nic=A3_HIGH_NIC))
 
-# The cpu profile used only when no calibration file exists. Each figure, its command
-# and its host are in bench/results/:
-# peak_flops (the median rate of `small`'s matmul shapes as the step writes them, their
-# operands' relayout copies inside), hbm (one device, out of cache; no hbm_cold) and
-# collective_fit (kind -> (latency per ring hop s, bandwidth B/s)) but all-to-all:
-#   `python bench/calibrate.py`, 2026-11-22-calibrate-zen5c2.md
-# mfu_peak (engine/run/mfu.py's 2048^3 matmul) and all-to-all (`microbench_comm.collective_times`
-#   + `fit`; as pessimistic as that run's all-gather): 2026-11-23-calibrate-cpu.md
-# vector_flops, transcendental_flops: bench/calibrate.py's one-device rates,
-#   2026-11-25-calibrate-cpu.md
-# beside_cost (`microbench_comm.beside_cost`), fault_cost (`microbench.fault_cost`), relayout_bw
-#   (`python bench/calibrate.py`): the middle of three runs each, 2026-11-27-microbench-xeon2c.md
-CPU_DEFAULTS = {
-    "peak_flops": {"float32": 6.5e10, "bfloat16": 4.5e10},
-    "mfu_peak": {"float32": 9.71e10, "bfloat16": 5.39e10},
-    "vector_flops": 3.62e10, "transcendental_flops": 2.17e9, "hbm": 2.5e9, "beside_cost": 0.88,
-    "fault_cost": 6.59e-10, "relayout_bw": 6.07e9,
-    "collective_fit": {"all-gather": (1.0e-4, 1.9e9), "reduce-scatter": (9.2e-5, 1.4e9),
-                       "all-reduce": (4.1e-5, 1.1e9), "collective-permute": (7.1e-5, 8.1e8),
-                       "all-to-all": (1.9e-5, 1.5e8)},
-}
-
-
-class ProfileError(ValueError):
-    """A calibration file that is missing, unreadable or not a cpu profile (one line)."""
-
-
-def _non_negative(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and x >= 0
-
-
-def _positive(x) -> bool:
-    return _non_negative(x) and x > 0
-
-
-def load_calibration(path: Path | str) -> dict:
-    """A `bench/calibrate.py` file's contents, checked; raises ProfileError."""
-    path = Path(path)
-    if not path.is_file():
-        raise ProfileError(f"calibration file {path}: "
-                           + ("is a directory" if path.is_dir() else "not found"))
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ProfileError(f"calibration file {path}: not readable JSON ({e})") from None
-    problems = []
-    if not isinstance(data, dict):
-        raise ProfileError(f"calibration file {path}: want a JSON object "
-                           f"(bench/calibrate.py's output)")
-    for key in ("hbm", "vector_flops"):
-        if not _positive(data.get(key)):
-            problems.append(f"{key} must be a positive number")
-    for key in ("hbm_cold", "transcendental_flops", "fault_cost", "relayout_bw"):
-        if key in data and not _positive(data[key]):
-            problems.append(f"{key} must be a positive number")
-    if "beside_cost" in data and not _non_negative(data["beside_cost"]):
-        problems.append("beside_cost must be a number >= 0")
-    for key in ("peak_flops", "mfu_peak"):
-        rates = data.get(key, {} if key == "mfu_peak" else None)
-        if not isinstance(rates, dict) or (key == "peak_flops" and "float32" not in rates) \
-                or not all(_positive(v) for v in rates.values()):
-            problems.append(f"{key} must map dtypes (float32 at least) to positive FLOP/s")
-    fit = data.get("collective_fit")
-    if not isinstance(fit, dict) or not all(
-            isinstance(v, list) and len(v) == 2 and all(isinstance(x, (int, float)) for x in v)
-            and v[1] > 0 for v in fit.values()):
-        problems.append("collective_fit must map kinds to [latency, bandwidth]")
-    if problems:
-        raise ProfileError(f"calibration file {path}: " + "; ".join(problems)
-                           + " (rerun bench/calibrate.py)")
-    return data
-
-
-def cpu_profile(path: Path | str | None = None) -> Hardware:
-    """The CPU profile from `path` (which must exist), else from CALIBRATION_PATH when
-    it exists, else CPU_DEFAULTS. Raises ProfileError for a bad file.
-
-    Each forced device is a thread of one host, so compute adds up across devices
-    (shared_host) and collectives are synchronous memory copies (no overlap). A
-    collective's time is `collective_fit[kind] = (latency, bandwidth)` fitted from
-    measured times vs bytes on the 8-device mesh. Memory: `hbm` is the host's rate on
-    data its caches hold, `hbm_cold` on data they do not (`Hardware.cold_hbm`); a file
-    without `hbm_cold` (and CPU_DEFAULTS) prices all traffic at `hbm`."""
-    if path is None and not CALIBRATION_PATH.exists():
-        return cpu_defaults()
-    path = Path(path) if path else CALIBRATION_PATH
-    return _cpu(load_calibration(path), f"calibrated ({path})")
-
-
-def cpu_defaults() -> Hardware:
-    """The CPU profile from CPU_DEFAULTS, whatever calibration file exists."""
-    return _cpu(CPU_DEFAULTS, "built-in defaults (run bench/calibrate.py)")
-
-
-def _cpu(data: dict, source: str) -> Hardware:
-    fit = {k: tuple(v) for k, v in data["collective_fit"].items()}
-    bw, lat = fit.get("all-gather", (2e-5, data["hbm"]))[::-1]
-    return Hardware("cpu", dict(data["peak_flops"]), data["vector_flops"], data["hbm"],
-                    Link(bw, lat), Link(bw, lat), 1 << 30, overlap=False, shared_host=True,
-                    bf16_collectives_in_f32=True, collective_fit=fit,
-                    cold_hbm=data.get("hbm_cold", 0.0),
-                    transcendental_flops=data.get("transcendental_flops", 0.0),
-                    beside_cost=data.get("beside_cost", 0.0),
-                    fault_cost=data.get("fault_cost", 0.0),
-                    relayout_bw=data.get("relayout_bw", data["hbm"]),
-                    mfu_peak=dict(data.get("mfu_peak", {})), source=source)
-
-
 def get(name: str, calibration: Path | str | None = None) -> Hardware:
     """Profile by command-line name: cpu | v4 | v5e | v5p | a100 | h100 | h100-gt |
     h100-a3."""
     if name == "cpu":
+        from engine.cost.calibration import cpu_profile
+
         return cpu_profile(calibration)
     if name not in PROFILES:
         raise KeyError(f"unknown hardware {name!r} (known: cpu, {', '.join(PROFILES)})")

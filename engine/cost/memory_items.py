@@ -346,7 +346,7 @@ def saved_by_remat(d: Dims, cfg: ModelConfig, par, trans_full: dict,
 
 
 # the memory platform of a GPU whose loss is a fused softmax cross-entropy kernel
-# (flash-attn's xentropy, `hardware.FUSED_CROSS_ENTROPY`)
+# (flash-attn's xentropy, `attention_rates.FUSED_CROSS_ENTROPY`)
 XENTROPY = "accelerator-xentropy"
 
 

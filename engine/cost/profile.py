@@ -10,7 +10,7 @@ table attributes the traced steps' median wall time to ledger categories as
 bench/roofline.py does (engine/cost/trace.py: op events, classified by the compiled
 step's HLO, split in proportion to summed op time) and sets the cost model's prediction
 beside it: `price.predict` (with pp, `engine.cost.pipeline.predict_step` along the
-schedule) on the ledger of the same step, on the `cpu` profile (engine/cost/hardware.py:
+schedule) on the ledger of the same step, on the `cpu` profile (engine/cost/calibration.py:
 the calibration file, else the built-in defaults). Last, the compiled ops that took the
 most of the measured time, each with what it computes (a fusion's opcodes).
 """
@@ -130,7 +130,7 @@ class Profile:
         (engine/cost/report.py) of the traced steps: measured (attributed from the
         trace) vs predicted (the cpu profile); last, the `TOP_OPS` compiled ops that took
         the most of the measured time."""
-        from engine.cost import hardware, report, trace
+        from engine.cost import calibration, hardware, report, trace
         from engine.cost.audit import axes_by_groups
         from engine.cost.predicted import predict_run_step
 
@@ -143,9 +143,9 @@ class Profile:
                                 info, text, TOP_OPS)
         try:
             hw = hardware.get("cpu")
-        except hardware.ProfileError as e:
+        except calibration.ProfileError as e:
             self.say(f"note: {e}; predicting with the built-in cpu defaults")
-            hw = hardware.cpu_defaults()
+            hw = calibration.cpu_defaults()
         # pp: along the schedule; the compiled step's temporaries mapped anew each step:
         # their page faults
         pred = predict_run_step(self.cfg, self.tcfg, self.layout, self.parallel,

@@ -15,12 +15,13 @@ def gib(x) -> str:
 
 def hardware_profile(name: str, calibration=None, say=print):
     """The profile to plan with; for the cpu without a calibration file, one line saying
-    that the built-in defaults are used (engine/cost/hardware.py CPU_DEFAULTS)."""
+    that the built-in defaults are used (engine/cost/calibration.py CPU_DEFAULTS)."""
     from engine.cost import hardware
+    from engine.cost.calibration import CALIBRATION_PATH
 
-    if name == "cpu" and calibration is None and not hardware.CALIBRATION_PATH.exists():
-        say(f"no cpu calibration at {hardware.CALIBRATION_PATH} (bench/calibrate.py writes "
-            f"it): planning with the built-in defaults (engine/cost/hardware.py CPU_DEFAULTS)")
+    if name == "cpu" and calibration is None and not CALIBRATION_PATH.exists():
+        say(f"no cpu calibration at {CALIBRATION_PATH} (bench/calibrate.py writes "
+            f"it): planning with the built-in defaults (engine/cost/calibration.py CPU_DEFAULTS)")
     return hardware.get(name, calibration)
 
 
