@@ -93,11 +93,14 @@ class Plan:
     forward_TP, backward_TP: [T, pp] int32, the item m·V + v whose forward / backward
     the device runs at tick t, NONE for none. recv_x_TP, recv_ct_TP: [T, pp] the slot
     where the activation / cotangent arriving at the end of the tick is kept, NONE for
-    none. *_slots: buffer sizes such that item i in slot i % slots never meets another
-    item still held there. weight_TP: [T, pp] the item whose weight gradient W the
-    device runs at tick t under a split schedule (its backward_TP then runs B alone),
-    None otherwise; w_slots: the slots of what W reads of B (a split plan holds the
-    stash slot from the forward to W, which reads it too)."""
+    none. stash_slot_PI: [pp, M·V] int32, the stash slot device s keeps item i in, from
+    its forward to its backward (under a split plan to its W, which reads it too), None
+    without a backward; stash_slots: the most items a device holds at once, its slots
+    (`_colour`). x_slots, ct_slots, w_slots: buffer sizes such that item i in slot
+    i % slots never meets another item still held there. weight_TP: [T, pp] the item
+    whose weight gradient W the device runs at tick t under a split schedule (its
+    backward_TP then runs B alone), None otherwise; w_slots: the slots of what W reads
+    of B."""
 
     forward_TP: np.ndarray
     backward_TP: np.ndarray
@@ -110,6 +113,7 @@ class Plan:
     uniform: bool = False
     weight_TP: np.ndarray | None = None
     w_slots: int = 0
+    stash_slot_PI: np.ndarray | None = None
 
     @property
     def split(self) -> bool:
@@ -216,6 +220,24 @@ def _slots(intervals: list[tuple[int, int, int, int]]) -> int:
     return max(len(intervals), 1)
 
 
+def _colour(intervals: list[tuple[int, int, int, int]], pp: int,
+            n_items: int) -> tuple[int, np.ndarray]:
+    """(K, slot_PI [pp, n_items] int32): each device's items (s, i, written at time a,
+    last read at time b), in order of their writes, take the lowest slot of device s
+    free at a (free again from its item's last read: b <= a). A new slot opens only
+    where every open one holds an item at a, so K, the most slots any device opens, is
+    the most items it holds at once (interval colouring: greedy in start order is
+    optimal)."""
+    slot_PI = np.zeros((pp, n_items), np.int32)
+    free_from: list[list[int]] = [[] for _ in range(pp)]  # per device, each slot's
+    for s, i, a, b in sorted(intervals, key=lambda r: r[2]):
+        frees = free_from[s]
+        k = next((k for k, f in enumerate(frees) if f <= a), len(frees))
+        frees[k:k + 1] = [b]
+        slot_PI[s, i] = k
+    return max(map(len, free_from)), slot_PI
+
+
 def _orders(pp: int, M: int, V: int) -> tuple[list, list]:
     """(forward order, backward order) of one device's units (m, v): microbatches in
     groups of pp, each group through chunk 0, 1, ... forward and back down backward."""
@@ -312,9 +334,11 @@ def _finish(fwd_tick, bwd_tick, fwd_rows, bwd_rows, pp, V, backward, uniform,
         weight_TP = np.asarray(w_rows, np.int32)
         w_slots = _slots([(c % pp, item(m, c), _b(bwd_tick[m, c]), _w(w_tick[m, c]))
                           for (m, c) in w_tick])
+    stash_slots, stash_slot_PI = _colour(stash, pp, len(fwd_tick) // pp) if backward else (
+        0, None)
     return Plan(np.asarray(fwd_rows, np.int32), np.asarray(bwd_rows, np.int32),
-                _slots(stash) if backward else 0, x_slots, ct_slots, recv_x, recv_ct, V,
-                uniform, weight_TP, w_slots)
+                stash_slots, x_slots, ct_slots, recv_x, recv_ct, V, uniform, weight_TP,
+                w_slots, stash_slot_PI)
 
 
 def _split_plan(fwd_tick, bwd_tick, fwd_rows, bwd_rows, pp: int, uniform: bool) -> Plan:
