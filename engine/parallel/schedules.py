@@ -23,7 +23,9 @@ under a fused schedule at the same tick, whose forward slot runs first).
 - interleaved (fused, circular, --pp-virtual V): the model cut into pp·V chunks, device
   s runs chunks s, s + pp, ...; forwards in groups of pp microbatches chunk by chunk
   (Megatron's interleaved order), backwards the reverse, each tick one forward and one
-  backward chunk as 1F1B: (V·M + p − 1)·(F + B)/V when pp divides M.
+  backward chunk as 1F1B: (V·M + p − 1)·(F + B)/V when pp divides M; stage 0 then
+  holds min(V·M, (V + 1)·p − 1) units at once (Megatron's interleaved warm-up
+  2(p − 1) + (V − 1)·p, plus the one a tick's forward writes before its backward frees).
 - zb1 (fused, split: Qi et al. 2023's ZB-H1 in lock-step ticks): each backward split
   into B, the input gradient (what the previous stage waits for), and W, the weight
   gradient (engine/parallel/backward_split.py). The forwards and the Bs run as 1F1B's
@@ -43,6 +45,11 @@ under a fused schedule at the same tick, whose forward slot runs first).
   dispatch cost about a unit's share and a ZeRO-3 forward carries its layers' fsdp
   gathers (1.3-1.8x a B), and the one-unit table idled above 1F1B
   (bench/results/2026-11-29-pipeline-schedules-cpu.md).
+
+A stage holds a unit's stash from its forward to its backward (a split plan's to its
+W) in a slot the table gives (`Plan.stash_slot_PI`, `_colour`): as many slots as the
+stage ever holds units at once, where unit i in slot i % K took up to 1.8x as many on
+interleaved tables (bench/results/2026-11-29-stash-slots-cpu.md).
 """
 from __future__ import annotations
 
