@@ -236,11 +236,14 @@ def _colour(intervals: list[tuple[int, int, int, int]], pp: int,
     the most items it holds at once (interval colouring: greedy in start order is
     optimal)."""
     slot_PI = np.zeros((pp, n_items), np.int32)
-    free_from: list[list[int]] = [[] for _ in range(pp)]  # per device, each slot's
+    free_from: list[list[int]] = [[] for _ in range(pp)]  # per device: when each slot frees
     for s, i, a, b in sorted(intervals, key=lambda r: r[2]):
         frees = free_from[s]
         k = next((k for k, f in enumerate(frees) if f <= a), len(frees))
-        frees[k:k + 1] = [b]
+        if k == len(frees):
+            frees.append(b)  # every open slot holds an item at a: open one more
+        else:
+            frees[k] = b
         slot_PI[s, i] = k
     return max(map(len, free_from)), slot_PI
 
