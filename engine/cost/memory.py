@@ -215,7 +215,8 @@ def pipelined(cfg, tcfg, layout, platform: str = "cpu", parallel=None) -> Memory
     of its own (`stage_problem`: N/pp layers, one microbatch, its params, optimizer state
     and grads as a stage stores them), plus what the pipeline's scan carries:
 
-        stash          stash_slots x what a unit leaves its backward, held once
+        stash          stash_slots x what a unit leaves its backward (the most units
+                       a stage holds at once, `Plan.stash_slot_PI`), held once
                        (XLA:CPU, pp4xfsdp2 tiny, M = 8: gpipe's peak exceeds 1f1b's by
                        its one more slot to 1 %): the unit's residuals (the stage's
                        `residuals` under the remat policy, which then leave the unit's

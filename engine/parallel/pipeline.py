@@ -19,10 +19,11 @@ pipeline_units.py's, and the buffers they leave each other between ticks (the sl
 and the stash) engine/parallel/pipeline_stash.py's.
 
 The backward of a unit is the vjp of the unit, run at its tick. The forward unit runs
-`jax.vjp` and stashes its residuals (`stash_residuals`) in `Plan.stash_slots` slots, and
-the backward applies them, so no forward runs twice: what the blocks' remat policy saves
-per layer (`full`: each layer's input, as Megatron-LM's pipelines keep; `dots`: also the
-named matmul outputs; `none`: everything). The last chunk takes the head's vjp apart
+`jax.vjp` and stashes its residuals (`stash_residuals`) in the slot the table gives its
+stage and item (`Plan.stash_slot_PI`; `Plan.stash_slots` slots, as many as the stage
+holds at once), and the backward applies them, so no forward runs twice: what the
+blocks' remat policy saves per layer (`full`: each layer's input, as Megatron-LM's
+pipelines keep; `dots`: also the named matmul outputs; `none`: everything). The last chunk takes the head's vjp apart
 and keeps its residuals in the last stage's own slots (`Plan.head_slots`). The
 residuals are the leaves of the `jax.vjp` pullbacks (their primal params, made outside
 the vjp by `own`, are not stashed: the backward puts the live ones back; nor what is

@@ -1,7 +1,8 @@
 """The pipeline's slots: the buffers a stage keeps between ticks (engine/parallel/pipeline.py).
 
 Each buffer is [K, ...] with K slots from the tick table (engine/parallel/schedules.py
-`Plan`), item i held in slot i % K:
+`Plan`), item i held in slot i % K but in the stash, whose slot the table gives for each
+stage and item (`Plan.stash_slot_PI`: as many slots as the stage holds items at once):
 
     x       the activations [B, L, D] received from the previous stage (`Plan.x_slots`)
     ct      the cotangents received from the next stage (`Plan.ct_slots`)

@@ -61,6 +61,8 @@ class Units:
         self.loss0 = slots.like(jnp.float32(0), (self.pp,))
         self.seed = slots.like(jnp.float32(1 / self.M), (self.pp,))  # d(mean) / d(one's)
         self.traced = {}  # the structures of the forward's pullbacks, for the backward
+        if self.backward:  # this device's row of the plan's stash slots
+            self.stash_slot_I = jnp.asarray(the_plan.stash_slot_PI)[self.stage]
 
     def rows(self, v):
         """Chunk v's rows of a stacked leaf [N/pp, ...] -> [N/(pp·V), ...] (rows
@@ -205,7 +207,7 @@ class Units:
                                               b_out=[False] * n_params + [True, True])
         w_own = [k for k, m in enumerate(self.the_split.w_reads) if m and k not in self.live]
         # W reads the stashed ones from the unit's stash slot (held until W's tick:
-        # `Plan.stash_slots`), the others (the cotangent B received) from its W slot
+        # `Plan.stash_slot_PI`), the others (the cotangent B received) from its W slot
         self.w_stashed = [k for k in w_own if k < n_stashed]
         self.w_held = [k for k in w_own if k >= n_stashed]
 
@@ -224,7 +226,7 @@ class Units:
         if not self.backward:
             y_BLD, loss = self.unit(self.own(self.params, i), x_BLD, i)
             return y_BLD, dict(c, loss=c["loss"] + slots.keep(active, loss, 0.0))
-        slot = i % plan.stash_slots
+        slot = self.stash_slot_I[i]
         if not self.residuals:  # the loss is taken in the backward, which recomputes it
             y_BLD, _ = self.unit(self.own(self.params, i), x_BLD, i, with_loss=False)
             return y_BLD, dict(c, stash=c["stash"].at[slot].set(
@@ -269,7 +271,7 @@ class Units:
         """The backward of item i (under a split plan its B alone) from its stash slot
         and the cotangent's: (its input cotangent, the carry with the grads added)."""
         plan, V = self.plan, self.V
-        slot, v = i % plan.stash_slots, i % V
+        slot, v = self.stash_slot_I[i], i % V
         last = (self.stage == self.n - 1) & (v == V - 1)
         ct_BLD = jnp.where(last, 0.0, c["ct"][i % plan.ct_slots])
         stashed = slots.read(c["stash"], slot) if self.residuals else c["stash"][slot]
@@ -313,7 +315,7 @@ class Units:
         for k, value in zip(self.w_held, held[n_cross:]):
             flat[k] = value
         if self.w_stashed:
-            slot = i % self.plan.stash_slots
+            slot = self.stash_slot_I[i]
             stashed = jax.tree.leaves(slots.read(c["stash"], slot) if self.residuals
                                       else c["stash"][slot])
             for k in self.w_stashed:

@@ -23,7 +23,9 @@ under a fused schedule at the same tick, whose forward slot runs first).
 - interleaved (fused, circular, --pp-virtual V): the model cut into pp·V chunks, device
   s runs chunks s, s + pp, ...; forwards in groups of pp microbatches chunk by chunk
   (Megatron's interleaved order), backwards the reverse, each tick one forward and one
-  backward chunk as 1F1B: (V·M + p − 1)·(F + B)/V when pp divides M.
+  backward chunk as 1F1B: (V·M + p − 1)·(F + B)/V when pp divides M; stage 0 then
+  holds min(V·M, (V + 1)·p − 1) units at once (Megatron's interleaved warm-up
+  2(p − 1) + (V − 1)·p, plus the one a tick's forward writes before its backward frees).
 - zb1 (fused, split: Qi et al. 2023's ZB-H1 in lock-step ticks): each backward split
   into B, the input gradient (what the previous stage waits for), and W, the weight
   gradient (engine/parallel/backward_split.py). The forwards and the Bs run as 1F1B's
@@ -43,6 +45,11 @@ under a fused schedule at the same tick, whose forward slot runs first).
   dispatch cost about a unit's share and a ZeRO-3 forward carries its layers' fsdp
   gathers (1.3-1.8x a B), and the one-unit table idled above 1F1B
   (bench/results/2026-11-29-pipeline-schedules-cpu.md).
+
+A stage holds a unit's stash from its forward to its backward (a split plan's to its
+W) in a slot the table gives (`Plan.stash_slot_PI`, `_colour`): as many slots as the
+stage ever holds units at once, where unit i in slot i % K took up to 1.8x as many on
+interleaved tables (bench/results/2026-11-29-stash-slots-cpu.md).
 """
 from __future__ import annotations
 
@@ -93,11 +100,14 @@ class Plan:
     forward_TP, backward_TP: [T, pp] int32, the item m·V + v whose forward / backward
     the device runs at tick t, NONE for none. recv_x_TP, recv_ct_TP: [T, pp] the slot
     where the activation / cotangent arriving at the end of the tick is kept, NONE for
-    none. *_slots: buffer sizes such that item i in slot i % slots never meets another
-    item still held there. weight_TP: [T, pp] the item whose weight gradient W the
-    device runs at tick t under a split schedule (its backward_TP then runs B alone),
-    None otherwise; w_slots: the slots of what W reads of B (a split plan holds the
-    stash slot from the forward to W, which reads it too)."""
+    none. stash_slot_PI: [pp, M·V] int32, the stash slot device s keeps item i in, from
+    its forward to its backward (under a split plan to its W, which reads it too), None
+    without a backward; stash_slots: the most items a device holds at once, its slots
+    (`_colour`). x_slots, ct_slots, w_slots: buffer sizes such that item i in slot
+    i % slots never meets another item still held there. weight_TP: [T, pp] the item
+    whose weight gradient W the device runs at tick t under a split schedule (its
+    backward_TP then runs B alone), None otherwise; w_slots: the slots of what W reads
+    of B."""
 
     forward_TP: np.ndarray
     backward_TP: np.ndarray
@@ -110,6 +120,7 @@ class Plan:
     uniform: bool = False
     weight_TP: np.ndarray | None = None
     w_slots: int = 0
+    stash_slot_PI: np.ndarray | None = None
 
     @property
     def split(self) -> bool:
@@ -216,6 +227,27 @@ def _slots(intervals: list[tuple[int, int, int, int]]) -> int:
     return max(len(intervals), 1)
 
 
+def _colour(intervals: list[tuple[int, int, int, int]], pp: int,
+            n_items: int) -> tuple[int, np.ndarray]:
+    """(K, slot_PI [pp, n_items] int32): each device's items (s, i, written at time a,
+    last read at time b), in order of their writes, take the lowest slot of device s
+    free at a (free again from its item's last read: b <= a). A new slot opens only
+    where every open one holds an item at a, so K, the most slots any device opens, is
+    the most items it holds at once (interval colouring: greedy in start order is
+    optimal)."""
+    slot_PI = np.zeros((pp, n_items), np.int32)
+    free_from: list[list[int]] = [[] for _ in range(pp)]  # per device: when each slot frees
+    for s, i, a, b in sorted(intervals, key=lambda r: r[2]):
+        frees = free_from[s]
+        k = next((k for k, f in enumerate(frees) if f <= a), len(frees))
+        if k == len(frees):
+            frees.append(b)  # every open slot holds an item at a: open one more
+        else:
+            frees[k] = b
+        slot_PI[s, i] = k
+    return max(map(len, free_from)), slot_PI
+
+
 def _orders(pp: int, M: int, V: int) -> tuple[list, list]:
     """(forward order, backward order) of one device's units (m, v): microbatches in
     groups of pp, each group through chunk 0, 1, ... forward and back down backward."""
@@ -312,9 +344,11 @@ def _finish(fwd_tick, bwd_tick, fwd_rows, bwd_rows, pp, V, backward, uniform,
         weight_TP = np.asarray(w_rows, np.int32)
         w_slots = _slots([(c % pp, item(m, c), _b(bwd_tick[m, c]), _w(w_tick[m, c]))
                           for (m, c) in w_tick])
+    stash_slots, stash_slot_PI = _colour(stash, pp, len(fwd_tick) // pp) if backward else (
+        0, None)
     return Plan(np.asarray(fwd_rows, np.int32), np.asarray(bwd_rows, np.int32),
-                _slots(stash) if backward else 0, x_slots, ct_slots, recv_x, recv_ct, V,
-                uniform, weight_TP, w_slots)
+                stash_slots, x_slots, ct_slots, recv_x, recv_ct, V, uniform, weight_TP,
+                w_slots, stash_slot_PI)
 
 
 def _split_plan(fwd_tick, bwd_tick, fwd_rows, bwd_rows, pp: int, uniform: bool) -> Plan:
