@@ -20,7 +20,7 @@ from engine.cost import derive, hardware  # noqa: E402
 from engine.cost.ledger import ledger, trace_step  # noqa: E402
 from engine.cost.pipeline import predict_step  # noqa: E402
 from engine.parallel.layout import AXIS_ROLES  # noqa: E402
-from engine.planner import space  # noqa: E402
+from engine.planner import ledgers, space  # noqa: E402
 
 CFG, TCFG = model_config("tiny"), TrainConfig(batch=16, seq=32)
 
@@ -121,3 +121,51 @@ def test_derived_ledgers_equal_traced_on_a_sample():
             check_equal(cand, got, want, hw)
             compared += 1
     assert compared >= 6
+
+
+# pp2 on 64 devices leaves 32 to fsdp and cp: fsdp2xcp16 ... fsdp16xcp2, one structure of
+# four programs, enough for the planner to fit two, check one and derive one. Batch and
+# sequence keep every per-device dimension above 1 (256 / fsdp16 / 8 microbatches = 2).
+PP_TCFG = TrainConfig(batch=256, seq=64)
+PP_PINNED = {"remat": "full", "zero": 1, "pp_schedule": "gpipe", "cp_comm": "allgather"}
+
+
+def pp_programs(cfg, pinned: dict, n: int = 64) -> list:
+    """One candidate per program of n devices over fsdp, cp and pp with both fsdp and cp."""
+    ok, _ = space.candidates(cfg, PP_TCFG, n, pinned, ("fsdp", "cp", "pp"))
+    out: dict = {}
+    for c in ok:
+        if all(c.layout.degree(r) > 1 for r in ("fsdp", "cp", "pp")):
+            out.setdefault(c.program, c)
+    return list(out.values())
+
+
+def test_pp_structure_is_keyed_by_the_pp_degree():
+    """pp programs that differ in fsdp and cp sizes share a structure, whose roles that
+    vary leave pp out; pp2 and pp4 at the same microbatches (M pinned, so one parallel
+    config) are two structures: their tick counts 2(M + pp - 1) are no monomial in pp."""
+    cands = pp_programs(model_config("tiny", n_layers=4), {**PP_PINNED, "microbatches": 8})
+    keys: dict = collections.defaultdict(set)
+    for c in cands:
+        keys[c.layout.degree("pp")].add(ledgers.structure(c))
+    assert sorted(keys) == [2, 4]
+    assert all(len(k) == 1 for k in keys.values()), keys
+    assert keys[2] != keys[4]
+    assert all(k[0] == ("fsdp", "cp") for ks in keys.values() for k in ks)
+
+
+def test_pp_programs_derive_equal_to_traced(monkeypatch, tmp_path):
+    """The planner's path (`ledgers.program_ledgers`, ledger cache empty) over one pp2
+    structure traces two programs to fit, one to check and derives the fourth, whose
+    ledger equals its trace row for row and whose step along the schedule
+    (engine/cost/pipeline.py) is the traced ledger's within 0.1 %."""
+    monkeypatch.setenv("SHARDWISE_LEDGER_CACHE", str(tmp_path))
+    cands = pp_programs(CFG, PP_PINNED)
+    assert len({ledgers.structure(c) for c in cands}) == 1 and len(cands) == 4
+    got = ledgers.program_ledgers(cands, PP_TCFG)
+    assert sorted(how for _, how in got) == ["derived", "traced", "traced", "traced"]
+    hw = hardware.get("h100")
+    for c, (rows, how) in zip(cands, got):
+        if how == "derived":
+            check_equal(c, rows, ledger(trace_step(c.cfg, PP_TCFG, c.layout, c.parallel),
+                                        c.layout), hw)

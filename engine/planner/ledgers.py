@@ -4,11 +4,20 @@ Programs of one structure (the same axes present, the same switches and model: t
 differ only in axis sizes) are priced from a few traces (engine/cost/derive.py): with k
 axes present, k of them are traced and fitted, one more is traced and must match its
 derived ledger row for row, and the rest are derived. A structure with fewer than k + 2
-programs to price, one whose numbers are not monomials in its axis sizes (a pipeline's
-tick count) or whose check fails, is traced program by program. Every ledger, traced or
-derived, goes to the ledger cache (engine/cost/cache.py).
+programs to price, one whose numbers are not monomials in its axis sizes or whose check
+fails, is traced program by program. Every ledger, traced or derived, goes to the ledger
+cache (engine/cost/cache.py).
+
+The pp degree is part of a structure, not one of its sizes: a pipeline's tick scan runs
+2(M + pp - 1) ticks (M = 4·pp microbatches in the plan), its tick tables are [T, pp]
+constants, neither a monomial in pp. With pp (and so M, the schedule, V) fixed, a pp
+program's numbers are monomials in the other roles' sizes as a flat program's are, and
+the tables are the same constants, so pp4 programs that differ only in their fsdp, tp,
+dp or cp sizes derive; pp2 and pp4 are two structures.
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 from engine.cost import cache, derive
 from engine.cost.ledger import ledger, trace_step
@@ -17,11 +26,26 @@ from engine.parallel.layout import AXIS_ROLES
 HOW = ("cached", "traced", "derived", "failed")
 
 
-def structure(cand) -> tuple:
-    """What a candidate's program is up to axis sizes: (roles present, the program's
-    parallel config and model)."""
+# roles whose size is part of a structure, not one of the sizes it derives over
+FIXED = ("pp",)
+
+
+class Key(NamedTuple):
+    """A structure: the roles whose sizes vary (present, not `FIXED`), the sizes of the
+    `FIXED` roles, the program's parallel config and model."""
+
+    roles: tuple
+    fixed: tuple
+    parallel: object
+    cfg: object
+
+
+def structure(cand) -> Key:
+    """What a candidate's program is up to the sizes of its roles not `FIXED`."""
     _, parallel, cfg = cand.program
-    return tuple(r for r in AXIS_ROLES if cand.layout.degree(r) > 1), parallel, cfg
+    lay = cand.layout
+    return Key(tuple(r for r in AXIS_ROLES if lay.degree(r) > 1 and r not in FIXED),
+               tuple(lay.degree(r) for r in FIXED), parallel, cfg)
 
 
 def sizes(cand, roles: tuple) -> tuple:
@@ -104,8 +128,8 @@ def program_ledgers(cands: list, tcfg, pack=None, shapes: bool = True) -> list:
             out[i] = (rows, "cached")
         else:
             misses.setdefault(structure(c), []).append(i)
-    for (roles, _, _), idx in misses.items():
-        got = None
+    for key, idx in misses.items():
+        roles, got = key.roles, None
         if shapes and len(roles) >= 2 and len(idx) >= len(roles) + 2:
             try:
                 got = _derive([cands[i] for i in idx], tcfg, pack, roles)
