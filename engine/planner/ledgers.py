@@ -7,12 +7,13 @@ derived ledger row for row, and the rest are derived. A structure whose numbers 
 monomials in its axis sizes or whose check fails is traced program by program. Every
 ledger, traced or derived, goes to the ledger cache (engine/cost/cache.py).
 
-What a process learns of a structure (`Learner`: its traces toward the fit, the fit, the
-check) outlives one call: a best-first plan (engine/planner/best.py) prices a few
-programs at a time, a structure's programs in many calls, and a process derives a
-structure's programs once it has traced k + 1 of them in any calls. It learns a
-structure only where the plan has more than k + 1 of its programs (`program_ledgers`'
-`planned`): for fewer, the fit and check would cost and never derive.
+What a process learns of a structure (`Learner`: its traces, the fit, the check)
+outlives one call: a best-first plan (engine/planner/best.py) prices a few programs at a
+time, a structure's programs in many calls, and a process derives a structure's programs
+once it has traced k + 1 of them in any calls. It fits and checks only when a (k+2)-th
+program is to be priced, and learns a structure only where the plan has more than k + 1
+of its programs (`program_ledgers`' `planned`): for fewer, the fit and check would cost
+and never derive.
 
 The pp degree is part of a structure, not one of its sizes: a pipeline's tick scan runs
 2(M + pp - 1) ticks (M = 4·pp microbatches in the plan), its tick tables are [T, pp]
@@ -68,45 +69,60 @@ def _trace(c, tcfg, pack):
 
 class Learner:
     """What this process has learnt of one structure (`roles`: its roles that vary):
-    the programs traced until k of them span the sizes (`derive.independent`) and are
-    fitted (`derive.Structure`), then the first derivable one traced after as the check
-    (its derived ledger must equal its traced one row for row); once checked, the
-    structure's derivable programs derive. refused: the fit or the check failed."""
+    its traced programs, kept until one more of it is to be priced and k + 1 of them
+    are at hand: then k that span the sizes (`derive.independent`, the first traced
+    the base) are fitted (`derive.Structure`) and a derivable other one is the check
+    (its derived ledger must equal its traced one row for row). Once checked, the
+    structure's derivable programs derive; the fit and check are paid only where a
+    program then derives. refused: the fit or the check failed, or the traces kept do
+    not span the sizes."""
 
     def __init__(self, roles: tuple):
         self.roles = roles
-        self.traced: list = []  # [(sizes, closed jaxpr)] toward the fit
+        self.traced: list = []  # [(sizes, closed jaxpr, rows, layout)] until checked
         self.fitted: derive.Structure | None = None
         self.checked = False
         self.refused = False
 
     def derives(self, c) -> bool:
+        """Whether c's program derives (fitting and checking on the traces kept, when
+        there are enough)."""
+        if not (self.checked or self.refused) and (
+                len(self.traced) > len(self.roles) or self.fitted is not None):
+            self._fit_and_check()
         return self.checked and self.fitted.derivable(sizes(c, self.roles))
 
     def learn(self, c, closed, rows) -> None:
-        """Take candidate c's traced program (its jaxpr and ledger rows)."""
-        if self.refused or self.checked:
-            return
-        s = sizes(c, self.roles)
+        """Keep candidate c's traced program (its jaxpr and ledger rows)."""
+        if not (self.checked or self.refused):
+            self.traced.append((sizes(c, self.roles), closed, rows, c.layout))
+
+    def _fit_and_check(self) -> None:
+        k = len(self.roles)
         if self.fitted is None:
-            self.traced.append((s, closed))
-            picked = derive.independent([t[0] for t in self.traced], len(self.roles))
+            picked = derive.independent([t[0] for t in self.traced], k)
             if picked is None:
+                if len(self.traced) > k + 2:  # sizes on a line: not worth keeping more
+                    self.refused, self.traced = True, []
                 return
             try:
-                self.fitted = derive.Structure(self.roles, [self.traced[i] for i in picked])
+                self.fitted = derive.Structure(self.roles,
+                                               [self.traced[i][:2] for i in picked])
             except derive.NotDerivable:
-                self.refused = True
-            self.traced = []
-        elif self.fitted.derivable(s):
-            self.checked = not derive.differences(self.fitted.ledger(c.layout), rows)
-            self.refused = not self.checked
+                self.refused, self.traced = True, []
+                return
+            self.traced = [t for i, t in enumerate(self.traced) if i not in picked]
+        checks = [t for t in self.traced if self.fitted.derivable(t[0])]
+        if checks:  # else keep the traces until a derivable one comes
+            _, _, rows, layout = checks[0]
+            self.checked = not derive.differences(self.fitted.ledger(layout), rows)
+            self.refused, self.traced = not self.checked, []
 
 
 # the structures this process learns, oldest first; at most LEARNT of them, each holding
-# a traced jaxpr or k
+# up to k + 1 traced jaxprs until checked, then one
 _LEARNT: dict = {}
-LEARNT = 64
+LEARNT = 32
 
 
 def learner(key: Key, tcfg, pack, n: int) -> Learner:
