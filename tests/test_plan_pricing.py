@@ -144,29 +144,3 @@ def test_a_program_that_does_not_trace_is_refused_not_fatal(monkeypatch):
     assert failed and all(c.layout.degree("tp") > 1 for c, _ in failed)
     assert "TypeError: cond branches must have equal output types)" in failed[0][1]
     assert got.ranked and all(p.candidate.layout.degree("tp") == 1 for p in got.ranked)
-
-
-def test_one_ledger_priced_in_every_order_in_a_row_equals_each_fresh():
-    """The planner prices one ledger in every class of axis orders and every schedule in
-    a row; pipeline pricing reuses a part's price (a unit on a class of stages, a shift,
-    the rows outside the ticks) for the orders that give its groups the same domain
-    shares (`pipeline._priced_parts`). Every step and its parts equal the same rows
-    priced from a new list (nothing reused), bit for bit, and the orders price apart
-    (a reuse across shares would give some of them another's price)."""
-    hw = hardware.get("h100")
-    sizes = {"fsdp": 2, "tp": 4, "pp": 4}
-    pars = [ParallelConfig(microbatches=8, pp_schedule=s, pp_virtual=v)
-            for s, v in (("1f1b", 1), ("gpipe", 1), ("interleaved", 2))]
-    layouts = [Layout(tuple((r, sizes[r]) for r in order))
-               for order in itertools.permutations(sizes)]
-    rows = ledger(1.0)
-
-    def fields(p):
-        return (p.step_s, p.compute_s, p.comm_s, p.exposed_comm_s)
-
-    got = [fields(pipe_cost.predict_step(rows, hw, lay, par, 2e8, itemized=False)[0])
-           for lay in layouts for par in pars]
-    want = [fields(pipe_cost.predict_step(list(rows), hw, lay, par, 2e8, itemized=False)[0])
-            for lay in layouts for par in pars]
-    assert got == want
-    assert len({g[0] for g in got}) > len(pars)

@@ -52,7 +52,7 @@ import math
 import numpy as np
 
 from engine.cost.ledger import COLLECTIVES, Row
-from engine.cost.price import Prediction, domain_share, fault_seconds, predict, with_faults
+from engine.cost.price import Prediction, fault_seconds, predict, with_faults
 from engine.parallel import pipeline
 from layers import scopes
 
@@ -163,12 +163,9 @@ def _parts(rows: list[Row], T: int, M: int, pp: int, hw, mesh_axes, prefetch: bo
     and last-stage parts count 1/V: a chunk's mean. sends: the ticks each shift runs
     on ([T] bool each; default all). itemized False: the report's Prediction without
     its rows (`price.predict`)."""
+    seconds = lambda rs: (predict(rs, hw, mesh_axes, prefetch, itemized=False).step_s  # noqa: E731
+                          if rs else 0.0)
     outside, of_kind, writes, shifts, shown = _split(rows, T, M, sends)
-    priced = _priced_parts(rows, hw, mesh_axes, prefetch)
-
-    def seconds(label, rs) -> float:
-        return priced(label, rs).step_s if rs else 0.0
-
     unit_s = np.zeros((len(UNITS), pp))
     alike: dict = {}  # stages between the first and the last run the same rows
     for kind in UNITS:
@@ -178,47 +175,15 @@ def _parts(rows: list[Row], T: int, M: int, pp: int, hw, mesh_axes, prefetch: bo
                 unit_s[kind, s] = alike[same]
                 continue
             part = _on_stage(of_kind[kind], s, pp, uniform)  # of_kind: by `unit_of`
-            unit_s[kind, s] = seconds(("unit", *same), part)
+            unit_s[kind, s] = seconds(part)
             if virtual > 1 and not uniform:  # embedding, head: in one of a stage's V chunks
                 body = [r for r in part if not EDGES & set(r.pp)]
-                edge_s = unit_s[kind, s] - seconds(("body", *same), body)
+                edge_s = unit_s[kind, s] - seconds(body)
                 unit_s[kind, s] -= edge_s * (virtual - 1) / virtual
             alike[same] = unit_s[kind, s]
-    own_s = (seconds("writes", writes), [seconds(("shift", i), rs) for i, rs in enumerate(shifts)])
-    out = priced("outside", outside)
-    return unit_s, own_s, out, (priced("shown", shown) if not itemized
-                                else predict(shown, hw, mesh_axes, prefetch, itemized))
-
-
-# what `_parts` priced of the last ledger `_split` split, for its other axis orders and
-# schedules: (rows, {(part, hw's id, prefetch, devices, its groups' domain shares):
-# (hw, Prediction)})
-_LAST_PRICED: list = [None]
-
-
-def _priced_parts(rows: list[Row], hw, mesh_axes, prefetch: bool):
-    """priced(part, rs) -> `price.predict(rs, ..., itemized=False)` of `rows`' part
-    `rs`, named `part` (a unit on a class of stages, the buffer writes, a shift, the rows
-    outside the ticks, the report's rows; the same name, the same rows as long as the
-    split's (T, M, sends) are). A collective's price reads the axis order only through
-    which devices of its group share a fast domain (`price.domain_share`): a part is
-    priced once for every order and schedule that give its groups the same shares."""
-    if _LAST_PRICED[0] is None or _LAST_PRICED[0][0] is not rows:
-        _LAST_PRICED[0] = (rows, {})
-    memo = _LAST_PRICED[0][1]
-    devices = math.prod(s for _, s in mesh_axes)
-
-    def priced(part, rs) -> Prediction:
-        split = _LAST_SPLIT[0][1]
-        groups = memo.setdefault(("groups", split, part), sorted(
-            {r.axes for r in rs if r.kind == "collective" and r.axis_size > 1}))
-        key = (split, part, id(hw), prefetch, devices,
-               tuple(domain_share(hw, mesh_axes, g) for g in groups))
-        got = memo.get(key)
-        if got is None or got[0] is not hw:  # hw held: its id is not another's
-            got = memo[key] = (hw, predict(rs, hw, mesh_axes, prefetch, itemized=False))
-        return got[1]
-    return priced
+    own_s = (seconds(writes), [seconds(rs) for rs in shifts])
+    out = predict(outside, hw, mesh_axes, prefetch, itemized=False)
+    return unit_s, own_s, out, predict(shown, hw, mesh_axes, prefetch, itemized)
 
 
 # the last ledger `_split` split: (rows, key, split); the planner prices one ledger in
