@@ -6,20 +6,20 @@ its arrays and the trip counts of its scans. Every such number in a per-device p
 is a global size (batch, sequence, a model dimension, a layer count) divided or
 multiplied by some of the axis sizes: a monomial in them. `Structure` reads every such
 number (each var's shape, each scan's length, each integer of an equation's params: a
-broadcast's shape, a slice's limits; in one fixed walk of the jaxpr: `slots`)
-off k traced programs of one structure, k the number of axes present, and solves, per
-number, for its exponent in each axis size. Because every candidate of a plan has the
-same device count n (and, in the planner, pp degree), the sizes' logarithms add up: one axis is the rest's
-complement and k programs, spread in the others' sizes (`independent`), fix the k
-unknowns (the value at the first and k-1 exponents). `Structure.jaxpr(sizes)` rebuilds
-the traced jaxpr with every number at those sizes, and engine/cost/ledger.py walks it as
-it walks a traced one, so FLOPs, bytes, the fusion model and collective sizes come out of
-the same code.
+broadcast's shape, a slice's limits; in one fixed walk of the jaxpr: `slots`) off k
+traced programs of one structure, k the number of axes whose sizes vary, and solves, per
+number, for its exponent in each axis size. Because every candidate of a structure has
+the same device count n (and, in the planner, pp degree), the sizes' logarithms add up
+to a constant: one axis is the rest's complement and k programs, spread in the others'
+sizes (`independent`), fix the k unknowns (the value at the first and k-1 exponents).
+`Structure.jaxpr(sizes)` rebuilds the traced jaxpr with every number at those sizes,
+and engine/cost/ledger.py walks it as it walks a traced one, so FLOPs, bytes, the fusion
+model and collective sizes come out of the same code.
 
 A number that is not a monomial (a pipeline's 2(M + pp - 1) ticks, a block size capped
-at a constant) shows as a non-integer exponent or a non-integer value (the planner keeps
-the pp degree fixed within a structure for that, engine/planner/ledgers.py), and sizes that
-make a dimension 1 that is more in the traced program may change the program (jax and
+at a constant) shows as a non-integer exponent or a non-integer value (the planner
+keeps the pp degree fixed within a structure for that, engine/planner/ledgers.py), and
+sizes that make a dimension 1 that is more in the traced program may change the program (jax and
 XLA:CPU treat dimensions of 1 apart): `Structure` then refuses (`NotDerivable`) and the
 caller traces. `Structure.check` compares a derived
 ledger with a traced one row by row (the planner checks one per structure).
