@@ -199,3 +199,39 @@ def test_pp_programs_derive_equal_to_traced(monkeypatch, tmp_path):
     c, (rows, _) = cands[3], got[3]
     want = ledger(trace_step(c.cfg, PP_TCFG, c.layout, c.parallel), c.layout)
     check_equal(c, rows, want, hardware.get("h100"))
+
+
+@pytest.mark.parametrize("broken", [None, "check", "fit"])
+def test_a_failed_fit_or_check_traces_the_rest(monkeypatch, tmp_path, broken):
+    """`program_ledgers` over a structure of four programs, each "traced" as a small
+    jaxpr of its sizes (a stand-in for the step: [4·fsdp, 64/cp] elements, a monomial):
+    three traced and one derived; with the check's ledgers differing, or the fit
+    refusing, every one traced."""
+    import jax
+    import jax.numpy as jnp
+
+    from engine.cost import cache
+
+    monkeypatch.setattr(ledgers, "_LEARNT", {}, raising=False)
+    monkeypatch.setattr(cache, "lookup", lambda *a, **k: None)
+    monkeypatch.setattr(cache, "store", lambda *a, **k: None)
+
+    def trace(c, tcfg, pack):
+        f, cp = c.layout.degree("fsdp"), c.layout.degree("cp")
+        closed = jax.make_jaxpr(lambda: jnp.zeros((4 * f, 64 // cp)) * 2.0)()
+        return closed, ledger(closed, c.layout)
+
+    monkeypatch.setattr(ledgers, "_trace", trace)
+    if broken == "check":
+        monkeypatch.setattr(derive, "differences", lambda *a, **k: ["differs"])
+    if broken == "fit":
+        def refuse(*a, **k):
+            raise derive.NotDerivable("refused")
+        monkeypatch.setattr(derive, "Structure", refuse)
+    cands = pp_programs(CFG, PP_PINNED)
+    got = ledgers.program_ledgers(cands, PP_TCFG)
+    hows = sorted(how for _, how in got)
+    assert hows == (["derived", "traced", "traced", "traced"] if broken is None
+                    else ["traced"] * 4)
+    for c, (rows, _) in zip(cands, got):
+        assert rows == trace(c, PP_TCFG, None)[1]

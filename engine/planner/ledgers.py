@@ -151,12 +151,12 @@ def _in_order(cands: list, idx: list, roles: tuple, fresh: bool) -> list:
 def _ledger(c, tcfg, pack, learnt: Learner | None) -> tuple:
     """(rows, how) of candidate c's program: derived where `learnt` derives it, else
     traced (and learnt from), or (why, "failed") when its step does not trace."""
-    if learnt is not None and learnt.derives(c):
-        try:
-            rows = learnt.fitted.ledger(c.layout)
-        except Exception:  # noqa: BLE001 (a rebuilt jaxpr the walk refuses: trace it)
-            learnt.refused = True
-        else:
+    if learnt is not None:
+        try:  # the fit, the check or the derived ledger
+            rows = learnt.fitted.ledger(c.layout) if learnt.derives(c) else None
+        except Exception:  # noqa: BLE001 (a rebuilt jaxpr the walk refuses: trace the rest)
+            learnt.refused, learnt.traced, rows = True, [], None
+        if rows is not None:
             cache.store(rows, c.cfg, tcfg, c.layout, c.parallel, pack)
             return rows, "derived"
     try:
@@ -165,10 +165,7 @@ def _ledger(c, tcfg, pack, learnt: Learner | None) -> tuple:
         first = (str(e).strip().splitlines() or [""])[0]
         return f"its step does not trace ({type(e).__name__}: {first[:160]})", "failed"
     if learnt is not None:
-        try:
-            learnt.learn(c, closed, rows)
-        except Exception:  # noqa: BLE001 (a fit or check the walk refuses: trace the rest)
-            learnt.refused = True
+        learnt.learn(c, closed, rows)
     return rows, "traced"
 
 
