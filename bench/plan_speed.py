@@ -240,7 +240,7 @@ def derive_cost(cfg, tcfg, mine) -> int:
         by.setdefault(ledgers.structure(c), {}).setdefault(ledgers.sizes(c, roles), c)
     cost, n, refused = {"derived": 0.0, "traced": 0.0}, 0, 0
     big = [(k, v) for k, v in by.items() if len(k[0]) >= 2 and len(v) >= len(k[0]) + 2]
-    for (roles, par, model), progs in big[:mine.sample]:
+    for (roles, _, par, model), progs in big[:mine.sample]:
         sizes = sorted(progs, key=lambda s: -min(s))
         picked = [sizes[i] for i in derive.independent(sizes, len(roles)) or []]
         try:

@@ -5,19 +5,21 @@ the same axes present, the same switches) trace to the same program up to the si
 its arrays and the trip counts of its scans. Every such number in a per-device program
 is a global size (batch, sequence, a model dimension, a layer count) divided or
 multiplied by some of the axis sizes: a monomial in them. `Structure` reads every such
-number (each var's shape, each scan's length, in one fixed walk of the jaxpr: `slots`)
-off k traced programs of one structure, k the number of axes present, and solves, per
-number, for its exponent in each axis size. Because every candidate of a plan has the
-same device count n, the sizes' logarithms add up to log n: one axis is the rest's
-complement and k programs, spread in the others' sizes (`independent`), fix the k
-unknowns (the value at the first and k-1 exponents). `Structure.jaxpr(sizes)` rebuilds
-the traced jaxpr with every number at those sizes, and engine/cost/ledger.py walks it as
-it walks a traced one, so FLOPs, bytes, the fusion model and collective sizes come out of
-the same code.
+number (each var's shape, each scan's length, each integer of an equation's params: a
+broadcast's shape, a slice's limits; in one fixed walk of the jaxpr: `slots`) off k
+traced programs of one structure, k the number of axes whose sizes vary, and solves, per
+number, for its exponent in each axis size. Because every candidate of a structure has
+the same device count n (and, in the planner, pp degree), the sizes' logarithms add up
+to a constant: one axis is the rest's complement and k programs, spread in the others'
+sizes (`independent`), fix the k unknowns (the value at the first and k-1 exponents).
+`Structure.jaxpr(sizes)` rebuilds the traced jaxpr with every number at those sizes,
+and engine/cost/ledger.py walks it as it walks a traced one, so FLOPs, bytes, the fusion
+model and collective sizes come out of the same code.
 
 A number that is not a monomial (a pipeline's 2(M + pp - 1) ticks, a block size capped
-at a constant) shows as a non-integer exponent or a non-integer value, and sizes that
-make a dimension 1 that is more in the traced program may change the program (jax and
+at a constant) shows as a non-integer exponent or a non-integer value (the planner
+keeps the pp degree fixed within a structure for that, engine/planner/ledgers.py), and
+sizes that make a dimension 1 that is more in the traced program may change the program (jax and
 XLA:CPU treat dimensions of 1 apart): `Structure` then refuses (`NotDerivable`) and the
 caller traces. `Structure.check` compares a derived
 ledger with a traced one row by row (the planner checks one per structure).
@@ -39,18 +41,22 @@ class NotDerivable(Exception):
 
 
 class _Walk:
-    """One walk over a closed jaxpr that visits every var's shape and every scan's
-    length in a fixed order. With `values` None it records them (`seen`); with values it
-    rebuilds the jaxpr with the numbers replaced, in the same order."""
+    """One walk over a closed jaxpr that visits every var's shape, every scan's length and
+    every integer of an equation's params (a broadcast's shape, a slice's limits, a
+    reshape's sizes, a collective's axis size: `_ints`) in a fixed order. With `values`
+    None it records them (`seen`); with values it rebuilds the jaxpr with the numbers
+    replaced, in the same order. Each equation is marked by a -1 in `seen` (`marks`)."""
 
     def __init__(self, values=None):
         self.values = None if values is None else iter(values)
         self.seen: list[int] = []
         self.kinds: list[str] = []  # what each number is, for the structure's signature
+        self.marks: list[bool] = []  # which of `seen` mark an equation
 
     def number(self, d: int, kind: str) -> int:
         self.seen.append(int(d))
         self.kinds.append(kind)
+        self.marks.append(False)
         return int(d) if self.values is None else int(next(self.values))
 
     def var(self, v, env: dict):
@@ -66,6 +72,12 @@ class _Walk:
         env[v] = new
         return new
 
+    def ints(self, value, kind: str):
+        """An int param (not a bool), or a tuple of them nested, with each int a number."""
+        if isinstance(value, tuple):
+            return tuple(self.ints(x, kind) for x in value)
+        return self.number(value, kind)
+
     def param(self, key, value):
         if isinstance(value, jcore.ClosedJaxpr):
             return jcore.ClosedJaxpr(self.jaxpr(value.jaxpr), value.consts)
@@ -76,6 +88,8 @@ class _Walk:
             return type(value)(self.param(key, x) for x in value)
         if key == "length" and isinstance(value, int):
             return self.number(value, "length")
+        if key not in DEVICE_PARAMS and _ints(value):
+            return self.ints(value, f"param {key}")
         return value
 
     def jaxpr(self, jaxpr):
@@ -86,6 +100,7 @@ class _Walk:
         for e in jaxpr.eqns:
             self.kinds.append(e.primitive.name)
             self.seen.append(-1)
+            self.marks.append(True)
             ins = [v if isinstance(v, jcore.Literal) else env[v] for v in e.invars]
             params = {k: self.param(k, p) for k, p in e.params.items()}
             outs = [self.var(v, env) for v in e.outvars]
@@ -100,12 +115,34 @@ class _Walk:
         return jcore.ClosedJaxpr(self.jaxpr(closed.jaxpr), closed.consts)
 
 
+# params of device indices, not sizes (a ring's (source, destination) pairs): a derived
+# program keeps the traced one's, which nothing in the ledger reads
+DEVICE_PARAMS = ("perm", "axis_index_groups")
+
+
+def _ints(value) -> bool:
+    """Whether a param is an int (not a bool) or a non-empty tuple of them, nested: the
+    params that may hold sizes. The ledger reads shapes off the vars, but the fusion
+    model's common-subexpression test compares params, so a derived program's must be
+    its own (two broadcasts whose shapes coincide at the traced sizes differ at others)."""
+    if isinstance(value, tuple):
+        return bool(value) and all(_ints(x) for x in value)
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def slots(closed: jcore.ClosedJaxpr) -> tuple[list[int], list[str]]:
-    """(every number of the jaxpr: var shapes and scan lengths, -1 marking each
-    equation; what each is: a dtype, "length", or the equation's primitive)."""
+    """(every number of the jaxpr: var shapes, scan lengths and integer params, -1
+    marking each equation; what each is: a dtype, "length", "param <key>", or the
+    equation's primitive)."""
     w = _Walk()
     w.closed(closed)
     return w.seen, w.kinds
+
+
+def _marks(closed: jcore.ClosedJaxpr) -> tuple[list[int], list[str], list[bool]]:
+    w = _Walk()
+    w.closed(closed)
+    return w.seen, w.kinds, w.marks
 
 
 def independent(sizes: list[tuple[int, ...]], k: int) -> list[int] | None:
@@ -138,25 +175,25 @@ class Structure:
         k = len(roles)
         if len(traced) != k:
             raise NotDerivable(f"{len(traced)} traced programs for {k} axes")
-        read = [slots(closed) for _, closed in traced]
-        first, kinds = read[0]
-        for values, other in read[1:]:
+        read = [_marks(closed) for _, closed in traced]
+        first, kinds, marks = read[0]
+        for values, other, _ in read[1:]:
             if other != kinds or len(values) != len(first):
                 raise NotDerivable("the traced programs differ in more than sizes")
         self.base_sizes = np.array(traced[0][0], dtype=float)
         self.closed = traced[0][1]
-        values = np.array([v for v, _ in read], dtype=float)  # [k programs, numbers]
+        values = np.array([v for v, _, _ in read], dtype=float)  # [k programs, numbers]
         logs = np.log2(np.array([s for s, _ in traced], dtype=float))[:, : k - 1]
         a = logs[1:] - logs[0]  # [k-1, k-1]
-        marks = values[0] < 0
-        if (values[:, marks] != values[0, marks]).any():
-            raise NotDerivable("the traced programs differ in their equations")
-        with np.errstate(divide="ignore", invalid="ignore"):
-            ratios = np.log2(values[1:, ~marks]) - np.log2(values[0, ~marks])
-        zero = values[:, ~marks] == 0
-        if zero.any(axis=0).any() and not (zero.all(axis=0) | ~zero.any(axis=0)).all():
-            raise NotDerivable("a number is 0 in some traced programs only")
-        ratios[:, zero[0]] = 0.0
+        marks = np.array(marks)
+        nums = values[:, ~marks]
+        # a number the same in every traced program is a constant (exponents 0), as
+        # the marks and an index param (an axis, a negative padding) are
+        const = (nums == nums[0]).all(axis=0)
+        if (nums[:, ~const] <= 0).any():
+            raise NotDerivable("a number that varies is 0 or negative in some program")
+        ratios = np.zeros((k - 1, nums.shape[1]))
+        ratios[:, ~const] = np.log2(nums[1:, ~const]) - np.log2(nums[0, ~const])
         exps = np.linalg.solve(a, ratios) if k > 1 else np.zeros((0, ratios.shape[1]))
         if not np.allclose(exps, np.round(exps), atol=1e-6):
             raise NotDerivable("a number is not a monomial in the axis sizes")
@@ -172,10 +209,12 @@ class Structure:
         scale = np.log2(np.array(sizes, dtype=float)[: len(self.roles) - 1]) - np.log2(
             self.base_sizes[: len(self.roles) - 1])
         out = self.base.copy()
-        vals = self.base[~self.marks] * np.exp2(scale @ self.exps)
-        if not np.allclose(vals, np.round(vals), rtol=0, atol=1e-6) or (vals < 0).any():
+        base = self.base[~self.marks]
+        vals = base * np.exp2(scale @ self.exps)
+        varies = self.exps.any(axis=0)
+        if not np.allclose(vals, np.round(vals), rtol=0, atol=1e-6):
             raise NotDerivable(f"sizes {sizes} give a fractional array size")
-        if ((np.round(vals) <= 1) & (self.base[~self.marks] > 1)).any():
+        if (varies & ((np.round(vals) <= 1) & (base > 1))).any():
             # a dimension of 1 (or 0) where the traced program has more: jax and XLA
             # treat those apart (broadcasts, free relayouts), so the program may differ
             raise NotDerivable(f"sizes {sizes} make a dimension 1")
@@ -192,7 +231,7 @@ class Structure:
 
     def jaxpr(self, sizes: tuple) -> jcore.ClosedJaxpr:
         """The traced jaxpr rebuilt with every shape and scan length at `sizes`."""
-        values = [int(v) for v in self.numbers(sizes) if v >= 0]
+        values = self.numbers(sizes)[~self.marks].astype(int)
         return _Walk(values).closed(self.closed)
 
     def ledger(self, layout: Layout):

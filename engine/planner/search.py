@@ -21,13 +21,15 @@ Speed: a step's ledger depends on the axis sizes and the switches, not on the or
 the axes (the order only picks, in pricing, the link tier a collective runs over), so
 each distinct program (`Candidate.program`) gets its ledger once, in a pool of worker
 processes (`Pool`), and is priced there for every order. Programs that differ only in
-axis sizes (a structure) go to one worker, which derives what it can of their ledgers
-from a few traces (engine/planner/ledgers.py) and traces the rest on an AbstractMesh.
+axis sizes (a structure) go to one worker in one job, which derives what it can of their
+ledgers from a few traces (engine/planner/ledgers.py; a worker keeps what it learnt of a
+structure for its later jobs) and traces the rest on an AbstractMesh.
 `price` takes any candidate list, so a restricted search (`layouts` over some roles,
 `neighbours`) reuses it.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import multiprocessing
@@ -180,10 +182,10 @@ def _price_structure(job) -> list:
     or the microbatched ones they grew into)."""
     from engine.planner.ledgers import program_ledgers
 
-    groups, tcfg, hw, capacity, grow, shapes = job
+    groups, tcfg, hw, capacity, grow, shapes, planned = job
     fitted = [_fitting(g, tcfg, hw, capacity, grow) for g in groups]
     need = [cands[0] for cands, _, _, over in fitted if not over]
-    got = iter(program_ledgers(need, tcfg, hw.bf16_collectives_in_f32, shapes))
+    got = iter(program_ledgers(need, tcfg, hw.bf16_collectives_in_f32, shapes, planned))
     out = []
     for cands, peaks, mem_of, over in fitted:
         if over:
@@ -305,12 +307,14 @@ def price(cands: list, tcfg: TrainConfig, hw, n: int, capacity: float | None,
     groups: dict[tuple, list] = {}
     for c in cands:
         groups.setdefault(c.program, []).append(c)
+    planned = collections.Counter(structure(g[0]) for g in groups.values())
 
     def jobs_of(gs: list) -> list:
         structures: dict[tuple, list] = {}
         for group in gs:
             structures.setdefault(structure(group[0]), []).append(group)
-        return [(s, tcfg, hw, capacity, grow, shapes) for s in structures.values()]
+        return [(s, tcfg, hw, capacity, grow, shapes, {key: planned[key]})
+                for key, s in structures.items()]
 
     if executor is None:
         workers = min(workers, max(1, len(groups) // 8))  # a worker costs a jax import
