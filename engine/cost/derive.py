@@ -30,7 +30,8 @@ import dataclasses
 import math
 
 import numpy as np
-from jax._src import core as jcore
+from jax._src import core as jsrc
+from jax.extend import core as jcore
 
 from engine.cost.ledger import ledger
 from engine.parallel.layout import Layout
@@ -61,7 +62,7 @@ class _Walk:
 
     def var(self, v, env: dict):
         aval = v.aval
-        if isinstance(aval, jcore.ShapedArray):
+        if isinstance(aval, jsrc.ShapedArray):
             shape = tuple(self.number(d, str(aval.dtype)) for d in aval.shape)
             if self.values is not None:
                 aval = aval.update(shape=shape)
