@@ -1,6 +1,7 @@
 """Attention kernels' published speeds: the `Hardware.attention_rates` of the GPU profiles
-(engine/cost/hardware.py) and the profile fields of the older kernels a framework may run
-instead (`KERNELS`, bench/published.py's frameworks).
+(engine/cost/hardware.py), and the profile fields of the kernels a framework may run
+instead: older attention kernels (`KERNELS`) and a fused cross-entropy loss
+(`FUSED_CROSS_ENTROPY`), as bench/published.py's frameworks name them.
 
 Each table is transcribed from the figure named beside it; the comment below says which
 kernel, chip, mask and head dim each figure measures.
