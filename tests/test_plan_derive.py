@@ -78,7 +78,7 @@ def test_one_wrong_derived_shape_is_caught():
     (roles, par, cfg), by = first_structure()
     st, pairs = derived_and_traced(roles, par, cfg, by)
     cand, _, want = pairs[0]
-    _, kinds = derive.slots(st.closed)
+    _, kinds, _ = derive.slots(st.closed)
     # the first number after its mark that is no param: its result's first dim
     dot = next(i for i in range(kinds.index("dot_general") + 1, len(kinds))
                if not kinds[i].startswith("param"))

@@ -131,16 +131,10 @@ def _ints(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def slots(closed: jcore.ClosedJaxpr) -> tuple[list[int], list[str]]:
+def slots(closed: jcore.ClosedJaxpr) -> tuple[list[int], list[str], list[bool]]:
     """(every number of the jaxpr: var shapes, scan lengths and integer params, -1
     marking each equation; what each is: a dtype, "length", "param <key>", or the
-    equation's primitive)."""
-    w = _Walk()
-    w.closed(closed)
-    return w.seen, w.kinds
-
-
-def _marks(closed: jcore.ClosedJaxpr) -> tuple[list[int], list[str], list[bool]]:
+    equation's primitive; which of them mark an equation)."""
     w = _Walk()
     w.closed(closed)
     return w.seen, w.kinds, w.marks
@@ -176,7 +170,7 @@ class Structure:
         k = len(roles)
         if len(traced) != k:
             raise NotDerivable(f"{len(traced)} traced programs for {k} axes")
-        read = [_marks(closed) for _, closed in traced]
+        read = [slots(closed) for _, closed in traced]
         first, kinds, marks = read[0]
         for values, other, _ in read[1:]:
             if other != kinds or len(values) != len(first):
