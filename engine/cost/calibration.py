@@ -12,18 +12,19 @@ from engine.cost.hardware import Hardware, Link
 CALIBRATION_PATH = Path(os.environ.get("SHARDWISE_CPU_PROFILE",
                                        Path.home() / ".cache" / "shardwise" / "cpu_profile.json"))
 
-# The cpu profile used only when no calibration file exists. Each figure, its command
-# and its host are in bench/results/:
+# The cpu profile used only when no calibration file exists. Each figure's command and
+# host are in the bench result named beside it:
 # peak_flops (the median rate of `small`'s matmul shapes as the step writes them, their
 # operands' relayout copies inside), hbm (one device, out of cache; no hbm_cold) and
 # collective_fit (kind -> (latency per ring hop s, bandwidth B/s)) but all-to-all:
-#   `python bench/calibrate.py`, 2026-11-22-calibrate-zen5c2.md
+#   `python bench/calibrate.py`, bench/results/2026-11-22-calibrate-zen5c2.md
 # mfu_peak (engine/run/mfu.py's 2048^3 matmul) and all-to-all (`microbench_comm.collective_times`
-#   + `fit`; as pessimistic as that run's all-gather): 2026-11-23-calibrate-cpu.md
+#   + `fit`; as pessimistic as that run's all-gather): bench/results/2026-11-23-calibrate-cpu.md
 # vector_flops, transcendental_flops: bench/calibrate.py's one-device rates,
-#   2026-11-25-calibrate-cpu.md
+#   bench/results/2026-11-25-calibrate-cpu.md
 # beside_cost (`microbench_comm.beside_cost`), fault_cost (`microbench.fault_cost`), relayout_bw
-#   (`python bench/calibrate.py`): the middle of three runs each, 2026-11-27-microbench-xeon2c.md
+#   (`python bench/calibrate.py`): the middle of three runs each,
+#   bench/results/2026-11-27-microbench-xeon2c.md
 CPU_DEFAULTS = {
     "peak_flops": {"float32": 6.5e10, "bfloat16": 4.5e10},
     "mfu_peak": {"float32": 9.71e10, "bfloat16": 5.39e10},

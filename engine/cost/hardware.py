@@ -221,7 +221,7 @@ def _tpu(name, bf16, hbm, ici_one_way, fast_domain, capacity, torus):
 # clock (100 iterations after 50 warmup a shape, well under a second); a training step
 # holds the tensor cores busy for seconds and the clock settles where the board's power
 # limit holds it. The same benchmark now reports both (ml-engineering, branch
-# fast-mamf at 082816f, 2026-08-10, compute/accelerator/benchmarks/README.md, "What we
+# fast-mamf at commit 082816f, compute/accelerator/benchmarks/README.md, "What we
 # measured: alone vs all-8 concurrent"; its compute/accelerator/README.md table: H200
 # alone MSMF 708.5 / MAMF 841.9, 0.842): MAMF, "the boost-clock burst ceiling", and MSMF, "the power-saturated,
 # sustained rate that matches real training throughput"; on 8 H200 computing at once
