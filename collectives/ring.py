@@ -112,6 +112,13 @@ class TpComm:
     def row(self, h: jax.Array, f: Callable, axis: str | None, dim: int):
         raise NotImplementedError
 
+    def once(self) -> TpComm:
+        """This strategy with a column's input gathered once and kept for the backward:
+        inside a remat policy, which recomputes the gathered input anyway (layers/
+        block.py), and where the forward and backward are one straight program (the
+        loss head), in which XLA would merge the two gathers into one."""
+        return self
+
 
 class AllReduceComm(TpComm):
     """Megatron TP: x [.., X, ..] replicated over `axis`. column: `broadcast` (bwd:
@@ -124,13 +131,31 @@ class AllReduceComm(TpComm):
         return all_reduce(f(h), axis)
 
 
+@dataclasses.dataclass(frozen=True)
 class SequenceComm(TpComm):
     """Megatron sequence parallel: x [.., X_axis, ..]. column: `gather` along dim (bwd:
-    reduce-scatter dx); row: `reduce_scatter` along dim -> [.., X_axis, ..] (bwd:
-    all-gather)."""
+    gather x again, reduce-scatter dx); row: `reduce_scatter` along dim ->
+    [.., X_axis, ..] (bwd: all-gather).
+
+    The column's backward gathers x again for the weight grads rather than keeping the
+    forward's gathered x (the sequence parallelism of Korthikanti et al., "Reducing
+    Activation Recomputation in Large Transformer Models", MLSys 2023, as Megatron-LM's
+    sequence-parallel linear layers run it): the backward keeps x [.., X_axis, ..], 1/n
+    of the gathered one, for one more all-gather a column. regather False: gather once
+    (`once`)."""
+
+    regather: bool = True
 
     def column(self, x, f, axis, dim):
-        return f(gather(x, axis, dim))
+        if axis is None or not self.regather:
+            return f(gather(x, axis, dim))
+        # nothing inside saved: the backward runs the gather again, not f (its outputs
+        # are the region's outputs; the matmuls' backward reads only their inputs)
+        return jax.checkpoint(lambda x: f(gather(x, axis, dim)), prevent_cse=False,
+                              policy=jax.checkpoint_policies.nothing_saveable)(x)
+
+    def once(self) -> TpComm:
+        return dataclasses.replace(self, regather=False)
 
     def row(self, h, f, axis, dim):
         return reduce_scatter(f(h), axis, dim)
@@ -155,7 +180,8 @@ TP_COMMS: dict[str, TpComm] = {c.name: c for c in (
     ALLREDUCE,
     SequenceComm("sequence", shards_sequence=True,
                  doc="Megatron sequence parallel: activations sharded over tp along the "
-                     "sequence between blocks; all-gather before, reduce-scatter after"),
+                     "sequence between blocks; all-gather before (again in the backward), "
+                     "reduce-scatter after"),
     RingComm("ring", shards_sequence=True,
              doc="sequence parallel with collective matmuls: the all-gather and "
                  "reduce-scatter decomposed into ppermute steps interleaved with partial "

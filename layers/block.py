@@ -1,6 +1,7 @@
 """The decoder block and the scan over stacked blocks, with FSDP gathers and remat."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Mapping
 
 import jax
@@ -120,6 +121,14 @@ def blocks(x_BLD: jax.Array, stacked: dict, fsdp_dims: Mapping[str, int | None],
     (its backward follows its forward at once, and XLA would merge the recompute into
     the forward, dropping its collectives)."""
 
+    # a column's gathered input is kept, not gathered again in the backward
+    # (`collectives.ring.TpComm.once`), under every remat policy (which recomputes it) and
+    # in a last layer run after the scan (its forward and backward in one straight
+    # program, where XLA merges the second gather into the first)
+    once = dataclasses.replace(axes, tp_comm=collectives.tp_comm(axes.tp_comm).once())
+    if cfg.remat != "none":
+        axes = once
+
     def gather(p_layer):
         with jax.named_scope(scopes.GATHER_PARAMS):
             return gather_weights(p_layer, fsdp_dims, axes, cfg.compute_dtype)
@@ -129,7 +138,7 @@ def blocks(x_BLD: jax.Array, stacked: dict, fsdp_dims: Mapping[str, int | None],
             return f
         return jax.checkpoint(f, policy=REMAT_POLICIES[cfg.remat], prevent_cse=False)
 
-    def one(x_BLD, p):
+    def one(x_BLD, p, axes=axes):
         x_BLD, _, stats = block_stats(x_BLD, p, cfg, axes, docs=docs)
         return x_BLD, stats
 
@@ -139,11 +148,12 @@ def blocks(x_BLD: jax.Array, stacked: dict, fsdp_dims: Mapping[str, int | None],
 
     n = jax.tree.leaves(stacked)[0].shape[0]
     if not cfg.moe:  # the hand-written backwards have no router sums
-        dense = lambda x_BLD, p: block(x_BLD, p, cfg, axes, docs=docs)  # noqa: E731
+        dense = lambda x_BLD, p, axes=axes: block(x_BLD, p, cfg, axes, docs=docs)  # noqa: E731
         if cfg.remat == "full":
             return prefetched_full_remat(dense, gather)(x_BLD, stacked), {}
         if n > 1:
-            return prefetched_saving(remat(dense), gather)(x_BLD, stacked), {}
+            last = remat(lambda x_BLD, p: dense(x_BLD, p, once))
+            return prefetched_saving(remat(dense), gather, last)(x_BLD, stacked), {}
 
     layer = remat(one)
 
@@ -156,16 +166,16 @@ def blocks(x_BLD: jax.Array, stacked: dict, fsdp_dims: Mapping[str, int | None],
     first = jax.tree.map(lambda w: w[0], stacked)
     rest = jax.tree.map(lambda w: w[1:], stacked)
     (x_BLD, p_last), stats = lax.scan(prefetch_body, (x_BLD, gather(first)), rest)
-    x_BLD, last = one(x_BLD, p_last)
+    x_BLD, last = one(x_BLD, p_last, once)
     return x_BLD, jax.tree.map(lambda s, l: jnp.concatenate([s, l[None]]), stats, last)
 
 
-def prefetched_saving(layer, gather):
+def prefetched_saving(layer, gather, last=None):
     """(x [B, L, D], stacked shards {name: [N, ...]}) -> x after N >= 2 layers, with a
     hand-written backward that keeps each layer's residuals but not its weights.
 
     `layer` (x, whole weights) -> x is the block as its remat policy (`none`, `dots`)
-    differentiates it. Forward: layer 0's weights gathered before a scan over layers
+    differentiates it; `last` the same for the last layer (default `layer`). Forward: layer 0's weights gathered before a scan over layers
     0..N-2 whose body gathers layer i+1 while it runs `jax.vjp` of layer i, stacking the
     residuals that vjp keeps except the weights themselves ([N-1, ...] each); the last
     layer after the scan. Backward, layers N-1 down to 0: the weights gathered again,
@@ -174,23 +184,25 @@ def prefetched_saving(layer, gather):
     backward holds two layers' gathered weights, not N (ZeRO-3 as PyTorch FSDP reshards
     after the forward), at the price of N more gathers; what the policy recomputes is
     recomputed in the backward body."""
-    vjp_shape = {}  # the vjp's treedef, and which of its leaves are weights (at trace time)
+    layers = {"layer": layer, "last": layer if last is None else last}
+    vjp_shape = {}  # per kind: the vjp's treedef, which of its leaves are weights (traced)
 
-    def saved_of(x_BLD, p):
+    def saved_of(x_BLD, p, kind="layer"):
         """(the layer's output, the leaves of its vjp that are not its weights)."""
-        y_BLD, vjp = jax.vjp(layer, x_BLD, p)
+        y_BLD, vjp = jax.vjp(layers[kind], x_BLD, p)
         leaves, treedef = jax.tree.flatten(vjp)
         weights = jax.tree.leaves(p)
         where = tuple(next((k for k, w in enumerate(weights) if leaf is w), None)
                       for leaf in leaves)
-        vjp_shape.update(treedef=treedef, where=where)
+        vjp_shape[kind] = treedef, where
         return y_BLD, [leaf for leaf, k in zip(leaves, where) if k is None]
 
-    def vjp_of(saved, p):
+    def vjp_of(saved, p, kind="layer"):
         """The layer's vjp from its saved leaves and its weights gathered again."""
+        treedef, where = vjp_shape[kind]
         weights, rest = jax.tree.leaves(p), iter(saved)
-        leaves = [next(rest) if k is None else weights[k] for k in vjp_shape["where"]]
-        return jax.tree.unflatten(vjp_shape["treedef"], leaves)
+        leaves = [next(rest) if k is None else weights[k] for k in where]
+        return jax.tree.unflatten(treedef, leaves)
 
     def forward(x_BLD, stacked):
         n = jax.tree.leaves(stacked)[0].shape[0]
@@ -203,13 +215,13 @@ def prefetched_saving(layer, gather):
 
         (x_BLD, p_last), saved_N = lax.scan(body, (x_BLD, gather(_layer(stacked, 0))),
                                             jnp.arange(n - 1))
-        y_BLD, saved_last = saved_of(x_BLD, p_last)
+        y_BLD, saved_last = saved_of(x_BLD, p_last, "last")
         return y_BLD, (saved_N, saved_last, stacked)
 
     def backward(res, dy_BLD):
         saved_N, saved_last, stacked = res
         n = jax.tree.leaves(stacked)[0].shape[0]
-        last_vjp = lambda i, p: vjp_of(saved_last, p)  # noqa: E731
+        last_vjp = lambda i, p: vjp_of(saved_last, p, "last")  # noqa: E731
         layer_vjp = lambda i, p: vjp_of([_row(s, i) for s in saved_N], p)  # noqa: E731
         p_last = gather(_layer(stacked, n - 1))
         p_prev = gather(_layer(stacked, n - 2))  # for the scan's first iteration

@@ -96,7 +96,9 @@ def head_loss(params: dict, x_BLD: jax.Array, targets_BL: jax.Array, fsdp_dims: 
     (or [B, L_tp, D]): the mean next-token loss over the global batch, as `loss` says."""
     with jax.named_scope(scopes.LOSS):
         h_BLD, unembed_DV = head(params, x_BLD, fsdp_dims, cfg, axes)
+        # the head's column gathers h once: its backward follows its forward in one
+        # program, where XLA would merge a second gather into the first
         loss_BL = vocab.cross_entropy(h_BLD, unembed_DV, targets_BL, axes, cfg.compute_dtype,
-                                      axes.tp_comm, padding(cfg))
+                                      collectives.tp_comm(axes.tp_comm).once(), padding(cfg))
         n_tokens = loss_BL.size * axes.data_size
         return collectives.all_reduce(jnp.sum(loss_BL), axes.data) / n_tokens

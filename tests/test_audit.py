@@ -59,6 +59,18 @@ def test_audit_clean_under_each_switch(switches):
 
 
 
+def test_audit_clean_sequence_regather():
+    """--tp-comm sequence under remat none on fsdp4xtp2: the compiled step holds the
+    backward's second gather of each column's input (`collectives.ring.SequenceComm`)
+    as the ledger places it: per layer 2 all-gathers over tp forward, 2 as the
+    reduce-scatters' transposes and 2 gathered again; the loss head 1 and 1."""
+    cfg, par = _cfg(remat="none"), ParallelConfig(tp_comm="sequence")
+    result = _audit_step(cfg, "fsdp4xtp2", par)
+    assert result.clean, (result.missing, result.extra)
+    gathers = sum(n for k, n in result.matched.items() if k[:2] == ("all-gather", ("tp",)))
+    assert gathers == 6 * cfg.n_layers + 2
+
+
 def test_audit_clean_cp_ring():
     """--cp-comm ring on cp4xfsdp2: the compiled step holds exactly the ledger's
     collective-permutes (per layer: 2(cp-1) K/V shifts forward, 2(cp-1) K/V and 2cp

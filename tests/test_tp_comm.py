@@ -103,3 +103,36 @@ def test_remat_dots_does_not_run_the_forwards_tp_reductions_again(tp_comm, init,
     assert 2 * tp_runs("recompute", "ppermute") == tp_runs("fwd", "ppermute")
     if tp_comm == "ring":
         assert tp_runs("fwd", "ppermute") > 0
+
+
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_sequence_under_remat_none_gathers_its_inputs_again_in_the_backward(
+        prefetch, init, single):
+    """Outside a remat policy the sequence-parallel column keeps its input sharded and
+    gathers it again in the backward (`collectives.ring.SequenceComm`, Korthikanti et
+    al.): per layer two more tp all-gathers (attention's q/k/v input, the MLP's
+    gate/up input), none in the loss head, none in a last layer run after a
+    prefetching scan (one straight program there: XLA would merge the two gathers).
+    Loss and grads equal the single-device step's."""
+    import dataclasses
+
+    from engine.cost.ledger import step_ledger
+    from engine.parallel.layout import Layout
+
+    cfg = dataclasses.replace(CFG, remat="none")
+    par = ParallelConfig(tp_comm="sequence", zero=3, prefetch=prefetch)
+    t = trainer("fsdp4xtp2", cfg, par)
+    loss, grads, gnorm, _ = compiled_loss_and_grads(t, init, t.put_batch(tokens()))
+    want_loss, want_grads, want_gnorm, _ = single
+    assert abs(loss - want_loss) <= RTOL * abs(want_loss)
+    assert abs(gnorm - want_gnorm) <= RTOL * want_gnorm
+    assert_tree_close(grads, want_grads, what=f"none sequence prefetch={prefetch} grads ")
+
+    rows = step_ledger(cfg, TCFG, Layout.parse("fsdp4xtp2"), par)
+    gathers = lambda phase, scopes: sum(
+        r.count for r in rows if r.phase == phase and r.primitive == "all_gather"
+        and r.axes == ("tp",) and r.scope in scopes)
+    regathered = cfg.n_layers - 1 if prefetch else cfg.n_layers
+    assert gathers("recompute", ("attention", "mlp")) == 2 * regathered
+    assert gathers("recompute", ("loss",)) == 0
+    assert gathers("fwd", ("attention", "mlp")) == 2 * cfg.n_layers

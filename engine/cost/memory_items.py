@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from collectives.ring import tp_comm
 from engine.config import TrainConfig
 from engine.cost.scan_rows import cpu_upcasts_bf16_stacks
 from engine.parallel.layout import Layout
@@ -291,6 +292,13 @@ def weight_grad_items(d: Dims, par) -> dict:
 
 
 
+def regathers(d: Dims, par) -> bool:
+    """Whether a column-parallel matmul's backward gathers its sequence-sharded input
+    again (tp_comm `sequence` outside a remat policy: `collectives.ring.SequenceComm`)
+    rather than keeping it gathered."""
+    return getattr(tp_comm(par.tp_comm), "regather", False) and d.Lx < d.L
+
+
 def saved_by_remat(d: Dims, cfg: ModelConfig, par, trans_full: dict,
                    saves_weights: bool) -> tuple[dict, dict]:
     """(residuals the forward scan saves for N layers, the layer backward's transient)
@@ -335,8 +343,10 @@ def saved_by_remat(d: Dims, cfg: ModelConfig, par, trans_full: dict,
     per = {"p (f32 and compute dtype; chunked: E and 1/rowsum; f32 on cpu)": saved,
            "mlp g, u, h and h cast (f32 on cpu)": 3 * d.mlp + d.cast * d.mlp // a * us,
            "stream x into each norm": 2 * d.x_stream,
-           "norm outputs (cast for q, k, v, gate, up; f32 on cpu)":
-               (5 * d.x_full // a * us) if d.cast else 2 * d.x_full,
+           **({"norm outputs, sequence-sharded (gathered again in the backward)":
+               2 * d.x_stream} if regathers(d, par) else
+              {"norm outputs (cast for q, k, v, gate, up; f32 on cpu)":
+               (5 * d.x_full // a * us) if d.cast else 2 * d.x_full}),
            "q, o, k, v (compute dtype; f32 on cpu)": (2 * Htp + 2 * Gtp) * B * L * K * us,
            **({} if par.prefetch else {"gathered weights (compute dtype; f32 on cpu)": d.W * us})}
     res = {f"{k} ({n} layers)": n * v for k, v in per.items()}
