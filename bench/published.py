@@ -35,6 +35,9 @@ Rules, fact -> setting:
   their grad in bf16 (`attention_rates.FUSED_CROSS_ENTROPY`; memory only). torchtitan's TP plan
   is Megatron sequence parallelism (`--tp-comm sequence`), Megatron 2021's all-reduces
   (`allreduce`).
+- tensor parallelism attributed to Korthikanti et al. (2023), the paper of sequence
+  parallelism (the Llama 3 paper's "TP; ... Korthikanti et al. (2023)") ->
+  `--tp-comm sequence` (`SEQUENCE_PARALLEL`).
 - tp collectives overlapped with compute (MaxText's `xla_tpu_overlap_compute_collective_tc`,
   torchtitan's Async TP) -> `--tp-comm ring`.
 - FSDP with its weights gathered per layer (zero 3) -> `--prefetch`: every source's
@@ -131,10 +134,19 @@ def _chunks(r: Run) -> int:
     return r.virtual if said and r.virtual > 1 else FEWEST_CHUNKS
 
 
+# the paper of sequence parallelism: a source that names it for its tensor parallelism
+# runs tp with it (Korthikanti et al., "Reducing Activation Recomputation in Large
+# Transformer Models", MLSys 2023: activations sharded over tp along the sequence
+# outside the tp regions, gathered again in the backward)
+SEQUENCE_PARALLEL = "Korthikanti et al."
+
+
 def _tp_comm(r: Run, fw: dict) -> str:
     if "tp" not in r.layout:
         return "allreduce"
-    return "ring" if r.tp_overlap and stated(r, "tp_overlap") else fw["tp_comm"]
+    if r.tp_overlap and stated(r, "tp_overlap"):
+        return "ring"
+    return "sequence" if SEQUENCE_PARALLEL in r.quote("tp_comm") else fw["tp_comm"]
 
 
 def _attention(r: Run, fw: dict) -> str:

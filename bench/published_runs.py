@@ -282,6 +282,8 @@ def _llama3(gpus, cp, dp, seq, per_dp, tflops, mfu):
     quotes = (("hardware", "H100 GPUs, 80GB HBM3, 700W TDP"), ("chips", f"GPUs {gpus}"),
               ("seq", f"Seq. Len. {seq}"), ("batch", f"Batch size/DP {per_dp}"),
               ("layout", f"TP 8, CP {cp}, PP 16, DP {dp}"), ("precision", "BF16 MFU"),
+              ("tp_comm", ("tensor parallelism (TP; Krizhevsky et al. (2012); Shoeybi et "
+                           "al. (2019); Korthikanti et al. (2023))")),
               ("zero", ("FSDP ... shards the optimizer states and gradients ... we do not "
                         "reshard after forward computation")),
               ("schedule", ("we use an interleaved schedule (Narayanan et al., 2021) with V "

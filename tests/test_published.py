@@ -337,3 +337,21 @@ def test_a_row_without_a_pipeline_breaks_down_into_its_step():
     # the kernel's forward at 4096 keys, in its benchmarks' convention (FA3 paper: 518)
     assert by_name["attention fwd"] == pytest.approx(518, rel=1e-3)
     assert pm.flat_breakdown(r)[0].startswith(r.name)
+
+
+def test_tp_attributed_to_sequence_parallelism_runs_sequence():
+    """A row whose source attributes its tensor parallelism to Korthikanti et al. (the
+    paper of sequence parallelism; the Llama 3 paper does) is priced with
+    `--tp-comm sequence`; the rule reads that quote alone, not the framework."""
+    from bench.published import HELD_OUT, RUNS, argv, source_settings
+
+    def comm(r):
+        flags = argv(r, source_settings(r))
+        return flags[flags.index("--tp-comm") + 1]
+
+    cited = [r for r in (*RUNS, *HELD_OUT) if "Korthikanti" in r.quote("tp_comm")]
+    assert cited and all(r.framework == "meta-llama3" for r in cited)
+    assert all(comm(r) == "sequence" for r in cited if "tp" in r.layout)
+    uncited = dataclasses.replace(cited[0], quotes=tuple(
+        (k, v) for k, v in cited[0].quotes if k != "tp_comm"))
+    assert comm(uncited) == "allreduce"
