@@ -35,6 +35,16 @@ def compiled_loss_and_grads(t, init, batch):
     return float(loss), host(grads), float(gnorm), ops
 
 
+def assert_matches_single(got, single, what: str):
+    """`compiled_loss_and_grads`' loss and grad norm within RTOL of the single-device
+    step's, and every grad close to its (`assert_tree_close`)."""
+    loss, grads, gnorm, _ = got
+    want_loss, want_grads, want_gnorm, _ = single
+    assert abs(loss - want_loss) <= RTOL * abs(want_loss)
+    assert abs(gnorm - want_gnorm) <= RTOL * want_gnorm
+    assert_tree_close(grads, want_grads, what=what)
+
+
 def loss_and_grads(layout, init, parallel=ParallelConfig()):
     t = trainer(layout, CFG, parallel)
     return compiled_loss_and_grads(t, init, t.put_batch(tokens()))
@@ -61,11 +71,9 @@ def single(init):
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("tp_comm", ["sequence", "ring"])
 def test_tp_comm_matches_single(tp_comm, layout, init, single):
-    loss, grads, gnorm, ops = loss_and_grads(layout, init, ParallelConfig(tp_comm=tp_comm))
-    want_loss, want_grads, want_gnorm, _ = single
-    assert abs(loss - want_loss) <= RTOL * abs(want_loss)
-    assert abs(gnorm - want_gnorm) <= RTOL * want_gnorm
-    assert_tree_close(grads, want_grads, what=f"{tp_comm} {layout} grads ")
+    got = loss_and_grads(layout, init, ParallelConfig(tp_comm=tp_comm))
+    assert_matches_single(got, single, f"{tp_comm} {layout} grads ")
+    ops = got[3]
     if tp_comm == "ring":
         # tp8 has no fsdp: every all-gather / reduce-scatter left would be a tp one
         assert "collective-permute" in ops, ops
@@ -88,11 +96,8 @@ def test_remat_dots_does_not_run_the_forwards_tp_reductions_again(tp_comm, init,
 
     cfg, par = dataclasses.replace(CFG, remat="dots"), ParallelConfig(tp_comm=tp_comm)
     t = trainer("fsdp4xtp2", cfg, par)
-    loss, grads, gnorm, _ = compiled_loss_and_grads(t, init, t.put_batch(tokens()))
-    want_loss, want_grads, want_gnorm, _ = single
-    assert abs(loss - want_loss) <= RTOL * abs(want_loss)
-    assert abs(gnorm - want_gnorm) <= RTOL * want_gnorm
-    assert_tree_close(grads, want_grads, what=f"dots {tp_comm} grads ")
+    assert_matches_single(compiled_loss_and_grads(t, init, t.put_batch(tokens())), single,
+                          f"dots {tp_comm} grads ")
 
     rows = step_ledger(cfg, TCFG, Layout.parse("fsdp4xtp2"), par)
     tp_runs = lambda phase, prim: sum(  # noqa: E731  (in the blocks: attention and MLP)
@@ -122,11 +127,8 @@ def test_sequence_under_remat_none_gathers_its_inputs_again_in_the_backward(
     cfg = dataclasses.replace(CFG, remat="none")
     par = ParallelConfig(tp_comm="sequence", zero=3, prefetch=prefetch)
     t = trainer("fsdp4xtp2", cfg, par)
-    loss, grads, gnorm, _ = compiled_loss_and_grads(t, init, t.put_batch(tokens()))
-    want_loss, want_grads, want_gnorm, _ = single
-    assert abs(loss - want_loss) <= RTOL * abs(want_loss)
-    assert abs(gnorm - want_gnorm) <= RTOL * want_gnorm
-    assert_tree_close(grads, want_grads, what=f"none sequence prefetch={prefetch} grads ")
+    assert_matches_single(compiled_loss_and_grads(t, init, t.put_batch(tokens())), single,
+                          f"none sequence prefetch={prefetch} grads ")
 
     rows = step_ledger(cfg, TCFG, Layout.parse("fsdp4xtp2"), par)
     gathers = lambda phase, scopes: sum(
