@@ -30,9 +30,10 @@ def _names(axis: AxisNames) -> tuple[str, ...]:
     return tuple(axis)
 
 
-def varying_axes(x: jax.Array) -> frozenset:
-    """Axes `x` varies over (jax 0.10 spells it `.mat.varying`, older and newer `.vma`)."""
-    aval = jax.typeof(x)
+def varying_axes(x) -> frozenset:
+    """Axes `x` (an array, or a jaxpr variable's aval) varies over (jax 0.10 spells it
+    `.mat.varying`, older and newer `.vma`)."""
+    aval = x if isinstance(x, jax.core.ShapedArray) else jax.typeof(x)
     mat = getattr(aval, "mat", None)
     return mat.varying if mat is not None else aval.vma
 

@@ -97,3 +97,23 @@ def test_interleaved_under_resident_weights_matches_single(zero, init, single):
     got = loss_and_grads("pp2xfsdp4", init, microbatches=2, pp_schedule="interleaved",
                          pp_virtual=2, zero=zero)
     assert_matches(got, single, f"pp2xfsdp4 interleaved V=2 zero {zero}")
+
+
+@pytest.mark.parametrize("schedule,virtual", [("1f1b", 1), ("interleaved", 2), ("zb1", 1)])
+def test_a_unit_is_traced_once_for_its_stash_and_once_in_the_ticks(schedule, virtual,
+                                                                    monkeypatch):
+    """The stash's shapes, which residuals the backward rebuilds, and the rebuild itself
+    come from one trace of the unit's forward vjp (`Units.trace_stash`); the ticks trace
+    it once more, as the step runs it: two traces of a unit a step (four before: the
+    stash's shapes, its params-only test and the backward's rebuild each traced it)."""
+    from engine.parallel import pipeline_units
+
+    calls, unit = [], pipeline_units.Units.unit
+    monkeypatch.setattr(pipeline_units.Units, "unit",
+                        lambda self, *a, **k: calls.append(1) or unit(self, *a, **k))
+    args = [*_args("pp2xfsdp2", schedule, 1, virtual)]
+    args[args.index("--remat") + 1] = "none"  # the units stash their vjp residuals
+    cfg, tcfg, parallel, lay, _ = parse_or_exit(args, build_parser())
+    assert pipeline.stash_residuals(lay, parallel)
+    trace_step(cfg, tcfg, lay, parallel)
+    assert len(calls) == 2

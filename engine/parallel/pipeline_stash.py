@@ -16,10 +16,13 @@ stage and item (`Plan.stash_slot_PI`: as many slots as the stage holds items at 
             (`Plan.w_slots`); W reads the residuals from the stash slot
 
 A buffer of pullback leaves is a list of [K, ...] arrays, one a leaf, each varying over
-the mesh axes its leaf varies over (read while tracing the unit that makes it:
-`slots_for`) and over pp: each stage's slots hold its own units' values. A write under a uniform plan keeps the slot's old value where this
-stage's unit ran only to keep the devices' programs alike (`keep`)."""
+the mesh axes its leaf varies over (read off the unit's one trace of what it stashes,
+`trace_residuals`, or while tracing the head: `slots_for`) and over pp: each stage's
+slots hold its own units' values. A write under a uniform plan keeps the slot's old
+value where this stage's unit ran only to keep the devices' programs alike (`keep`)."""
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -82,37 +85,52 @@ def pullback_parts(f_vjp, params):
     return [leaf for leaf, j in zip(leaves, where) if j is None], (treedef, where)
 
 
-def _residual_jaxpr(residuals, params, x):
-    """`residuals(params, x)` (a list of arrays) traced: (a jaxpr whose inputs are its
-    constants' then params' then x's leaves, the constants, the params' leaf count)."""
-    closed = jax.make_jaxpr(residuals)(params, x)
-    return pe.convert_constvars_jaxpr(closed.jaxpr), closed.consts, len(jax.tree.leaves(params))
+class Residuals(NamedTuple):
+    """A unit's pullback leaves less its params (`pullback_parts`), traced once for the
+    step as a function of (item, params, x): `jaxpr`'s inputs are `consts`, the item,
+    the params' `n_params` leaves, then x's; its outputs the leaves."""
+
+    jaxpr: core.Jaxpr
+    consts: list
+    n_params: int
+
+    @property
+    def avals(self) -> list:
+        return [v.aval for v in self.jaxpr.outvars]
 
 
-def params_only(residuals, params, x) -> tuple[bool, ...]:
-    """For each array `residuals(params, x)` returns (a unit's pullback leaves less the
-    params: `pullback_parts`), whether it is made of the params (and the unit's
-    constants), not of x: the weights as the unit uses them (cast to the compute dtype,
+def trace_residuals(residuals, item, params, x) -> Residuals:
+    """`residuals(item, params, x)` (a list of arrays) traced once (`Residuals`); the
+    step reads what it holds from the jaxpr (`params_only`, the stash's shapes) and
+    rebuilds from it (`rebuild`) rather than tracing the unit again for each."""
+    closed = jax.make_jaxpr(residuals)(item, params, x)
+    return Residuals(pe.convert_constvars_jaxpr(closed.jaxpr), closed.consts,
+                     len(jax.tree.leaves(params)))
+
+
+def params_only(traced: Residuals) -> tuple[bool, ...]:
+    """For each array of the traced residuals (a unit's pullback leaves less the params:
+    `pullback_parts`), whether it is made of the params (with the unit's constants and
+    item), not of x: the weights as the unit uses them (cast to the compute dtype,
     gathered over fsdp). Such a residual is the same for every microbatch; the backward
     rebuilds it (`rebuild`: the same values, bit for bit) rather than a stash slot holding
-    it once per microbatch in flight. One of the constants alone (the RoPE tables, the
-    unit's item) stays in the slot: rebuilt, XLA's sin and cos in another fusion moved
-    bf16 grads by an ulp."""
-    jaxpr, consts, n_params = _residual_jaxpr(residuals, params, x)
+    it once per microbatch in flight. One of the constants or the item alone (the RoPE
+    tables, the unit's item) stays in the slot: rebuilt, XLA's sin and cos in another
+    fusion moved bf16 grads by an ulp."""
+    jaxpr, consts, n_params = traced
+    n = len(consts) + 1  # the constants and the item
     which = []
     for k in range(len(jaxpr.outvars)):
         _, used = pe.dce_jaxpr(jaxpr, [j == k for j in range(len(jaxpr.outvars))])
-        n = len(consts)
         which.append(any(used[n:n + n_params]) and not any(used[n + n_params:]))
     return tuple(which)
 
 
-def rebuild(residuals, which, params, x) -> list[jax.Array]:
-    """The residuals `which` marks (`params_only`) made again from the live `params`:
-    `residuals` traced and cut to the equations they need, which read no x."""
-    jaxpr, consts, _ = _residual_jaxpr(residuals, params, x)
-    cut, used = pe.dce_jaxpr(jaxpr, list(which))
-    ins = [*consts, *jax.tree.leaves(params), *jax.tree.leaves(x)]
+def rebuild(traced: Residuals, which, item, params, x) -> list[jax.Array]:
+    """The residuals `which` marks (`params_only`) made again from the live `params`
+    for `item`: the traced jaxpr cut to the equations they need, which read no x."""
+    cut, used = pe.dce_jaxpr(traced.jaxpr, list(which))
+    ins = [*traced.consts, item, *jax.tree.leaves(params), *jax.tree.leaves(x)]
     return core.jaxpr_as_fun(core.ClosedJaxpr(cut, ()))(*(v for v, u in zip(ins, used) if u))
 
 
@@ -146,10 +164,12 @@ def initial(u, fwd_TP, bwd_TP) -> dict:
     # a stage's slots hold its own units' values, read at its own item (the tables'
     # row `stage`): varying over pp whatever the example traced at a fixed item gives
     # (an int32 residual made from the item, the blocked kernel's key positions, is
-    # invariant at a constant item and varies over pp in the tick)
+    # invariant at a constant item and varies over pp in the tick). The stash's trace
+    # takes an item varying over pp, as the ticks' are: the backward rebuilds from it
     if u.residuals:
-        stash = slots_for(u.stash_parts, plan.stash_slots, u.params, zeros_x, fwd_TP[0, 0],
-                          also=(u.pp,))
+        stash = [like(jnp.zeros((plan.stash_slots, *a.shape), a.dtype),
+                      dict.fromkeys((*collectives.varying_axes(a), u.pp)))
+                 for a in u.trace_stash(like(fwd_TP[0, 0], (u.pp,)))]
     else:
         stash = buffer(zeros_x, plan.stash_slots)
     carry = dict(x=buffer(zeros_x, plan.x_slots), loss=u.loss0)

@@ -148,27 +148,26 @@ class Units:
             return slots.like(self.stages.head_loss(rest, y_BLD, self.targets_MBL[i // self.V]),
                               (self.pp,))
 
-    def residuals_of(self, i):
-        """(q, x) -> the leaves of unit i's pullback less the params q (`own`'s)."""
-        def leaves(q, x_BLD):
-            held, self.traced["structure"] = slots.pullback_parts(jax.vjp(
-                lambda q, x: self.unit(q, x, i, with_head=not self.apart), q, x_BLD)[1], q)
-            return held
+    def pullback_leaves(self, i, q, x_BLD):
+        """The leaves of unit i's pullback from (q, x) less the params q (`own`'s)."""
+        held, self.traced["structure"] = slots.pullback_parts(jax.vjp(
+            lambda q, x: self.unit(q, x, i, with_head=not self.apart), q, x_BLD)[1], q)
+        return held
 
-        return leaves
-
-    def stash_parts(self, p, x_BLD, i):
-        """The leaves unit i's forward stashes: its pullback's, less the params and
-        less what is made of the params alone (`pipeline_stash.params_only`: the
-        weights as the unit uses them), which the backward rebuilds."""
-        q = self.own(p, i)
-        self.traced["which"] = slots.params_only(self.residuals_of(i), q, x_BLD)
-        return slots.split(self.residuals_of(i)(q, x_BLD), self.traced["which"])[0]
+    def trace_stash(self, i):
+        """The avals of what a unit's forward stashes, traced once on item i (one
+        varying over pp, as the ticks' items do): its pullback's leaves, less the params
+        and less what is made of the params alone (`pipeline_stash.params_only`: the
+        weights as the unit uses them), which the backward rebuilds from the same trace."""
+        self.traced["residuals"] = traced = slots.trace_residuals(
+            self.pullback_leaves, i, self.own(self.params, i), self.zeros_x)
+        self.traced["which"] = slots.params_only(traced)
+        return slots.split(traced.avals, self.traced["which"])[0]
 
     def pullback_of(self, stashed, q, i):
         """Unit i's pullback from its stash slot's leaves and the live `own` q."""
         which = self.traced["which"]
-        rebuilt = slots.rebuild(self.residuals_of(i), which, q, self.zeros_x)
+        rebuilt = slots.rebuild(self.traced["residuals"], which, i, q, self.zeros_x)
         return slots.pullback(self.traced["structure"], slots.join(stashed, rebuilt, which), q)
 
     def pullback_and_loss(self, stashed, q, i):
@@ -234,8 +233,10 @@ class Units:
         q = self.own(self.params, i)
         (y_BLD, loss), f_vjp = jax.vjp(
             lambda q, x: self.unit(q, x, i, with_head=not self.apart), q, x_BLD)
-        leaves, self.traced["structure"] = slots.pullback_parts(f_vjp, q)
-        leaves, _ = slots.split(leaves, self.traced["which"])  # the rest rebuilt (`stash_parts`)
+        # the backward's pullback is `trace_stash`'s (traced outside the ticks' scopes:
+        # its transposed equations are the backward's, not named as this forward's)
+        leaves, _ = slots.pullback_parts(f_vjp, q)
+        leaves, _ = slots.split(leaves, self.traced["which"])  # the rest rebuilt (`trace_stash`)
         assert [(r.shape, r.dtype) for r in leaves] == [
             (b.shape[1:], b.dtype) for b in c["stash"]], "the stash's residuals are the unit's"
         stash = slots.write(c["stash"], slot, leaves, active)
