@@ -172,10 +172,11 @@ def test_checkpoints_move_between_zero_levels(single, tmp_path):
     assert_params_close(host(params), single["params"], single["grads"], what="resumed params ")
 
 
-# none and alternate take the same hand-written backward scan as dots
-# (`block.prefetched_saving`): run by -m slow
+# none, alternate and dots take the same hand-written backward scan
+# (`block.prefetched_saving`): run by -m slow; the default suite runs that scan in
+# tests/test_tp_comm.py (remat none, prefetch, sequence parallel, against single)
 @pytest.mark.parametrize("remat", ["full", *(pytest.param(r, marks=pytest.mark.slow)
-                                             for r in ("none", "alternate")), "dots"])
+                                             for r in ("none", "alternate", "dots"))])
 def test_prefetch_over_three_layers_matches_the_plain_model(remat):
     """Three layers, so the scan body runs twice and hands a gathered layer through the
     carry (with two it runs once): loss and grads equal the plain model's, under each
