@@ -29,8 +29,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import jax
 import numpy as np
-from jax._src import core as jsrc
 from jax.extend import core as jcore
 
 from engine.cost.ledger import ledger
@@ -62,7 +62,7 @@ class _Walk:
 
     def var(self, v, env: dict):
         aval = v.aval
-        if isinstance(aval, jsrc.ShapedArray):
+        if isinstance(aval, jax.core.ShapedArray):
             shape = tuple(self.number(d, str(aval.dtype)) for d in aval.shape)
             if self.values is not None:
                 aval = aval.update(shape=shape)
