@@ -19,10 +19,10 @@ model and collective sizes come out of the same code.
 A number that is not a monomial (a pipeline's 2(M + pp - 1) ticks, a block size capped
 at a constant) shows as a non-integer exponent or a non-integer value (the planner
 keeps the pp degree fixed within a structure for that, engine/planner/ledgers.py), and
-sizes that make a dimension 1 that is more in the traced program may change the program (jax and
-XLA:CPU treat dimensions of 1 apart): `Structure` then refuses (`NotDerivable`) and the
-caller traces. `Structure.check` compares a derived
-ledger with a traced one row by row (the planner checks one per structure).
+sizes that make a dimension 1 that is more in the traced program may change the
+program (jax and XLA:CPU treat dimensions of 1 apart): `Structure` then refuses
+(`NotDerivable`) and the caller traces. `Structure.check` compares a derived ledger
+with a traced one row by row (the planner checks one per structure).
 """
 from __future__ import annotations
 

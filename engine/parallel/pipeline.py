@@ -23,12 +23,12 @@ The backward of a unit is the vjp of the unit, run at its tick. The forward unit
 stage and item (`Plan.stash_slot_PI`; `Plan.stash_slots` slots, as many as the stage
 holds at once), and the backward applies them, so no forward runs twice: what the
 blocks' remat policy saves per layer (`full`: each layer's input, as Megatron-LM's
-pipelines keep; `dots`: also the named matmul outputs; `none`: everything). The last chunk takes the head's vjp apart
-and keeps its residuals in the last stage's own slots (`Plan.head_slots`). The
-residuals are the leaves of the `jax.vjp` pullbacks (their primal params, made outside
-the vjp by `own`, are not stashed: the backward puts the live ones back; nor what is
-made of the params alone, the weights cast or gathered as the unit uses them: the
-backward rebuilds it, `pipeline_stash.params_only`). Under a cp
+pipelines keep; `dots`: also the named matmul outputs; `none`: everything). The last
+chunk takes the head's vjp apart and keeps its residuals in the last stage's own slots
+(`Plan.head_slots`). The residuals are the leaves of the `jax.vjp` pullbacks (their
+primal params, made outside the vjp by `own`, are not stashed: the backward puts the
+live ones back; nor what is made of the params alone, the weights cast or gathered as
+the unit uses them: the backward rebuilds it, `pipeline_stash.params_only`). Under a cp
 ring the stash holds each unit's input instead and the backward recomputes the unit
 under `jax.vjp`; zb1 keeps the head's residuals in its units' stash.
 

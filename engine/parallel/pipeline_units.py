@@ -5,8 +5,9 @@ pipeline_stash.py keeps what they leave each other).
 A unit is item i = m·V + v: microbatch m through the device's chunk v. The forward runs
 `jax.vjp` of the chunk (the embedding on the model's first chunk, the head and loss on
 its last) and stashes the pullback's leaves but the weights as it uses them (rebuilt by
-the backward from the params: `pipeline_stash.params_only`); the backward applies them to the cotangent
-from the next stage (or the loss's seed) and adds the params' grads to the carry. Under
+the backward from the params, `pipeline_stash.params_only`, off the one trace of what a
+unit stashes: `Units.trace_stash`); the backward applies them to the cotangent from the
+next stage (or the loss's seed) and adds the params' grads to the carry. Under
 a cp ring the forward stashes its input and the backward recomputes the unit under
 `jax.vjp`. A split plan (zb1) runs each backward as B (the input cotangent) and W (the
 params' grads) from the pullback's jaxpr cut by engine/parallel/backward_split.py."""
