@@ -175,10 +175,10 @@ def prefetched_saving(layer, gather, last=None):
     hand-written backward that keeps each layer's residuals but not its weights.
 
     `layer` (x, whole weights) -> x is the block as its remat policy (`none`, `dots`)
-    differentiates it; `last` the same for the last layer (default `layer`). Forward: layer 0's weights gathered before a scan over layers
-    0..N-2 whose body gathers layer i+1 while it runs `jax.vjp` of layer i, stacking the
-    residuals that vjp keeps except the weights themselves ([N-1, ...] each); the last
-    layer after the scan. Backward, layers N-1 down to 0: the weights gathered again,
+    differentiates it; `last` the same for the last layer (default `layer`). Forward:
+    layer 0's weights gathered before a scan over layers 0..N-2 whose body gathers layer
+    i+1 while it runs `jax.vjp` of layer i, stacking the residuals that vjp keeps except
+    the weights themselves ([N-1, ...] each); the last layer after the scan. Backward, layers N-1 down to 0: the weights gathered again,
     one layer ahead, put back into each layer's vjp, whose weight grads are
     reduce-scattered (the gather's transpose) into the carried [N, ...] grads. So the
     backward holds two layers' gathered weights, not N (ZeRO-3 as PyTorch FSDP reshards
