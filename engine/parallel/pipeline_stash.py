@@ -50,9 +50,16 @@ def buffer(zero, slots: int) -> jax.Array:
     return jnp.broadcast_to(zero, (max(slots, 1), *zero.shape))
 
 
+def zero_slots(shapes, vary, slots: int, also=()) -> list[jax.Array]:
+    """`slots` zero slots of each of `shapes` (shape and dtype), each varying over its
+    axes in `vary` and `also`."""
+    return [like(jnp.zeros((slots, *s.shape), s.dtype), dict.fromkeys((*a, *also)))
+            for s, a in zip(shapes, vary)]
+
+
 def slots_for(values, slots: int, *example, also=()) -> list[jax.Array]:
-    """`slots` zero slots for each array `values(*example)` returns, each varying over
-    the axes that array varies over (read while tracing) and `also`."""
+    """`zero_slots` for each array `values(*example)` returns, each varying over the axes
+    that array varies over (read while tracing) and `also`."""
     vary = []
 
     def traced(*args):
@@ -60,9 +67,7 @@ def slots_for(values, slots: int, *example, also=()) -> list[jax.Array]:
         vary.extend(tuple(collectives.varying_axes(v)) for v in out)
         return out
 
-    shapes = jax.eval_shape(traced, *example)
-    return [like(jnp.zeros((slots, *s.shape), s.dtype), dict.fromkeys((*a, *also)))
-            for s, a in zip(shapes, vary)]
+    return zero_slots(jax.eval_shape(traced, *example), vary, slots, also)
 
 
 def read(buffers: list[jax.Array], slot) -> list[jax.Array]:
@@ -167,9 +172,9 @@ def initial(u, fwd_TP, bwd_TP) -> dict:
     # invariant at a constant item and varies over pp in the tick). The stash's trace
     # takes an item varying over pp, as the ticks' are: the backward rebuilds from it
     if u.residuals:
-        stash = [like(jnp.zeros((plan.stash_slots, *a.shape), a.dtype),
-                      dict.fromkeys((*collectives.varying_axes(a), u.pp)))
-                 for a in u.trace_stash(like(fwd_TP[0, 0], (u.pp,)))]
+        kept = u.trace_stash(like(fwd_TP[0, 0], (u.pp,)))
+        stash = zero_slots(kept, [collectives.varying_axes(a) for a in kept],
+                           plan.stash_slots, also=(u.pp,))
     else:
         stash = buffer(zeros_x, plan.stash_slots)
     carry = dict(x=buffer(zeros_x, plan.x_slots), loss=u.loss0)
