@@ -59,7 +59,7 @@ def compile_seconds(cfg, tcfg, parallel, layout) -> float:
     from engine.run.step import Trainer
 
     trainer = Trainer(cfg, tcfg, layout, layout.mesh(), parallel)
-    args = _shape_dtype_specs(cfg, tcfg, trainer)
+    args = _shape_dtype_specs(cfg, tcfg)
     t0 = time.perf_counter()
     trainer.train_step.lower(*args).compile()
     jax.clear_caches()

@@ -86,11 +86,12 @@ ARITH = {"add", "add_any", "sub", "mul", "div", "neg", "max", "min", "exp", "exp
          "sin", "cos", "eq", "ne", "ge", "gt", "le", "lt", "and", "or", "not", "clamp"}
 
 
-def _shape_dtype_specs(cfg, tcfg, trainer):
+def _shape_dtype_specs(cfg, tcfg):
     from engine.parallel.params import param_shapes
+    from engine.run import optim
 
     params = param_shapes(cfg)
-    opt_state = jax.eval_shape(trainer.tx.init, params)
+    opt_state = optim.state_shapes(tcfg, cfg)
     tokens_BL = jax.ShapeDtypeStruct((tcfg.batch, tcfg.seq + 1), jnp.int32)
     return params, opt_state, tokens_BL
 
@@ -122,7 +123,7 @@ def trace_step(cfg, tcfg, layout, parallel=None, pack=None) -> jcore.ClosedJaxpr
     with paused_gc():
         trainer = Trainer(cfg, tcfg, layout, layout.abstract_mesh(),
                           parallel or ParallelConfig(), pack=pack)
-        closed = jax.make_jaxpr(trainer.train_step)(*_shape_dtype_specs(cfg, tcfg, trainer))
+        closed = jax.make_jaxpr(trainer.train_step)(*_shape_dtype_specs(cfg, tcfg))
         live, _ = pe.dce_jaxpr(closed.jaxpr, [True] * len(closed.jaxpr.outvars))
     return jcore.ClosedJaxpr(live, closed.consts)
 

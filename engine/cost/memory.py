@@ -304,6 +304,7 @@ def one_program(cfg: ModelConfig, tcfg: TrainConfig, layout: Layout, platform: s
     `Trainer`'s specs, the named parts above for one layer, and the phase where they
     add up to the most."""
     from engine.parallel.params import activation_spec, param_shapes
+    from engine.run import optim
 
     kernel = kernel_priced(cfg, tcfg, layout, platform, par)
     if trainer is None:
@@ -314,7 +315,7 @@ def one_program(cfg: ModelConfig, tcfg: TrainConfig, layout: Layout, platform: s
     sizes = dict(layout.mesh_axes())
     shapes = param_shapes(cfg)
     params = _tree_bytes(shapes, t.specs, sizes)
-    opt_state = _tree_bytes(jax.eval_shape(t.tx.init, shapes), t.opt_specs, sizes)
+    opt_state = _tree_bytes(optim.state_shapes(t.tcfg, cfg), t.opt_specs, sizes)
     grads = _tree_bytes(shapes, t.grad_specs, sizes)
     grads_not_blocks = _tree_bytes(shapes, t.grad_specs, sizes,
                                    keep=lambda path: not path.startswith("['blocks']"))
@@ -392,7 +393,7 @@ def compile_step(trainer, compiler_options: dict | None = None):
         return jax.ShapeDtypeStruct(sds.shape, sds.dtype,
                                     sharding=NamedSharding(trainer.mesh, spec))
 
-    params, opt_state, tokens = _shape_dtype_specs(trainer.cfg, trainer.tcfg, trainer)
+    params, opt_state, tokens = _shape_dtype_specs(trainer.cfg, trainer.tcfg)
     args = (jax.tree.map(place, params, trainer.specs),
             jax.tree.map(place, opt_state, trainer.opt_specs),
             place(tokens, trainer.batch_spec))

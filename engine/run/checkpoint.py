@@ -58,7 +58,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from engine.parallel.params import param_shapes
-from engine.run import old_formats, pieces
+from engine.run import old_formats, optim, pieces
 
 FORMAT = "shardwise-checkpoint/4"
 FORMAT_2 = old_formats.FORMAT_2
@@ -433,7 +433,7 @@ def restore(ckpt: Checkpoint, trainer) -> tuple:
     if ckpt.meta.get("optimizer") == "fresh":
         params = restore_params(ckpt, trainer)
         return params, trainer.init_opt(params)
-    opt_shapes = jax.eval_shape(trainer.tx.init, param_shapes(trainer.cfg))
+    opt_shapes = optim.state_shapes(trainer.tcfg, trainer.cfg)
     return (restore_params(ckpt, trainer),
             _place(ckpt.opt_state, opt_shapes, trainer.opt_specs, trainer.mesh, ckpt.path,
                    "opt_state", getattr(trainer, "layer_order", None)))

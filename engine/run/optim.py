@@ -2,11 +2,14 @@
 precede it are in engine/parallel/grads.py."""
 from __future__ import annotations
 
+import functools
+
 import jax
 import optax
 from jax.sharding import PartitionSpec as P
 
 from engine.config import TrainConfig
+from engine.parallel.params import param_shapes
 
 
 def schedule(tcfg: TrainConfig) -> optax.Schedule:
@@ -68,11 +71,26 @@ def make_optimizer(tcfg: TrainConfig) -> optax.GradientTransformation:
                        weight_decay=tcfg.weight_decay, mask=decay_mask)
 
 
-def opt_state_specs(tx: optax.GradientTransformation, param_shapes, param_specs):
+def state_shapes(tcfg: TrainConfig, cfg):
+    """The optimizer state's shapes for the params of `cfg` (a ModelConfig): one
+    `jax.eval_shape` of the optimizer's init, a trace, once per optimizer and param
+    shapes (every layout and switch the planner prices shares it)."""
+    shapes = param_shapes(cfg)
+    leaves, tree = jax.tree_util.tree_flatten(shapes)
+    return _state_shapes(tcfg, tree, tuple((x.shape, x.dtype) for x in leaves))
+
+
+@functools.lru_cache(maxsize=16)
+def _state_shapes(tcfg: TrainConfig, tree, leaves: tuple):
+    shapes = jax.tree_util.tree_unflatten(tree, [jax.ShapeDtypeStruct(*x) for x in leaves])
+    return jax.eval_shape(make_optimizer(tcfg).init, shapes)
+
+
+def opt_state_specs(tcfg: TrainConfig, cfg, param_specs):
     """The optimizer state's PartitionSpecs: like the params for per-param leaves, P()
     (replicated) for the rest (step counts)."""
-    state_shapes = jax.eval_shape(tx.init, param_shapes)
-    return optax.tree_map_params(tx, lambda _, spec: spec, state_shapes, param_specs,
+    return optax.tree_map_params(make_optimizer(tcfg), lambda _, spec: spec,
+                                 state_shapes(tcfg, cfg), param_specs,
                                  transform_non_params=lambda _: P(),
                                  is_leaf=lambda x: isinstance(x, P))
 

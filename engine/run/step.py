@@ -30,7 +30,6 @@ from engine.parallel.params import (
     activation_spec,
     fsdp_dims,
     init_params,
-    param_shapes,
     param_specs,
 )
 from engine.parallel.validate import check
@@ -69,7 +68,7 @@ class Trainer:
         self.specs = self.zero.storage_specs(self.shard_specs, self.axes.fsdp)  # between steps
         self.grad_specs = self.zero.grad_specs(self.specs, self.shard_specs)
         self.tx = optim.make_optimizer(tcfg)
-        self.opt_specs = optim.opt_state_specs(self.tx, param_shapes(cfg), self.shard_specs)
+        self.opt_specs = optim.opt_state_specs(tcfg, cfg, self.shard_specs)
         self.batch_spec = activation_spec("tokens", layout)
         self._dims = fsdp_dims()
         self._model_axes = self.zero.model_axes(self.axes)  # what the model sees
