@@ -141,6 +141,22 @@ def test_bound_holds_for_every_order_of_the_axes():
         assert bound.lower_bound(c, tcfg, hw) <= step, c.describe()
 
 
+def test_order_bound_takes_the_least_order_and_stays_below_it():
+    """fsdp4 x tp4 on 16 GPUs (nodes of 8): the two axes cannot both sit inside a node,
+    so pricing each collective at its own fastest tier (`lower_bound`) is loose; the
+    bound over the program's orders (`order_bound`) is higher and still below the step
+    of every order."""
+    hw, tcfg = hardware.get("h100"), TrainConfig(batch=32, seq=32)
+    ok, _ = search.candidates(model_config("tiny"), tcfg, 16, {"remat": "none"})
+    group = [c for c in ok if c.parallel.zero == 3 and not c.parallel.prefetch
+             and c.parallel.tp_comm == "allreduce"
+             and sorted(c.layout.mesh_axes()) == [("fsdp", 4), ("tp", 4)]]
+    assert len(group) == 2  # both orders
+    steps = [search.predict_candidate(c, tcfg, hw).step_s for c in group]
+    loose, tight = bound.lower_bound(group[0], tcfg, hw), bound.order_bound(group, tcfg, hw)
+    assert loose < tight <= min(steps), (loose, tight, steps)
+
+
 def test_orders_priced_once_per_link_class(monkeypatch):
     """`search._priced` prices a program's axis orders once per class that puts every
     collective group on the same links: each candidate's step equals its own
@@ -188,6 +204,23 @@ def test_best_first_top_equals_exhaustive():
     assert [key(p) for p in fast.ranked[:3]] == [key(p) for p in every.ranked[:3]]
 
 
+def test_best_first_defers_grown_programs_and_keeps_the_top():
+    """tiny on 4 GPUs with a memory per device that only a fifth of the candidates fit in
+    one microbatch: programs that grow into more are bounded again and put back in the
+    queue, and the best-first top 3 (a grown program among them) is still the
+    exhaustive plan's, step for step."""
+    cfg, hw = model_config("tiny"), hardware.get("h100")
+    kw = {"pinned": {"remat": "none"}, "names": ("dp", "fsdp", "tp")}
+    peaks = sorted(p.peak_bytes for p in search.plan(cfg, TCFG, 4, hw, top=None, **kw).ranked)
+    kw["hbm_bytes"] = peaks[len(peaks) // 5]
+    fast = search.plan(cfg, TCFG, 4, hw, top=3, **kw)
+    every = search.plan(cfg, TCFG, 4, hw, top=None, **kw)
+    key = lambda p: (str(p.candidate.layout), p.candidate.describe(), p.step_s)  # noqa: E731
+    assert fast.deferred > 0 and every.deferred == 0
+    assert any(p.candidate.parallel.microbatches > 1 for p in every.ranked[:3])
+    assert [key(p) for p in fast.ranked[:3]] == [key(p) for p in every.ranked[:3]]
+
+
 @pytest.mark.parametrize("profile", ["h100", "a100", "v5e"])
 def test_the_bounds_matmul_rate_is_the_rate_the_price_runs_a_matmul_at(profile):
     """A compute-bound bf16 matmul (8192^3: far above every profile's ridge point) is
@@ -204,3 +237,27 @@ def test_the_bounds_matmul_rate_is_the_rate_the_price_runs_a_matmul_at(profile):
     seconds, bound_by = compute_seconds(row, hw, 1)
     assert bound_by == "compute"
     assert row.flops / bound.best_matmul_rate(hw) == pytest.approx(seconds, rel=1e-9)
+
+
+@pytest.mark.parametrize("profile", ["h100", "v5p"])
+def test_ring_tiles_bound_their_own_rows(profile):
+    """The cp ring's dense tiles (`bound.ring_phases`: their dots' FLOPs and the score
+    traffic no fusion removes) against the priced rows of score shape in the attention
+    scope of flat ring programs: below them on a GPU (products written) and a TPU
+    (fused into their matmuls) profile, and a share of them, not nothing."""
+    from engine.cost import cache, price
+
+    hw, n, tcfg = hardware.get(profile), 4, TrainConfig(batch=8, seq=256)
+    ok, _ = search.candidates(model_config("tiny"), tcfg, n, None)
+    wanted = ("dp2xcp2 cp_comm ring remat none", "fsdp2xcp2 zero 3 prefetch cp_comm ring "
+              "remat full", "cp4 cp_comm ring remat dots")
+    picked = [c for c in ok if c.describe() in wanted]
+    assert len(picked) == len(wanted)
+    for c in picked:
+        assert bound.ring_tiles(c.cfg, c.layout, c.parallel)
+        rows, _ = cache.step_ledger(c.cfg, tcfg, c.layout, c.parallel, False)
+        tiles = sum(price.compute_seconds(r, hw, n)[0] * r.count
+                    for r in price.priced_rows(rows, hw)
+                    if r.scope == "attention" and r.kind != "collective" and len(r.shape) >= 5)
+        ring = sum(bound.ring_phases(c.cfg, tcfg, hw).values()) / n
+        assert 0.1 * tiles < ring <= tiles, (c.describe(), ring, tiles)

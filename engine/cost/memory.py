@@ -50,6 +50,7 @@ off and how close the sum lands against `measure`: docs/memory_model.md.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -302,7 +303,20 @@ def one_program(cfg: ModelConfig, tcfg: TrainConfig, layout: Layout, platform: s
                 trainer=None) -> MemoryPrediction:
     """The peak of a step without pp or accumulation: the arguments and grads from the
     `Trainer`'s specs, the named parts above for one layer, and the phase where they
-    add up to the most."""
+    add up to the most. Without a `trainer`, once per set of arguments (a pipelined
+    step's stage is the same program under every schedule, and the planner asks for
+    each)."""
+    if trainer is None:
+        return _one_program_once(cfg, tcfg, layout, platform, par)
+    return _one_program(cfg, tcfg, layout, platform, par, trainer)
+
+
+@functools.lru_cache(maxsize=4096)
+def _one_program_once(cfg, tcfg, layout, platform, par) -> MemoryPrediction:
+    return _one_program(cfg, tcfg, layout, platform, par, None)
+
+
+def _one_program(cfg, tcfg, layout, platform, par, trainer) -> MemoryPrediction:
     from engine.parallel.params import activation_spec, param_shapes
     from engine.run import optim
 

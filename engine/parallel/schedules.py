@@ -54,6 +54,7 @@ interleaved tables (bench/results/2026-11-29-stash-slots-cpu.md).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
 
@@ -265,11 +266,13 @@ def _arrive(t): return 5 * t + 3  # noqa: E704
 def _w(t): return 5 * t + 4  # noqa: E704
 
 
+@functools.lru_cache(maxsize=4096)
 def plan(schedule: Schedule, pp: int, microbatches: int, backward: bool = True,
          virtual: int = 1, uniform: bool = False) -> Plan:
     """Simulate `schedule` tick by tick (module doc). Forward only when not `backward`
     (evaluation: every schedule runs its forwards in its order, one per tick).
-    `uniform`: every device runs the same program each tick (engine/parallel/pipeline.py)."""
+    `uniform`: every device runs the same program each tick (engine/parallel/pipeline.py).
+    Built once per set of arguments: a Plan is read, never changed."""
     ticks = _ticks(schedule, pp, microbatches, virtual, backward)
     if schedule.split and backward:
         return _split_plan(*ticks, pp, uniform)

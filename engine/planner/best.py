@@ -5,13 +5,22 @@ After each batch, with K the ranking asked for: once the K-th fastest priced ste
 the first's times 1 + `within`, the margin `search.refine` prices again) is below the
 smallest bound left, every program left is slower than all of those (its every
 candidate's step is at least its bound) and is pruned unpriced. The top K is then the
-top K of pricing every program. The first batch runs in this process; a pool of
-workers starts only when more is needed.
+top K of pricing every program. A program that fits (grown into more microbatches
+where it must: its weights gathered and its collectives run once per microbatch) is
+bounded again before its trace, with its collectives on the order of its axes least
+costly for them (`bound.order_bound`), and goes back into the queue at that bound when
+it is not the smallest left. The first batch runs in this process; a pool of workers starts only when more is
+needed.
 """
 from __future__ import annotations
 
+import heapq
+import math
+
 # programs of the first batch, priced here before any worker starts
 FIRST = 2
+# the largest batch, reached while no program of a batch is priced (all over memory)
+MOST = 256
 
 
 def settled(steps: list, top: int, within: float, next_bound: float) -> bool:
@@ -26,36 +35,53 @@ def settled(steps: list, top: int, within: float, next_bound: float) -> bool:
 def best_first(groups: list, jobs_of, take, steps, tcfg, hw, top: int, within: float,
                workers: int, executor=None, progress=None, counts: dict | None = None) -> int:
     """Price the programs `groups` (lists of one program's candidates) best-first by
-    their lower bound: `jobs_of(groups)` makes a batch's jobs, `take(results)` receives
-    `search._run`'s results, `steps()` the priced steps so far. The first batch of
-    `FIRST` programs runs in this process, the rest in batches of two a worker in a
-    pool of `workers` (or `executor`): the bound is checked after each. Sets
-    counts["pruned"] to the candidates never priced; returns the workers used."""
+    their lower bound: `jobs_of(groups, cutoff)` makes a batch's jobs, `take(results)`
+    receives `search._run`'s results and returns the programs deferred, `steps()` the
+    priced steps so far. Before tracing a program that fits (grown into more
+    microbatches where it must), the worker bounds it again as it will run
+    (`bound.order_bound`: its microbatches, its axes in the order least costly for its
+    collectives); above `cutoff`, the smallest bound left in the queue, it comes back
+    untraced and goes back into the queue at that bound. The first batch of `FIRST`
+    programs runs in this process, the rest in batches of two a worker in a pool of
+    `workers` (or `executor`): the bound is checked after each. Sets counts["pruned"] to
+    the candidates never priced and counts["deferred"] to the programs put back;
+    returns the workers used."""
     from engine.planner.bound import lower_bound
     from engine.planner.search import Pool, _run
 
     progress = progress or (lambda done, total: None)
-    bounds = [lower_bound(g[0], tcfg, hw) for g in groups]
-    order = sorted(range(len(groups)), key=bounds.__getitem__)
-    pool, own, used, done, i, batch = executor, None, 1, 0, 0, FIRST
+    groups = list(groups)
+    queue = [(lower_bound(g[0], tcfg, hw), j) for j, g in enumerate(groups)]
+    heapq.heapify(queue)
+    pool, own, used, done, batch, deferred = executor, None, 1, 0, FIRST, 0
     try:
-        while i < len(order) and not settled(steps(), top, within, bounds[order[i]]):
-            part = order[i:i + batch]
-            i += len(part)
+        while queue and not settled(steps(), top, within, queue[0][0]):
+            part = [heapq.heappop(queue)[1] for _ in range(min(batch, len(queue)))]
+            cutoff = queue[0][0] if queue else math.inf
             if pool is None and workers > 1 and done:
                 pool = own = Pool(workers)
             if pool is not None:
                 used = pool.workers
-            jobs = jobs_of([groups[j] for j in part])
+            before = len(steps())
+            jobs = jobs_of([groups[j] for j in part], cutoff)
             if len(jobs) < used:  # one structure's programs: spread over the workers
-                jobs = [job for j in part for job in jobs_of([groups[j]])]
-            take(_run(jobs, 1, pool,
-                      lambda d, _, before=done: progress(before + d, len(order))))
-            done += len(part)
-            batch = max(FIRST, 2 * used)  # a check every program or two a worker
+                jobs = [job for j in part for job in jobs_of([groups[j]], cutoff)]
+            back = take(_run(jobs, 1, pool,
+                             lambda d, _, before=done: progress(before + d, len(groups))))
+            for grown, bound in back:
+                groups.append(grown)
+                heapq.heappush(queue, (bound, len(groups) - 1))
+            deferred += len(back)
+            done += len(part) - len(back)
+            # a check every program or two a worker while programs are priced; while
+            # every one comes back over memory or deferred (no trace: milliseconds
+            # each), twice the last batch, so a pool round trip is not paid per pair
+            priced = len(steps()) > before
+            batch = max(FIRST, 2 * used) if priced else min(2 * batch, MOST)
     finally:
         if own is not None:
             own.shutdown()
     if counts is not None:
-        counts["pruned"] = sum(len(groups[j]) for j in order[i:])
+        counts["pruned"] = sum(len(groups[j]) for _, j in queue)
+        counts["deferred"] = deferred
     return used

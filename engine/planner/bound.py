@@ -43,6 +43,7 @@ from engine.parallel import params as param_table, pipeline, zero as zero_levels
 from engine.parallel.grads import replicated_batch_axes, spec_axes
 from engine.parallel.layout import AXIS_ROLES
 from layers import roles, scopes
+from layers.attention import cp_kernel
 
 F32 = 4  # bytes of a grad element (params and their grads are f32)
 
@@ -73,15 +74,55 @@ def best_matmul_rate(hw) -> float:
     return max(hw.matmul_rate(d) for d in ("bfloat16", "float32"))
 
 
-def attention_seconds(cfg, tcfg, hw) -> float:
+def attention_seconds(cfg, tcfg, hw, ring: bool = False) -> float:
     """Seconds of the step's attention on all devices together (`attention_phases`
     summed)."""
-    return sum(attention_phases(cfg, tcfg, hw).values())
+    return sum(attention_phases(cfg, tcfg, hw, ring).values())
 
 
-def attention_phases(cfg, tcfg, hw) -> dict:
+def ring_tiles(cfg, layout, parallel) -> bool:
+    """Whether the step's attention runs as the cp ring's dense tiles: `--cp-comm ring`
+    with any local kernel but `blocked` (layers/kernels/context.py `ring_attention`),
+    jnp rows the profile prices as they are, not as a flash kernel."""
+    return (layout.degree("cp") > 1 and parallel.cp_comm == "ring"
+            and cp_kernel(cfg.attention) != "blocked")
+
+
+# Bytes per visible score element of the cp ring's dense tiles (layers/kernels/context.py
+# `_block_stats`, `_block_grads`) that the fusion model (engine/cost/fusion.py) charges
+# whatever it fuses: a matmul reads every operand, and an operand made outside its
+# fusion is written there. Forward: the bf16 probabilities written and read by the P.V
+# matmul (2 + 2). Backward: the f32 P written and read by dV's matmul (4 + 4), the f32 dS
+# written and read by dQ's and by dK's matmul (4 + 4 + 4). Where a matmul's product
+# is not fused into its consumers (`Hardware.epilogue_fusion` off: cuBLAS on GPUs) its
+# f32 product is written and read back too: the scores (forward 4 + 4; backward,
+# recomputed, 4 + 4) and dP (4 + 4).
+RING_TILE_BYTES = {"fwd": 4.0, "bwd": 20.0}
+RING_PRODUCT_BYTES = {"fwd": 8.0, "bwd": 16.0}
+RING_TILE_DOTS = {"fwd": 2, "bwd": 5}  # QK, PV; QK again, dV, dP, dQ, dK
+
+
+def ring_phases(cfg, tcfg, hw) -> dict:
+    """{phase: seconds} of the cp ring's dense tiles on all devices together, each phase
+    at the larger of its matmuls' FLOPs at the best matmul rate and its score-shaped
+    bytes (`RING_TILE_BYTES`) at the HBM rate, over the visible (causal) scores alone:
+    the ring computes at least those, masked or not."""
+    visible = tcfg.batch * cfg.n_heads * tcfg.seq * (tcfg.seq + 1) / 2 * cfg.n_layers
+    dot = 2.0 * cfg.head_dim * visible
+    rate, bw = best_matmul_rate(hw), hw.hbm * hw.mem_eff
+    out = {}
+    for phase in ("fwd", "bwd"):
+        moved = RING_TILE_BYTES[phase] + (0.0 if hw.epilogue_fusion
+                                          else RING_PRODUCT_BYTES[phase])
+        out[phase] = max(RING_TILE_DOTS[phase] * dot / rate, moved * visible / bw)
+    out["recompute"] = out["fwd"] if cfg.remat == "full" else 0.0
+    return out
+
+
+def attention_phases(cfg, tcfg, hw, ring: bool = False) -> dict:
     """{phase: seconds} of the step's attention on all devices together, by phase (fwd,
-    bwd, recompute). With the reference kernel (`ModelConfig.attention`, the [B, H, L,
+    bwd, recompute). Under the cp ring's dense tiles (`ring`, an accelerator profile:
+    `hw.fusion`) `ring_phases`; with the reference kernel (`ModelConfig.attention`, the [B, H, L,
     L] scores materialized) its dots as `price.compute_seconds` prices a matmul: per
     layer the forward's 2 (scores, values), the backward's 4, the forward's again under
     remat `full`, each of 2 B L L H K FLOPs and moving at least one bf16 score matrix
@@ -90,6 +131,8 @@ def attention_phases(cfg, tcfg, hw) -> dict:
     `kind="attention"` row (`price.attention_flops` at `price.attention_rate`): the
     forward's 4 B L L H K FLOPs, the backward's 8, the forward again under remat
     `full`; else 0."""
+    if ring and hw.fusion:
+        return ring_phases(cfg, tcfg, hw)
     per = 2.0 * tcfg.batch * tcfg.seq * tcfg.seq * cfg.n_heads * cfg.head_dim * cfg.n_layers
     recompute = cfg.remat == "full"
     out = {"fwd": 0.0, "bwd": 0.0, "recompute": 0.0}
@@ -111,10 +154,9 @@ def attention_phases(cfg, tcfg, hw) -> dict:
     return out
 
 
-@functools.lru_cache(maxsize=4096)
 def table(pp: int, schedule: str, microbatches: int, virtual: int, uniform: bool):
-    """The schedule's table of a training step (`pipeline.step_plan`), built once per
-    shape."""
+    """The schedule's table of a training step (`pipeline.step_plan`; `pipeline.plan`
+    builds it once per shape)."""
     return pipeline.plan(pipeline.SCHEDULES[schedule], pp, microbatches, True, virtual,
                          uniform)
 
@@ -135,7 +177,8 @@ def compute_bound(cfg, tcfg, layout, parallel, hw) -> float:
     n = layout.size
     block, head = matmul_flops(cfg, tcfg)
     rate = best_matmul_rate(hw)
-    block = block / rate + attention_seconds(cfg, tcfg, hw)
+    block = block / rate + attention_seconds(cfg, tcfg, hw,
+                                             ring_tiles(cfg, layout, parallel))
     head = head / rate
     if layout.degree("pp") > 1 and not hw.shared_host:  # lock-step ticks: a stage idles
         block /= 1 - _bubble(layout.degree("pp"), parallel.pp_schedule,
@@ -320,6 +363,38 @@ def comm_bound(cfg, tcfg, layout, parallel, hw, rows: list | None = None) -> flo
     return sum(_seconds(r, hw) * r.count * (hidden if price.hideable(r, parallel.prefetch)
                                              else 1.0)
                for r in rows)
+
+
+def _seconds_at(row: Row, hw, mesh_axes, memo: dict) -> float:
+    """`price.collective_seconds` of one execution of `row` on the mesh `mesh_axes` (one
+    order of the axes), memoised by what it reads of the order: which of the group's
+    devices share a fast domain (`price.domain_share`)."""
+    if (mesh_axes, row.axes) not in memo:
+        memo[mesh_axes, row.axes] = price.domain_share(hw, mesh_axes, row.axes)
+    key = (row.primitive, row.axis_size, row.bytes, row.dtype, memo[mesh_axes, row.axes])
+    if key not in memo:
+        memo[key] = price.collective_seconds(row, hw, mesh_axes)
+    return memo[key]
+
+
+def order_bound(group: list, tcfg, hw) -> float:
+    """`lower_bound` of a program's candidates `group` (its axes in every order the plan
+    has), with the collectives of `exposed_rows` priced on each order's mesh and the
+    least sum taken, where `lower_bound` gives each collective its own fastest order
+    (two groups of a node's size cannot both sit inside a node). Tighter, and a bound
+    still: every candidate's step is at least its own order's sum."""
+    from engine.planner.pp_bound import pipeline_bound
+
+    c = group[0]
+    args = c.cfg, tcfg, c.layout, c.parallel, hw
+    rows = exposed_rows(*args[:4])
+    hidden = hw.hidden_comm_share if hw.overlap else 1 + hw.beside_cost
+    scale = [r.count * (hidden if price.hideable(r, c.parallel.prefetch) else 1.0)
+             for r in rows]
+    memo: dict = {}
+    comm = min(sum(_seconds_at(r, hw, g.layout.mesh_axes(), memo) * k
+                   for r, k in zip(rows, scale)) for g in group)
+    return max(compute_bound(*args) + comm, pipeline_bound(*args, rows))
 
 
 def lower_bound(cand, tcfg, hw) -> float:

@@ -43,7 +43,8 @@ def unit_bounds(cfg, tcfg, layout, parallel, hw) -> tuple[float, float]:
     block, _ = bound.matmul_flops(cfg, tcfg)
     passes = 8 if cfg.remat == "full" else 6
     rate = bound.best_matmul_rate(hw)
-    attention = bound.attention_phases(cfg, tcfg, hw)
+    attention = bound.attention_phases(cfg, tcfg, hw,
+                                       bound.ring_tiles(cfg, layout, parallel))
     compute = {"fwd": block * 2 / passes / rate + attention["fwd"],
                "bwd": block * (passes - 2) / passes / rate + attention["bwd"]
                + attention["recompute"]}

@@ -105,6 +105,7 @@ class Plan:
     left_out: dict = dataclasses.field(default_factory=dict)  # {role: why not laid out}
     pruned: int = 0  # candidates never priced: their bound cannot reach the top (best.py)
     top: int | None = None  # the ranking's length that is exact (None: every program priced)
+    deferred: int = 0  # programs put back in the best-first queue once grown (best.py)
 
 
 def predict_candidate(cand: Candidate, tcfg: TrainConfig, hw, mapped_bytes: int = 0):
@@ -177,19 +178,32 @@ def _price_structure(job) -> list:
     from shapes or traced (`ledgers.program_ledgers`), each priced (`_priced`), here in
     the worker, so the pool never waits on a round of microbatch retries. Returns per
     program (`_priced`'s list, how its ledger came: one of ledgers.HOW, or "none" when
-    every candidate is over memory, [peak bytes] per candidate (for a "failed" program,
-    whose step does not trace, why, per candidate), the candidates priced: the job's,
-    or the microbatched ones they grew into)."""
+    every candidate is over memory, or "deferred" when its bound as it will run
+    (`bound.order_bound`) exceeds the job's cutoff, [peak bytes] per candidate (for a
+    "failed" program, whose step does not trace, why, per candidate; for a "deferred"
+    one, its bound), the candidates priced: the job's, or the microbatched ones they
+    grew into)."""
+    from engine.planner.bound import order_bound
     from engine.planner.ledgers import program_ledgers
 
-    groups, tcfg, hw, capacity, grow, shapes, planned = job
+    groups, tcfg, hw, capacity, grow, shapes, planned, cutoff = job
     fitted = [_fitting(g, tcfg, hw, capacity, grow) for g in groups]
-    need = [cands[0] for cands, _, _, over in fitted if not over]
+    # bounded again as it will run (grown into more microbatches, each gathering the
+    # weights and running its collectives again; its axes in their least costly
+    # order): above `cutoff` it goes back to the best-first queue at that bound
+    # instead of being traced now
+    later = [cutoff is not None and not over
+             and (b := order_bound(cands, tcfg, hw)) > cutoff and b
+             for cands, _, _, over in fitted]
+    need = [f[0][0] for f, b in zip(fitted, later) if not f[3] and not b]
     got = iter(program_ledgers(need, tcfg, hw.bf16_collectives_in_f32, shapes, planned))
     out = []
-    for cands, peaks, mem_of, over in fitted:
+    for (cands, peaks, mem_of, over), b in zip(fitted, later):
         if over:
             out.append(([None] * len(cands), "none", peaks, cands))
+            continue
+        if b:  # "deferred": in place of the peaks, the grown program's bound
+            out.append(([None] * len(cands), "deferred", b, cands))
             continue
         rows, how = next(got)
         if how == "failed":  # `rows` says why: in place of the peaks, refused in `price`
@@ -309,11 +323,11 @@ def price(cands: list, tcfg: TrainConfig, hw, n: int, capacity: float | None,
         groups.setdefault(c.program, []).append(c)
     planned = collections.Counter(structure(g[0]) for g in groups.values())
 
-    def jobs_of(gs: list) -> list:
+    def jobs_of(gs: list, cutoff: float | None = None) -> list:
         structures: dict[tuple, list] = {}
         for group in gs:
             structures.setdefault(structure(group[0]), []).append(group)
-        return [(s, tcfg, hw, capacity, grow, shapes, {key: planned[key]})
+        return [(s, tcfg, hw, capacity, grow, shapes, {key: planned[key]}, cutoff)
                 for key, s in structures.items()]
 
     if executor is None:
@@ -322,11 +336,16 @@ def price(cands: list, tcfg: TrainConfig, hw, n: int, capacity: float | None,
     counts = {} if counts is None else counts
     counts.update({h: 0 for h in HOW}, pruned=0, refused=[])
 
-    def take(results):
+    def take(results) -> list:
+        """Record `_run`'s results; returns [(candidates, bound)] of those deferred."""
         nonlocal programs
+        deferred = []
         for priced, how, peaks, group in results:
             if how == "failed":  # its step does not trace: `peaks` holds why
                 counts["refused"].extend(zip(group, peaks))
+                continue
+            if how == "deferred":
+                deferred.append((group, peaks))
                 continue
             if all(p is None for p in priced):
                 over.extend(zip(group, peaks))
@@ -341,6 +360,7 @@ def price(cands: list, tcfg: TrainConfig, hw, n: int, capacity: float | None,
                 ranked.append(Priced(c, step, compute, comm, exposed,
                                      mfu(c.cfg, tcfg, hw, n, step), peak,
                                      mapped_bytes=mapped))
+        return deferred
 
     if top is None:
         take(_run(jobs_of(list(groups.values())), workers, executor, progress))
@@ -457,5 +477,5 @@ def plan(cfg: ModelConfig, tcfg: TrainConfig, n: int, hw, hbm_bytes: float | Non
         ranked, hw, refined = refine(ranked, tcfg, hw, n, devices, within)
     return Plan(ranked, refused + counts["refused"], over, capacity, programs, cached, workers,
                 time.perf_counter() - t0, hw, refined, counts["derived"], names, left_out,
-                counts["pruned"], top)
+                counts["pruned"], top, counts.get("deferred", 0))
 

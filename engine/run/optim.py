@@ -88,10 +88,15 @@ def _state_shapes(tcfg: TrainConfig, tree, leaves: tuple):
 
 def opt_state_specs(tcfg: TrainConfig, cfg, param_specs):
     """The optimizer state's PartitionSpecs: like the params for per-param leaves, P()
-    (replicated) for the rest (step counts)."""
+    (replicated) for the rest (step counts). Once per optimizer, param shapes and specs."""
+    leaves, tree = jax.tree_util.tree_flatten(param_specs, is_leaf=lambda x: isinstance(x, P))
+    return _opt_state_specs(tcfg, cfg, tree, tuple(leaves))
+
+
+@functools.lru_cache(maxsize=1024)
+def _opt_state_specs(tcfg: TrainConfig, cfg, tree, leaves: tuple):
+    param_specs = jax.tree_util.tree_unflatten(tree, leaves)
     return optax.tree_map_params(make_optimizer(tcfg), lambda _, spec: spec,
                                  state_shapes(tcfg, cfg), param_specs,
                                  transform_non_params=lambda _: P(),
                                  is_leaf=lambda x: isinstance(x, P))
-
-
