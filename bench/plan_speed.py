@@ -276,7 +276,8 @@ def whole_plan(cfg, tcfg, mine) -> int:
               f"CPU-s ({len(got.ranked) / wall:.1f} a second); {got.programs} programs: "
               f"{traced} traced, {got.derived} derived; of {ranked} candidates "
               f"{len(got.refused)} refused, {len(got.over)} over memory, {got.pruned} "
-              f"pruned by bound (cannot beat the 10th); load average "
+              f"pruned by bound (cannot beat the 10th), {got.deferred} programs put back "
+              f"by their bound as they run; load average "
               f"{os.getloadavg()[0]:.1f}")
         if len(got.ranked) >= 10:
             print(f"  1st {got.ranked[0].step_s:.4g} s, 10th {got.ranked[9].step_s:.4g} s: "
