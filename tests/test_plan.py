@@ -48,6 +48,22 @@ def test_enumeration_covers_every_factorisation_in_every_order():
     assert {str(lay) for lay in plan.layouts(6)} == _brute_force_layouts(6)
 
 
+def test_programs_group_as_their_key_says():
+    """`search.by_program` (keyed by config objects, read once per run of them) groups a
+    plan's candidates exactly as `Candidate.program` does, in the same order, also
+    where equal configs are distinct objects."""
+    cfg = model_config("tiny")
+    ok, _ = plan.candidates(cfg, TrainConfig(batch=16, seq=32), 8, None)
+    copies = [dataclasses.replace(c, parallel=dataclasses.replace(c.parallel))
+              for c in ok[::3]]  # equal to their originals, other objects
+    want: dict = {}
+    for c in ok + copies:
+        want.setdefault(c.program, []).append(c)
+    got = plan.by_program(ok + copies)
+    assert list(got) == list(want) and got == want
+    assert len(got) < len(ok)
+
+
 def test_switches_multiply_only_where_they_change_the_program():
     cfg = model_config("small")
     flags = lambda text: [plan.Candidate(Layout.parse(text), p, c).flags

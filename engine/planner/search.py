@@ -297,6 +297,23 @@ def progress_line(say, every_s: float = 15.0, clock=time.perf_counter):
     return report
 
 
+def by_program(cands: list) -> dict:
+    """{`Candidate.program`: its candidates, in their order}, the programs in order of
+    first appearance. The key is read once per distinct (parallel, model) pair of
+    objects and axis sizes: a plan's candidates share those objects across every order
+    of a factorisation, and hashing the configs for each of millions of candidates
+    was most of the grouping's time."""
+    programs: dict = {}  # (id(parallel), id(cfg), sizes) -> program
+    groups: dict = {}
+    for c in cands:
+        sizes = dict(c.layout.axes)
+        fast = (id(c.parallel), id(c.cfg), tuple(sizes.get(r, 1) for r in AXIS_ROLES))
+        if (key := programs.get(fast)) is None:
+            key = programs[fast] = c.program
+        groups.setdefault(key, []).append(c)
+    return groups
+
+
 def price(cands: list, tcfg: TrainConfig, hw, n: int, capacity: float | None,
           workers: int = 1, executor=None, progress=None,
           grow: bool = False, counts: dict | None = None,
@@ -318,9 +335,7 @@ def price(cands: list, tcfg: TrainConfig, hw, n: int, capacity: float | None,
     from engine.cost.price import mfu
     from engine.planner.ledgers import HOW, structure
 
-    groups: dict[tuple, list] = {}
-    for c in cands:
-        groups.setdefault(c.program, []).append(c)
+    groups = by_program(cands)
     planned = collections.Counter(structure(g[0]) for g in groups.values())
 
     def jobs_of(gs: list, cutoff: float | None = None) -> list:
