@@ -35,7 +35,9 @@ def settled(steps: list, top: int, within: float, next_bound: float) -> bool:
 def best_first(groups: list, jobs_of, take, steps, tcfg, hw, top: int, within: float,
                workers: int, executor=None, progress=None, counts: dict | None = None) -> int:
     """Price the programs `groups` (lists of one program's candidates) best-first by
-    their lower bound: `jobs_of(groups, cutoff)` makes a batch's jobs, `take(results)`
+    their lower bound (`bound.compute_bound` alone until a program first reaches the
+    front of the queue, then `bound.lower_bound`): `jobs_of(groups, cutoff)` makes a
+    batch's jobs, `take(results)`
     receives `search._run`'s results and returns the programs deferred, `steps()` the
     priced steps so far. Before tracing a program that fits (grown into more
     microbatches where it must), the worker bounds it again as it will run
@@ -46,18 +48,32 @@ def best_first(groups: list, jobs_of, take, steps, tcfg, hw, top: int, within: f
     `workers` (or `executor`): the bound is checked after each. Sets counts["pruned"] to
     the candidates never priced and counts["deferred"] to the programs put back;
     returns the workers used."""
-    from engine.planner.bound import lower_bound
+    from engine.planner.bound import compute_bound, lower_bound
     from engine.planner.search import Pool, _run
 
     progress = progress or (lambda done, total: None)
     groups = list(groups)
-    queue = [(lower_bound(g[0], tcfg, hw), j) for j, g in enumerate(groups)]
+    # every program enters the queue at its compute bound alone (microseconds), and
+    # gets its whole bound (the collectives too) when it first reaches the front
+    queue = [(compute_bound(g[0].cfg, tcfg, g[0].layout, g[0].parallel, hw), j)
+             for j, g in enumerate(groups)]
     heapq.heapify(queue)
+    whole: set = set()  # programs queued at their whole bound
+
+    def front():
+        """The queue with its first program at its whole bound."""
+        while queue and queue[0][1] not in whole:
+            _, j = heapq.heappop(queue)
+            whole.add(j)
+            heapq.heappush(queue, (lower_bound(groups[j][0], tcfg, hw), j))
+        return queue
+
     pool, own, used, done, batch, deferred = executor, None, 1, 0, FIRST, 0
     try:
-        while queue and not settled(steps(), top, within, queue[0][0]):
-            part = [heapq.heappop(queue)[1] for _ in range(min(batch, len(queue)))]
-            cutoff = queue[0][0] if queue else math.inf
+        while front() and not settled(steps(), top, within, queue[0][0]):
+            part = [heapq.heappop(front())[1] for _ in range(min(batch, len(queue)))
+                    if front()]
+            cutoff = front()[0][0] if queue else math.inf
             if pool is None and workers > 1 and done:
                 pool = own = Pool(workers)
             if pool is not None:
@@ -70,6 +86,7 @@ def best_first(groups: list, jobs_of, take, steps, tcfg, hw, top: int, within: f
                              lambda d, _, before=done: progress(before + d, len(groups))))
             for grown, bound in back:
                 groups.append(grown)
+                whole.add(len(groups) - 1)
                 heapq.heappush(queue, (bound, len(groups) - 1))
             deferred += len(back)
             done += len(part) - len(back)
