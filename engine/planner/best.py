@@ -5,12 +5,13 @@ After each batch, with K the ranking asked for: once the K-th fastest priced ste
 the first's times 1 + `within`, the margin `search.refine` prices again) is below the
 smallest bound left, every program left is slower than all of those (its every
 candidate's step is at least its bound) and is pruned unpriced. The top K is then the
-top K of pricing every program. A program that fits (grown into more microbatches
-where it must: its weights gathered and its collectives run once per microbatch) is
-bounded again before its trace, with its collectives on the order of its axes least
-costly for them (`bound.order_bound`), and goes back into the queue at that bound when
-it is not the smallest left. The first batch runs in this process; a pool of workers starts only when more is
-needed.
+top K of pricing every program. A program waits in the queue at its compute bound
+alone until it first reaches the front, where its whole bound is taken. A program
+that fits (grown into more microbatches where it must: its weights gathered and its
+collectives run once per microbatch) is bounded again before its trace, with its
+collectives on the order of its axes least costly for them (`bound.order_bound`), and
+goes back into the queue at that bound when it is not the smallest left. The first
+batch runs in this process; a pool of workers starts only when more is needed.
 """
 from __future__ import annotations
 
@@ -37,13 +38,12 @@ def best_first(groups: list, jobs_of, take, steps, tcfg, hw, top: int, within: f
     """Price the programs `groups` (lists of one program's candidates) best-first by
     their lower bound (`bound.compute_bound` alone until a program first reaches the
     front of the queue, then `bound.lower_bound`): `jobs_of(groups, cutoff)` makes a
-    batch's jobs, `take(results)`
-    receives `search._run`'s results and returns the programs deferred, `steps()` the
-    priced steps so far. Before tracing a program that fits (grown into more
-    microbatches where it must), the worker bounds it again as it will run
-    (`bound.order_bound`: its microbatches, its axes in the order least costly for its
-    collectives); above `cutoff`, the smallest bound left in the queue, it comes back
-    untraced and goes back into the queue at that bound. The first batch of `FIRST`
+    batch's jobs, `take(results)` receives `search._run`'s results and returns the
+    programs deferred, `steps()` the priced steps so far. Before tracing a program that
+    fits (grown into more microbatches where it must), the worker bounds it again as it
+    will run (`bound.order_bound`: its microbatches, its axes in the order least costly
+    for its collectives); above `cutoff`, the smallest bound left in the queue, it
+    comes back untraced and goes back into the queue at that bound. The first batch of `FIRST`
     programs runs in this process, the rest in batches of two a worker in a pool of
     `workers` (or `executor`): the bound is checked after each. Sets counts["pruned"] to
     the candidates never priced and counts["deferred"] to the programs put back;

@@ -105,7 +105,7 @@ class Plan:
     left_out: dict = dataclasses.field(default_factory=dict)  # {role: why not laid out}
     pruned: int = 0  # candidates never priced: their bound cannot reach the top (best.py)
     top: int | None = None  # the ranking's length that is exact (None: every program priced)
-    deferred: int = 0  # programs put back in the best-first queue once grown (best.py)
+    deferred: int = 0  # programs put back in the queue at their bound as they run (best.py)
 
 
 def predict_candidate(cand: Candidate, tcfg: TrainConfig, hw, mapped_bytes: int = 0):
