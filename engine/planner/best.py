@@ -71,9 +71,10 @@ def best_first(groups: list, jobs_of, take, steps, tcfg, hw, top: int, within: f
     pool, own, used, done, batch, deferred = executor, None, 1, 0, FIRST, 0
     try:
         while front() and not settled(steps(), top, within, queue[0][0]):
-            part = [heapq.heappop(front())[1] for _ in range(min(batch, len(queue)))
-                    if front()]
-            cutoff = front()[0][0] if queue else math.inf
+            part = []
+            while len(part) < batch and front():
+                part.append(heapq.heappop(queue)[1])
+            cutoff = front()[0][0] if front() else math.inf
             if pool is None and workers > 1 and done:
                 pool = own = Pool(workers)
             if pool is not None:

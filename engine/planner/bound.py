@@ -358,10 +358,15 @@ def comm_bound(cfg, tcfg, layout, parallel, hw, rows: list | None = None) -> flo
     tier; a row the overlap model may hide (`price.hideable`) counts what it leaves
     exposed at the least: `hidden_comm_share` of it with overlap, else 1 + `beside_cost`
     times it."""
-    hidden = hw.hidden_comm_share if hw.overlap else 1 + hw.beside_cost
     rows = exposed_rows(cfg, tcfg, layout, parallel) if rows is None else rows
-    return sum(_seconds(r, hw) * r.count * (hidden if price.hideable(r, parallel.prefetch)
-                                             else 1.0)
+    return _exposed(rows, hw, parallel.prefetch, lambda r: _seconds(r, hw))
+
+
+def _exposed(rows: list, hw, prefetch: bool, seconds) -> float:
+    """Seconds of `rows`, each execution `seconds(row)`, a row the overlap model may
+    hide counted at what it leaves exposed at the least (`comm_bound`)."""
+    hidden = hw.hidden_comm_share if hw.overlap else 1 + hw.beside_cost
+    return sum(seconds(r) * r.count * (hidden if price.hideable(r, prefetch) else 1.0)
                for r in rows)
 
 
@@ -388,12 +393,13 @@ def order_bound(group: list, tcfg, hw) -> float:
     c = group[0]
     args = c.cfg, tcfg, c.layout, c.parallel, hw
     rows = exposed_rows(*args[:4])
-    hidden = hw.hidden_comm_share if hw.overlap else 1 + hw.beside_cost
-    scale = [r.count * (hidden if price.hideable(r, c.parallel.prefetch) else 1.0)
-             for r in rows]
     memo: dict = {}
-    comm = min(sum(_seconds_at(r, hw, g.layout.mesh_axes(), memo) * k
-                   for r, k in zip(rows, scale)) for g in group)
+
+    def on(axes):  # one execution of a row on the mesh `axes`
+        return lambda r: _seconds_at(r, hw, axes, memo)
+
+    comm = min(_exposed(rows, hw, c.parallel.prefetch, on(g.layout.mesh_axes()))
+               for g in group)
     return max(compute_bound(*args) + comm, pipeline_bound(*args, rows))
 
 

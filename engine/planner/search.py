@@ -202,7 +202,7 @@ def _price_structure(job) -> list:
         if over:
             out.append(([None] * len(cands), "none", peaks, cands))
             continue
-        if b:  # "deferred": in place of the peaks, the grown program's bound
+        if b:  # "deferred": in place of the peaks, its bound as it will run
             out.append(([None] * len(cands), "deferred", b, cands))
             continue
         rows, how = next(got)
