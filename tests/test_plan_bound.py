@@ -42,6 +42,7 @@ KINDS = [
     ("tiny", 4, "pp2xtp2 tp_comm allreduce remat full pp_schedule 1f1b microbatches 8"),
     ("tiny", 4, "pp2xtp2 tp_comm ring remat none pp_schedule gpipe microbatches 8"),
     ("tiny", 4, "cp2xpp2 cp_comm ring remat full pp_schedule 1f1b microbatches 8"),
+    ("tiny", 4, "cp2xpp2 cp_comm allgather remat none pp_schedule gpipe microbatches 8"),
     ("tiny4", 4, "pp2xtp2 tp_comm sequence remat dots pp_schedule interleaved pp_virtual 2 "
      "microbatches 8"),
     ("tiny4", 4, "dp2xpp2 remat dots pp_schedule interleaved pp_virtual 2 microbatches 8"),
@@ -240,24 +241,48 @@ def test_the_bounds_matmul_rate_is_the_rate_the_price_runs_a_matmul_at(profile):
 
 
 @pytest.mark.parametrize("profile", ["h100", "v5p"])
-def test_ring_tiles_bound_their_own_rows(profile):
-    """The cp ring's dense tiles (`bound.ring_phases`: their dots' FLOPs and the score
-    traffic no fusion removes) against the priced rows of score shape in the attention
-    scope of flat ring programs: below them on a GPU (products written) and a TPU
-    (fused into their matmuls) profile, and a share of them, not nothing."""
+def test_dense_tiles_bound_their_own_rows(profile):
+    """cp's dense tiles (`bound.ring_phases`: their dots' FLOPs and the score traffic no
+    fusion removes) against the priced rows of score shape in the attention scope of
+    flat cp programs, the ring's tiles and the all-gather's dense reference kernel:
+    below them on a GPU (products written) and a TPU (fused into their matmuls)
+    profile, and a share of them, not nothing."""
     from engine.cost import cache, price
 
     hw, n, tcfg = hardware.get(profile), 4, TrainConfig(batch=8, seq=256)
     ok, _ = search.candidates(model_config("tiny"), tcfg, n, None)
     wanted = ("dp2xcp2 cp_comm ring remat none", "fsdp2xcp2 zero 3 prefetch cp_comm ring "
-              "remat full", "cp4 cp_comm ring remat dots")
+              "remat full", "cp4 cp_comm ring remat dots", "dp2xcp2 cp_comm allgather remat "
+              "none", "fsdp2xcp2 zero 3 cp_comm allgather remat full",
+              "cp4 cp_comm allgather remat dots")
     picked = [c for c in ok if c.describe() in wanted]
     assert len(picked) == len(wanted)
     for c in picked:
-        assert bound.ring_tiles(c.cfg, c.layout, c.parallel)
+        assert bound.dense_tiles(c.cfg, c.layout, c.parallel)
         rows, _ = cache.step_ledger(c.cfg, tcfg, c.layout, c.parallel, False)
         tiles = sum(price.compute_seconds(r, hw, n)[0] * r.count
                     for r in price.priced_rows(rows, hw)
                     if r.scope == "attention" and r.kind != "collective" and len(r.shape) >= 5)
         ring = sum(bound.ring_phases(c.cfg, tcfg, hw).values()) / n
         assert 0.1 * tiles < ring <= tiles, (c.describe(), ring, tiles)
+
+
+@pytest.mark.parametrize("remat", ["dots", "full"])
+def test_flash_kernels_forward_runs_again_under_remat(remat):
+    """Under remat `dots` as under `full` the backward runs the flash kernel's forward
+    again (`bound.kernel_rerun`): the bound's flash phases (llama3-8b, 8K tokens, on 8
+    GPUs) stay below the step's priced flash rows, and within one forward of them, which
+    they would not be without the forward run again."""
+    from engine.cost import cache, price
+
+    cfg = model_config("llama3-8b", remat=remat, attention="auto")
+    tcfg, hw, n = TrainConfig(batch=8, seq=8192), hardware.get("h100"), 8
+    ok, _ = search.candidates(cfg, tcfg, n, {"remat": remat}, ("fsdp",), {"fsdp": 8})
+    c = next(c for c in ok if c.describe() == f"fsdp8 zero 3 prefetch remat {remat}")
+    rows, _ = cache.step_ledger(c.cfg, tcfg, c.layout, c.parallel, False)
+    flash = sum(price.compute_seconds(r, hw, n)[0] * r.count
+                for r in price.priced_rows(rows, hw) if r.kind == "attention")
+    assert bound.kernel_rerun(cfg)
+    phases = {k: v / n for k, v in bound.attention_phases(cfg, tcfg, hw).items()}
+    assert sum(phases.values()) <= flash < sum(phases.values()) + phases["recompute"], (
+        phases, flash)

@@ -15,7 +15,9 @@ parts of that step that no overlap in engine/cost/price.py hides:
   blocks' recompute under remat `full`; the head's 6 per param per token; with experts,
   `top_k` experts a token (times the capacity factor where it drops tokens). Attention
   (`attention_seconds`): the reference kernel's dots at the larger of their FLOPs and
-  their score matrices' bytes, or a flash kernel's rows as priced.
+  their score matrices' bytes, cp's dense tiles at the larger of theirs and the score
+  traffic no fusion removes, or a flash kernel's rows as priced, its forward again
+  where remat reruns it.
   With a pp axis on lock-step accelerators, the blocks' matmuls take 1 / (1 - bubble)
   as long, the bubble the schedule's table idles a stage (`Plan.bubble()`).
 - collectives that run between dependent computations (`price.hideable` is False for
@@ -74,18 +76,22 @@ def best_matmul_rate(hw) -> float:
     return max(hw.matmul_rate(d) for d in ("bfloat16", "float32"))
 
 
-def attention_seconds(cfg, tcfg, hw, ring: bool = False) -> float:
+def attention_seconds(cfg, tcfg, hw, tiles: bool = False) -> float:
     """Seconds of the step's attention on all devices together (`attention_phases`
     summed)."""
-    return sum(attention_phases(cfg, tcfg, hw, ring).values())
+    return sum(attention_phases(cfg, tcfg, hw, tiles).values())
 
 
-def ring_tiles(cfg, layout, parallel) -> bool:
-    """Whether the step's attention runs as the cp ring's dense tiles: `--cp-comm ring`
-    with any local kernel but `blocked` (layers/kernels/context.py `ring_attention`),
-    jnp rows the profile prices as they are, not as a flash kernel."""
-    return (layout.degree("cp") > 1 and parallel.cp_comm == "ring"
-            and cp_kernel(cfg.attention) != "blocked")
+def dense_tiles(cfg, layout, parallel) -> bool:
+    """Whether the step's attention runs as dense score tiles, jnp rows the profile
+    prices as they are, not as a flash kernel: the cp ring's tiles (`--cp-comm ring`
+    with any local kernel but `blocked`, layers/kernels/context.py `ring_attention`) or
+    the all-gather's dense reference kernel (`--cp-comm allgather`, the kernel `auto`
+    names under cp, `allgather_attention`)."""
+    if layout.degree("cp") == 1:
+        return False
+    kernel = cp_kernel(cfg.attention)
+    return kernel != "blocked" if parallel.cp_comm == "ring" else kernel == "reference"
 
 
 # Bytes per visible score element of the cp ring's dense tiles (layers/kernels/context.py
@@ -102,11 +108,22 @@ RING_PRODUCT_BYTES = {"fwd": 8.0, "bwd": 16.0}
 RING_TILE_DOTS = {"fwd": 2, "bwd": 5}  # QK, PV; QK again, dV, dP, dQ, dK
 
 
+def kernel_rerun(cfg) -> bool:
+    """Whether the backward runs a custom_vjp attention kernel's forward again (the flash
+    kernels', the cp ring's): under remat `full`, and under `dots` too, as the kernel's
+    residuals carry no name the policy saves and its output o is not saved
+    (layers/block.py `REMAT_POLICIES`)."""
+    return cfg.remat in ("full", "dots")
+
+
 def ring_phases(cfg, tcfg, hw) -> dict:
     """{phase: seconds} of the cp ring's dense tiles on all devices together, each phase
     at the larger of its matmuls' FLOPs at the best matmul rate and its score-shaped
     bytes (`RING_TILE_BYTES`) at the HBM rate, over the visible (causal) scores alone:
-    the ring computes at least those, masked or not."""
+    the ring computes at least those, masked or not. The all-gather's dense reference
+    kernel computes more scores (each rank's second chunk against every key) and, its
+    softmax differentiated by autodiff, moves more bytes a score: a bound of its rows
+    too (tests/test_plan_bound.py)."""
     visible = tcfg.batch * cfg.n_heads * tcfg.seq * (tcfg.seq + 1) / 2 * cfg.n_layers
     dot = 2.0 * cfg.head_dim * visible
     rate, bw = best_matmul_rate(hw), hw.hbm * hw.mem_eff
@@ -115,28 +132,28 @@ def ring_phases(cfg, tcfg, hw) -> dict:
         moved = RING_TILE_BYTES[phase] + (0.0 if hw.epilogue_fusion
                                           else RING_PRODUCT_BYTES[phase])
         out[phase] = max(RING_TILE_DOTS[phase] * dot / rate, moved * visible / bw)
-    out["recompute"] = out["fwd"] if cfg.remat == "full" else 0.0
+    out["recompute"] = out["fwd"] if kernel_rerun(cfg) else 0.0
     return out
 
 
-def attention_phases(cfg, tcfg, hw, ring: bool = False) -> dict:
+def attention_phases(cfg, tcfg, hw, tiles: bool = False) -> dict:
     """{phase: seconds} of the step's attention on all devices together, by phase (fwd,
-    bwd, recompute). Under the cp ring's dense tiles (`ring`, an accelerator profile:
-    `hw.fusion`) `ring_phases`; with the reference kernel (`ModelConfig.attention`, the [B, H, L,
+    bwd, recompute). Under cp's dense tiles (`tiles`: `dense_tiles`; an accelerator
+    profile: `hw.fusion`) `ring_phases`; with the reference kernel (`ModelConfig.attention`, the [B, H, L,
     L] scores materialized) its dots as `price.compute_seconds` prices a matmul: per
     layer the forward's 2 (scores, values), the backward's 4, the forward's again under
     remat `full`, each of 2 B L L H K FLOPs and moving at least one bf16 score matrix
     (B H L L x 2 bytes) where the profile prices a dot's own bytes (no epilogue fusion);
     else with a flash kernel (`hw.flash`) as `price.compute_seconds` prices a
     `kind="attention"` row (`price.attention_flops` at `price.attention_rate`): the
-    forward's 4 B L L H K FLOPs, the backward's 8, the forward again under remat
-    `full`; else 0."""
-    if ring and hw.fusion:
+    forward's 4 B L L H K FLOPs, the backward's 8, the forward again where the backward
+    reruns it (`kernel_rerun`); else 0."""
+    if tiles and hw.fusion:
         return ring_phases(cfg, tcfg, hw)
     per = 2.0 * tcfg.batch * tcfg.seq * tcfg.seq * cfg.n_heads * cfg.head_dim * cfg.n_layers
-    recompute = cfg.remat == "full"
     out = {"fwd": 0.0, "bwd": 0.0, "recompute": 0.0}
     if cfg.attention == "reference":
+        recompute = cfg.remat == "full"
         rate = best_matmul_rate(hw)
         moved = 0.0 if hw.fusion and hw.epilogue_fusion else (
             2.0 * tcfg.batch * tcfg.seq * tcfg.seq * cfg.n_heads * cfg.n_layers)
@@ -146,7 +163,7 @@ def attention_phases(cfg, tcfg, hw, ring: bool = False) -> dict:
         return out
     dtype = np.dtype(cfg.compute_dtype).name
     phases = [("fwd", 2 * per), ("bwd", 4 * per)] + ([("recompute", 2 * per)]
-                                                      if recompute else [])
+                                                      if kernel_rerun(cfg) else [])
     for phase, flops in phases:
         row = Row(scope=scopes.ATTENTION, phase=phase, kind="attention", primitive="flash",
                   dtype=dtype, shape=(1, tcfg.seq), flops=flops, bytes=0.0, count=1)
@@ -178,7 +195,7 @@ def compute_bound(cfg, tcfg, layout, parallel, hw) -> float:
     block, head = matmul_flops(cfg, tcfg)
     rate = best_matmul_rate(hw)
     block = block / rate + attention_seconds(cfg, tcfg, hw,
-                                             ring_tiles(cfg, layout, parallel))
+                                             dense_tiles(cfg, layout, parallel))
     head = head / rate
     if layout.degree("pp") > 1 and not hw.shared_host:  # lock-step ticks: a stage idles
         block /= 1 - _bubble(layout.degree("pp"), parallel.pp_schedule,

@@ -44,7 +44,7 @@ def unit_bounds(cfg, tcfg, layout, parallel, hw) -> tuple[float, float]:
     passes = 8 if cfg.remat == "full" else 6
     rate = bound.best_matmul_rate(hw)
     attention = bound.attention_phases(cfg, tcfg, hw,
-                                       bound.ring_tiles(cfg, layout, parallel))
+                                       bound.dense_tiles(cfg, layout, parallel))
     compute = {"fwd": block * 2 / passes / rate + attention["fwd"],
                "bwd": block * (passes - 2) / passes / rate + attention["bwd"]
                + attention["recompute"]}
