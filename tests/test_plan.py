@@ -64,6 +64,29 @@ def test_programs_group_as_their_key_says():
     assert len(got) < len(ok)
 
 
+
+def test_programs_hold_the_candidates_grouped_by_program():
+    """`space.programs` (every order of a factorisation under the settings tracing to
+    one program, candidates built as they are read) holds the candidates `by_program`
+    groups, program by program in the same order, gpipe and 1f1b in one program; a
+    Program reads by index, negative index and slice as the list of its candidates."""
+    cfg = model_config("tiny")
+    tcfg = TrainConfig(batch=16, seq=32)
+    progs, refused = plan.programs(cfg, tcfg, 8, None)
+    ok, refused_too = plan.candidates(cfg, tcfg, 8, None)
+    want = plan.by_program(ok)
+    assert [list(p) for p in progs] == list(want.values())
+    assert refused == refused_too
+    shared = [p for p in progs if len(p.settings) > 1]
+    assert shared and all({par.pp_schedule for par, _ in p.settings} == {"gpipe", "1f1b"}
+                          for p in shared)
+    p = max(progs, key=len)
+    every = list(p)
+    assert [p[i] for i in range(-len(p), len(p))] == every + every
+    assert p[1:-1:2] == every[1:-1:2] and len(p) == len(every)
+    with pytest.raises(IndexError):
+        p[len(p)]
+
 def test_switches_multiply_only_where_they_change_the_program():
     cfg = model_config("small")
     flags = lambda text: [plan.Candidate(Layout.parse(text), p, c).flags

@@ -42,6 +42,7 @@ from engine.planner.space import (  # noqa: F401  (the candidate space, as the p
     SHARED_TRACE,
     SWITCHES,
     Candidate,
+    Program,
     Switch,
     accumulated,
     candidates,
@@ -50,6 +51,7 @@ from engine.planner.space import (  # noqa: F401  (the candidate space, as the p
     factorisations,
     layouts,
     neighbours,
+    programs,
     switch_settings,
 )
 from layers.config import ModelConfig
@@ -303,13 +305,13 @@ def by_program(cands: list) -> dict:
     objects and axis sizes: a plan's candidates share those objects across every order
     of a factorisation, and hashing the configs for each of millions of candidates
     was most of the grouping's time."""
-    programs: dict = {}  # (id(parallel), id(cfg), sizes) -> program
+    keys: dict = {}  # (id(parallel), id(cfg), sizes) -> program
     groups: dict = {}
     for c in cands:
         sizes = dict(c.layout.axes)
         fast = (id(c.parallel), id(c.cfg), tuple(sizes.get(r, 1) for r in AXIS_ROLES))
-        if (key := programs.get(fast)) is None:
-            key = programs[fast] = c.program
+        if (key := keys.get(fast)) is None:
+            key = keys[fast] = c.program
         groups.setdefault(key, []).append(c)
     return groups
 
@@ -319,7 +321,18 @@ def price(cands: list, tcfg: TrainConfig, hw, n: int, capacity: float | None,
           grow: bool = False, counts: dict | None = None,
           shapes: bool = True, top: int | None = None,
           within: float = 0.0) -> tuple[list, list, int, int, int]:
-    """Price candidates of n devices: grouped by program, and programs by structure
+    """`price_programs` of candidates `cands`, grouped by program (`by_program`)."""
+    return price_programs(list(by_program(cands).values()), tcfg, hw, n, capacity, workers,
+                          executor, progress, grow, counts, shapes, top, within)
+
+
+def price_programs(groups: list, tcfg: TrainConfig, hw, n: int, capacity: float | None,
+                   workers: int = 1, executor=None, progress=None,
+                   grow: bool = False, counts: dict | None = None,
+                   shapes: bool = True, top: int | None = None,
+                   within: float = 0.0) -> tuple[list, list, int, int, int]:
+    """Price the candidates of n devices in `groups` (each a program's candidates: a
+    list or a `space.Program`), the programs by structure
     (engine/planner/ledgers.py), each program's memory checked and its ledger read from
     the cache, derived from shapes or traced once (`_run`), every candidate priced; with
     `grow`, a step without pp over memory is priced at the fewest microbatches (2, 4,
@@ -330,13 +343,12 @@ def price(cands: list, tcfg: TrainConfig, hw, n: int, capacity: float | None,
     candidates were "pruned" by the bound, and "refused" [(candidate, why)] those whose
     step does not trace; shapes False: trace every program not cached.
     Returns (ranked: [Priced] fastest first, over: [(candidate, peak
-    bytes)] over `capacity`, programs, programs whose ledger came from the cache,
-    workers used)."""
+    bytes)] over `capacity`, programs priced, programs whose ledger came from the
+    cache, workers used)."""
     from engine.cost.price import mfu
     from engine.planner.ledgers import HOW, structure
 
-    groups = by_program(cands)
-    planned = collections.Counter(structure(g[0]) for g in groups.values())
+    planned = collections.Counter(structure(g[0]) for g in groups)
 
     def jobs_of(gs: list, cutoff: float | None = None) -> list:
         structures: dict[tuple, list] = {}
@@ -347,13 +359,13 @@ def price(cands: list, tcfg: TrainConfig, hw, n: int, capacity: float | None,
 
     if executor is None:
         workers = min(workers, max(1, len(groups) // 8))  # a worker costs a jax import
-    ranked, over, programs = [], [], 0
+    ranked, over, done = [], [], 0
     counts = {} if counts is None else counts
     counts.update({h: 0 for h in HOW}, pruned=0, refused=[])
 
     def take(results) -> list:
         """Record `_run`'s results; returns [(candidates, bound)] of those deferred."""
-        nonlocal programs
+        nonlocal done
         deferred = []
         for priced, how, peaks, group in results:
             if how == "failed":  # its step does not trace: `peaks` holds why
@@ -365,7 +377,7 @@ def price(cands: list, tcfg: TrainConfig, hw, n: int, capacity: float | None,
             if all(p is None for p in priced):
                 over.extend(zip(group, peaks))
                 continue
-            programs += 1
+            done += 1
             counts[how] += 1
             for c, got, peak in zip(group, priced, peaks):
                 if got is None:
@@ -378,15 +390,15 @@ def price(cands: list, tcfg: TrainConfig, hw, n: int, capacity: float | None,
         return deferred
 
     if top is None:
-        take(_run(jobs_of(list(groups.values())), workers, executor, progress))
+        take(_run(jobs_of(groups), workers, executor, progress))
     else:
         from engine.planner.best import best_first
 
-        workers = best_first(list(groups.values()), jobs_of, take,
+        workers = best_first(groups, jobs_of, take,
                              lambda: [p.step_s for p in ranked], tcfg, hw, top, within,
                              workers, executor, progress, counts)
     ranked.sort(key=_rank)
-    return ranked, over, programs, counts["cached"], workers
+    return ranked, over, done, counts["cached"], workers
 
 
 def _rank(p: Priced) -> tuple:
@@ -475,22 +487,21 @@ def plan(cfg: ModelConfig, tcfg: TrainConfig, n: int, hw, hbm_bytes: float | Non
 
     t0 = time.perf_counter()
     names, left_out = considered(cfg, names)
-    ok, refused = candidates(cfg, tcfg, n, pinned, names, limits, base)
+    ok, refused = programs(cfg, tcfg, n, pinned, names, limits, base)
     capacity = fit.capacity(hw, n, hbm_bytes)
     grow = "microbatches" not in (pinned or {})  # pinned microbatches stay as given
     counts: dict = {}
     refining = hw.shared_host and devices is not None and len(devices) >= n and within > 0
-    ranked, over, programs, cached, workers = price(ok, tcfg, hw, n, capacity, workers,
-                                                    executor, progress, grow=grow,
-                                                    counts=counts, shapes=shapes, top=top,
-                                                    within=within if refining else 0.0)
+    ranked, over, priced, cached, workers = price_programs(
+        ok, tcfg, hw, n, capacity, workers, executor, progress, grow=grow, counts=counts,
+        shapes=shapes, top=top, within=within if refining else 0.0)
     refined = 0
     if ranked and refining:
         if say is not None:
             say(f"planning: timing the matmuls of the candidates predicted within "
                 f"{within:.0%} of the first on {n} host devices")
         ranked, hw, refined = refine(ranked, tcfg, hw, n, devices, within)
-    return Plan(ranked, refused + counts["refused"], over, capacity, programs, cached, workers,
+    return Plan(ranked, refused + counts["refused"], over, capacity, priced, cached, workers,
                 time.perf_counter() - t0, hw, refined, counts["derived"], names, left_out,
                 counts["pruned"], top, counts.get("deferred", 0))
 

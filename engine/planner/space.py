@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-from typing import Callable
+from collections.abc import Callable, Sequence
 
 from collectives.ring import COMMS
 from engine.config import ParallelConfig, TrainConfig
@@ -252,20 +252,47 @@ def switch_settings(cfg: ModelConfig, layout: Layout, pinned: dict,
     return settings
 
 
-def candidates(cfg: ModelConfig, tcfg: TrainConfig, n: int, pinned: dict | None = None,
-               names: tuple[str, ...] = AXIS_ROLES, limits: dict | None = None,
-               base: ParallelConfig = ParallelConfig()):
-    """(runnable candidates, [(refused candidate, reason)]) of n devices over the roles
-    `names` (sizes up to `limits`, as `layouts`); ParallelConfig fields that are not
-    switches from `base`. A setting pinned (or in `base`) away from its default leaves
-    out the layouts where it would take no effect (`honours`). The switches and
-    `engine.parallel.validate` read the axis sizes, not their order, so both run once
-    per factorisation and hold for all its orders (a refusal names each order's own
-    layout)."""
+class Program(Sequence):
+    """One program's candidates (`Candidate.program`): every order of one factorisation
+    (`layouts`) under each of the switch settings [(ParallelConfig, ModelConfig)] that
+    trace to it, setting by setting, each Candidate built when it is read. A plan of
+    hundreds of devices has millions of candidates in tens of thousands of programs,
+    most of them never priced."""
+
+    def __init__(self, layouts: list[Layout], settings: list[tuple]):
+        self.layouts = layouts
+        self.settings = settings
+
+    def __len__(self) -> int:
+        return len(self.layouts) * len(self.settings)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        if not -len(self) <= i < len(self):
+            raise IndexError(i)
+        par, cfg = self.settings[(i % len(self)) // len(self.layouts)]
+        return Candidate(self.layouts[i % len(self.layouts)], par, cfg)
+
+    def __iter__(self):
+        return (Candidate(lay, par, cfg) for par, cfg in self.settings for lay in self.layouts)
+
+
+def programs(cfg: ModelConfig, tcfg: TrainConfig, n: int, pinned: dict | None = None,
+             names: tuple[str, ...] = AXIS_ROLES, limits: dict | None = None,
+             base: ParallelConfig = ParallelConfig()) -> tuple[list[Program], list]:
+    """([Program] of the runnable candidates, [(refused candidate, reason)]) of n devices
+    over the roles `names` (sizes up to `limits`, as `layouts`); ParallelConfig fields
+    that are not switches from `base`. A setting pinned (or in `base`) away from its
+    default leaves out the layouts where it would take no effect (`honours`). The
+    switches and `engine.parallel.validate` read the axis sizes, not their order, so
+    both run once per factorisation and hold for all its orders (a refusal names each
+    order's own layout)."""
     ok, refused = [], []
     for f in _within(n, names, limits):
         every = orders(f)
         first = every[0]
+        settings: dict[tuple, list] = {}  # program -> its settings, in order
         for par, c in switch_settings(cfg, first, pinned or {}, base):
             if not honours(first, par, pinned or {}, base):
                 continue
@@ -275,8 +302,18 @@ def candidates(cfg: ModelConfig, tcfg: TrainConfig, n: int, pinned: dict | None 
                              reason.replace(first.describe(), lay.describe()))
                             for lay in every]
             else:
-                ok += [Candidate(lay, par, c) for lay in every]
+                settings.setdefault(Candidate(first, par, c).program, []).append((par, c))
+        ok += [Program(every, s) for s in settings.values()]
     return ok, refused
+
+
+def candidates(cfg: ModelConfig, tcfg: TrainConfig, n: int, pinned: dict | None = None,
+               names: tuple[str, ...] = AXIS_ROLES, limits: dict | None = None,
+               base: ParallelConfig = ParallelConfig()):
+    """(runnable candidates, [(refused candidate, reason)]): the candidates of
+    `programs`, one list."""
+    ok, refused = programs(cfg, tcfg, n, pinned, names, limits, base)
+    return [c for p in ok for c in p], refused
 
 
 def neighbours(cand: Candidate, tcfg: TrainConfig) -> list[Candidate]:
