@@ -1,7 +1,7 @@
 """Best-first pricing: programs in the order of their lower bound (engine/planner/bound.py),
-priced in batches, until no program left can reach the ranking's top.
+priced a few at a time, until no program left can reach the ranking's top.
 
-After each batch, with K the ranking asked for: once the K-th fastest priced step (and
+As results come in, with K the ranking asked for: once the K-th fastest priced step (and
 the first's times 1 + `within`, the margin `search.refine` prices again) is below the
 smallest bound left, every program left is slower than all of those (its every
 candidate's step is at least its bound) and is pruned unpriced. The top K is then the
@@ -10,8 +10,11 @@ alone until it first reaches the front, where its whole bound is taken. A progra
 that fits (grown into more microbatches where it must: its weights gathered and its
 collectives run once per microbatch) is bounded again before its trace, with its
 collectives on the order of its axes least costly for them (`bound.order_bound`), and
-goes back into the queue at that bound when it is not the smallest left. The first
-batch runs in this process; a pool of workers starts only when more is needed.
+goes back into the queue at that bound when it is not the smallest left.
+
+The first programs are priced in this process while a pool of workers starts (its
+imports); then each worker has one batch in flight at a time, and the next goes out
+as soon as one comes back, so no worker waits on another's trace.
 """
 from __future__ import annotations
 
@@ -35,24 +38,29 @@ def settled(steps: list, top: int, within: float, next_bound: float) -> bool:
 
 def best_first(groups: list, jobs_of, take, steps, tcfg, hw, top: int, within: float,
                workers: int, executor=None, progress=None, counts: dict | None = None) -> int:
-    """Price the programs `groups` (lists of one program's candidates) best-first by
-    their lower bound (`bound.compute_bound` alone until a program first reaches the
-    front of the queue, then `bound.lower_bound`): `jobs_of(groups, cutoff)` makes a
-    batch's jobs, `take(results)` receives `search._run`'s results and returns the
+    """Price the programs `groups` (each one program's candidates) best-first by their
+    lower bound (`bound.compute_bound` alone until a program first reaches the front of
+    the queue, then `bound.lower_bound`): `jobs_of(groups, cutoff)` makes a batch's
+    jobs, `take(results)` receives `search._price_structure`'s results and returns the
     programs deferred, `steps()` the priced steps so far. Before tracing a program that
     fits (grown into more microbatches where it must), the worker bounds it again as it
     will run (`bound.order_bound`: its microbatches, its axes in the order least costly
-    for its collectives); above `cutoff`, the smallest bound left in the queue, it
-    comes back untraced and goes back into the queue at that bound. The first batch of `FIRST`
-    programs runs in this process, the rest in batches of two a worker in a pool of
-    `workers` (or `executor`): the bound is checked after each. Sets counts["pruned"] to
-    the candidates never priced and counts["deferred"] to the programs put back;
-    returns the workers used."""
+    for its collectives); above `cutoff`, the smallest bound left in the queue when its
+    batch went out, it comes back untraced and goes back into the queue at that bound.
+    The first batch of `FIRST` programs runs in this process while a pool of `workers`
+    (or `executor`) starts; then one batch per worker is in flight, `FIRST` programs
+    while the last batch priced one, twice as many as the last (up to `MOST`) while
+    every one came back over memory or deferred. Sets counts["pruned"] to the
+    candidates never priced and counts["deferred"] to the programs put back; returns
+    the workers used."""
+    from concurrent.futures import FIRST_COMPLETED, wait
+
     from engine.planner.bound import compute_bound, lower_bound
-    from engine.planner.search import Pool, _run
+    from engine.planner.search import Pool, _price_structures, warm
 
     progress = progress or (lambda done, total: None)
     groups = list(groups)
+    total = len(groups)
     # every program enters the queue at its compute bound alone (microseconds), and
     # gets its whole bound (the collectives too) when it first reaches the front
     queue = [(compute_bound(g[0].cfg, tcfg, g[0].layout, g[0].parallel, hw), j)
@@ -68,38 +76,63 @@ def best_first(groups: list, jobs_of, take, steps, tcfg, hw, top: int, within: f
             heapq.heappush(queue, (lower_bound(groups[j][0], tcfg, hw), j))
         return queue
 
-    pool, own, used, done, batch, deferred = executor, None, 1, 0, FIRST, 0
+    def more() -> bool:
+        return bool(front()) and not settled(steps(), top, within, queue[0][0])
+
+    def batch_of(size: int) -> tuple[list, list]:
+        """(the next `size` programs of the queue, their jobs)."""
+        part = []
+        while len(part) < size and front():
+            part.append(heapq.heappop(queue)[1])
+        cutoff = front()[0][0] if front() else math.inf
+        return part, jobs_of([groups[j] for j in part], cutoff)
+
+    done, deferred = 0, 0
+
+    def record(part: list, results: list) -> bool:
+        """Take a batch's results; put the deferred back. Whether it priced one."""
+        nonlocal done, deferred
+        before = len(steps())
+        back = take(results)
+        for grown, bound in back:
+            groups.append(grown)
+            whole.add(len(groups) - 1)
+            heapq.heappush(queue, (bound, len(groups) - 1))
+        deferred += len(back)
+        for _ in range(len(part) - len(back)):  # once per program priced or over memory
+            done += 1
+            progress(done, total)
+        return len(steps()) > before
+
+    pool, own = executor, None
+    if pool is None and workers > 1 and len(groups) > FIRST:
+        pool = own = Pool(workers)
+        for _ in range(workers):  # its imports, while the first batch runs here
+            pool.submit(warm)
     try:
-        while front() and not settled(steps(), top, within, queue[0][0]):
-            part = []
-            while len(part) < batch and front():
-                part.append(heapq.heappop(queue)[1])
-            cutoff = front()[0][0] if front() else math.inf
-            if pool is None and workers > 1 and done:
-                pool = own = Pool(workers)
-            if pool is not None:
-                used = pool.workers
-            before = len(steps())
-            jobs = jobs_of([groups[j] for j in part], cutoff)
-            if len(jobs) < used:  # one structure's programs: spread over the workers
-                jobs = [job for j in part for job in jobs_of([groups[j]], cutoff)]
-            back = take(_run(jobs, 1, pool,
-                             lambda d, _, before=done: progress(before + d, len(groups))))
-            for grown, bound in back:
-                groups.append(grown)
-                whole.add(len(groups) - 1)
-                heapq.heappush(queue, (bound, len(groups) - 1))
-            deferred += len(back)
-            done += len(part) - len(back)
-            # a check every program or two a worker while programs are priced; while
-            # every one comes back over memory or deferred (no trace: milliseconds
-            # each), twice the last batch, so a pool round trip is not paid per pair
-            priced = len(steps()) > before
-            batch = max(FIRST, 2 * used) if priced else min(2 * batch, MOST)
+        if more():
+            part, jobs = batch_of(FIRST)
+            record(part, _price_structures(jobs))
+        if pool is None:
+            while more():
+                part, jobs = batch_of(FIRST)
+                record(part, _price_structures(jobs))
+            return 1
+        size, flight = FIRST, {}
+        while flight or more():
+            while len(flight) < pool.workers and more():
+                part, jobs = batch_of(size)
+                flight[pool.submit(_price_structures, jobs)] = part
+            finished, _ = wait(flight, return_when=FIRST_COMPLETED)
+            for f in finished:
+                priced = record(flight.pop(f), f.result())
+                # while every one comes back over memory or deferred (no trace:
+                # milliseconds each), twice the last, so a round trip is not paid per pair
+                size = FIRST if priced else min(2 * size, MOST)
+        return pool.workers
     finally:
         if own is not None:
             own.shutdown()
-    if counts is not None:
-        counts["pruned"] = sum(len(groups[j]) for _, j in queue)
-        counts["deferred"] = deferred
-    return used
+        if counts is not None:
+            counts["pruned"] = sum(len(groups[j]) for _, j in queue)
+            counts["deferred"] = deferred

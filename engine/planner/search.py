@@ -226,6 +226,16 @@ class Pool(ProcessPoolExecutor):
         self.workers = workers
 
 
+def warm() -> None:
+    """Import what a worker's jobs run (jax, the traced step, the cost model), so a pool
+    started ahead of its first job has paid for them."""
+    import engine.cost.fit  # noqa: F401
+    import engine.cost.ledger  # noqa: F401
+    import engine.planner.bound  # noqa: F401
+    import engine.planner.ledgers  # noqa: F401
+    import engine.run.step  # noqa: F401
+
+
 def _price_structures(jobs: list) -> list:
     """`_price_structure` of each job in turn (one chunk, in one worker), its results
     one list."""
