@@ -11,8 +11,8 @@ with --plan, the whole plan's wall clock from an empty ledger cache.
 With --plan it runs `engine.planner.search.plan` with an empty ledger cache (a fresh
 directory) and prints the candidates ranked, the wall clock, the candidates per second
 and how many ledgers were traced and how many derived from their structure's shapes
-(engine/planner/ledgers.py), best-first by bound for the top 10 (engine/planner/best.py);
---compare plans again, cold, pricing every program, and says whether the top 10
+(engine/planner/ledgers.py), best-first by bound for the top --top (10; engine/planner/best.py);
+--compare plans again, cold, pricing every program, and says whether the top --top
 (layout, switches, predicted step) are identical. --axes and --max
 restrict the space as `python -m engine.plan`'s do.
 
@@ -58,7 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--plan", action="store_true",
                    help="time the whole plan from an empty ledger cache")
     g.add_argument("--compare", action="store_true",
-                   help="with --plan: plan again tracing every program; compare the top 10")
+                   help="with --plan: plan again tracing every program; compare the top --top")
+    g.add_argument("--top", type=int, default=10,
+                   help="with --plan: the ranking's length that must be exact (the plan's --top)")
     g.add_argument("--derive", action="store_true",
                    help="CPU seconds of a derived ledger against a traced one, over the "
                         "derivable programs of up to --sample structures")
@@ -79,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     cfg, tcfg, _, _, mine = parse_or_exit(argv, build_parser())
-    bad = [f"{k}={getattr(mine, k)} must be >= 1" for k in ("devices", "sample", "workers")
+    bad = [f"{k}={getattr(mine, k)} must be >= 1" for k in ("devices", "sample", "workers", "top")
            if getattr(mine, k) < 1]
     if bad:
         print(f"error: {'; '.join(bad)}", file=sys.stderr)
@@ -153,7 +155,7 @@ def main(argv=None) -> int:
 
 def _cold_plan(cfg, tcfg, mine, exhaustive: bool):
     """(Plan, wall seconds, CPU seconds of this process and its workers) of a plan from
-    an empty ledger cache: best-first by bound for the top 10 (engine/planner/best.py),
+    an empty ledger cache: best-first by bound for the top `--top` (engine/planner/best.py),
     or with `exhaustive` every program priced."""
     import tempfile
 
@@ -168,7 +170,7 @@ def _cold_plan(cfg, tcfg, mine, exhaustive: bool):
         got = search.plan(cfg, tcfg, mine.devices, hardware.get(mine.hardware),
                           pinned={"remat": mine.remat} if mine.remat else {},
                           workers=mine.workers, names=names, limits=limits,
-                          top=None if exhaustive else 10)
+                          top=None if exhaustive else mine.top)
         return got, time.perf_counter() - t, _cpu() - cpu
 
 
@@ -265,26 +267,32 @@ def derive_cost(cfg, tcfg, mine) -> int:
     return 0
 
 
+def _nth(k: int) -> str:
+    """1st, 2nd, 3rd, 10th, 21st, ..."""
+    tail = {1: "st", 2: "nd", 3: "rd"}.get(k % 10, "th") if k % 100 not in (11, 12, 13) else "th"
+    return f"{k}{tail}"
+
+
 def whole_plan(cfg, tcfg, mine) -> int:
     top = {}
     for exhaustive in (False, True) if mine.compare else (False,):
         got, wall, cpu = _cold_plan(cfg, tcfg, mine, exhaustive)
         traced = got.programs - got.cached - got.derived
-        how = "every program priced" if exhaustive else "best-first by bound (top 10)"
+        how = "every program priced" if exhaustive else f"best-first by bound (top {mine.top})"
         ranked = len(got.ranked) + len(got.over) + got.pruned + len(got.refused)
         print(f"{how}: {len(got.ranked)} candidates ranked in {wall:.1f} s, {cpu:.1f} "
               f"CPU-s ({len(got.ranked) / wall:.1f} a second); {got.programs} programs: "
               f"{traced} traced, {got.derived} derived; of {ranked} candidates "
               f"{len(got.refused)} refused, {len(got.over)} over memory, {got.pruned} "
-              f"pruned by bound (cannot beat the 10th), {got.deferred} programs put back "
-              f"by their bound as they run; load average "
-              f"{os.getloadavg()[0]:.1f}")
-        if len(got.ranked) >= 10:
-            print(f"  1st {got.ranked[0].step_s:.4g} s, 10th {got.ranked[9].step_s:.4g} s: "
+              f"pruned by bound (cannot beat the {_nth(mine.top)}), {got.deferred} programs "
+              f"put back by their bound as they run; load average {os.getloadavg()[0]:.1f}")
+        if len(got.ranked) >= mine.top:
+            print(f"  1st {got.ranked[0].step_s:.4g} s, {_nth(mine.top)} "
+                  f"{got.ranked[mine.top - 1].step_s:.4g} s: "
                   f"{got.ranked[0].candidate.describe()}")
-        top[exhaustive] = [(p.candidate.describe(), p.step_s) for p in got.ranked[:10]]
+        top[exhaustive] = [(p.candidate.describe(), p.step_s) for p in got.ranked[:mine.top]]
     if mine.compare:
-        print(f"top 10 identical to the exhaustive ranking: {top[False] == top[True]}")
+        print(f"top {mine.top} identical to the exhaustive ranking: {top[False] == top[True]}")
     return 0
 
 
