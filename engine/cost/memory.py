@@ -131,7 +131,8 @@ def predict(cfg: ModelConfig, tcfg: TrainConfig, layout: Layout, platform: str =
     what the item list was read from: compute-dtype operands of mixed dots are upcast to
     f32), anything else keeps them in the compute dtype and runs a flash kernel:
     "accelerator" a GPU's (FlashAttention), "tpu" Pallas's. `trainer`: a `Trainer` for (cfg,
-    tcfg, layout) to take the specs from; by default one on the layout's abstract mesh.
+    tcfg, layout) to take the specs from; by default the specs one would take
+    (`engine.run.step.state_specs`).
     A pipelined step (`pipelined`) and an accumulated one (`accumulated`) are priced as
     one stage's or one microbatch's step (`one_program`) plus what their scan carries."""
     from engine.config import ParallelConfig
@@ -199,12 +200,12 @@ def whole_head_grads(cfg, tcfg, layout, par) -> int:
     accumulator's leaves, tests/test_pp_spend.py). `cfg` and `layout` are the stage's
     (`stage_problem`); 0 under the other levels (their transposes run in the units)."""
     from engine.parallel.params import param_shapes
-    from engine.run.step import Trainer
+    from engine.run.step import state_specs
 
     fsdp = layout.degree("fsdp")
     if par.zero != 2 or fsdp <= 1:
         return 0
-    t = Trainer(cfg, tcfg, layout, layout.abstract_mesh(), par)
+    t = state_specs(cfg, tcfg, layout, par)
     whole = _tree_bytes(param_shapes(cfg), t.specs, dict(layout.mesh_axes()),
                         keep=lambda path: path in ("['embed']", "['unembed']"))
     return whole - whole // fsdp
@@ -322,14 +323,15 @@ def _one_program(cfg, tcfg, layout, platform, par, trainer) -> MemoryPrediction:
 
     kernel = kernel_priced(cfg, tcfg, layout, platform, par)
     if trainer is None:
-        from engine.run.step import Trainer
+        from engine.run.step import state_specs
 
-        trainer = Trainer(cfg, tcfg, layout, layout.abstract_mesh(), par)
-    t = trainer
+        t = state_specs(cfg, tcfg, layout, par)  # the specs a Trainer would take
+    else:
+        t = trainer
     sizes = dict(layout.mesh_axes())
     shapes = param_shapes(cfg)
     params = _tree_bytes(shapes, t.specs, sizes)
-    opt_state = _tree_bytes(optim.state_shapes(t.tcfg, cfg), t.opt_specs, sizes)
+    opt_state = _tree_bytes(optim.state_shapes(tcfg, cfg), t.opt_specs, sizes)
     grads = _tree_bytes(shapes, t.grad_specs, sizes)
     grads_not_blocks = _tree_bytes(shapes, t.grad_specs, sizes,
                                    keep=lambda path: not path.startswith("['blocks']"))

@@ -87,7 +87,7 @@ class Priced:
 class Plan:
     """ranked: fitting candidates, fastest first; refused: [(candidate, reason)] by
     engine.parallel.validate; over: [(candidate, predicted peak bytes)] over `capacity` bytes
-    per device; programs: distinct programs priced; cached: how many of them came from
+    per device, in the order the workers' results came in; programs: distinct programs priced; cached: how many of them came from
     the ledger cache; workers: processes that traced; seconds: wall clock of `plan`;
     hw: the profile the first candidates are priced with (with their timed matmuls,
     `Hardware.dot_seconds`, when `refine` ran); refined: candidates `refine` re-priced."""
@@ -226,14 +226,18 @@ class Pool(ProcessPoolExecutor):
         self.workers = workers
 
 
+# what a worker's jobs run: jax, the traced step, the cost model
+WORKER_MODULES = ("engine.cost.fit", "engine.cost.ledger", "engine.planner.bound",
+                  "engine.planner.ledgers", "engine.run.step")
+
+
 def warm() -> None:
-    """Import what a worker's jobs run (jax, the traced step, the cost model), so a pool
-    started ahead of its first job has paid for them."""
-    import engine.cost.fit  # noqa: F401
-    import engine.cost.ledger  # noqa: F401
-    import engine.planner.bound  # noqa: F401
-    import engine.planner.ledgers  # noqa: F401
-    import engine.run.step  # noqa: F401
+    """Import `WORKER_MODULES`, so a pool started ahead of its first job has paid for
+    them."""
+    import importlib
+
+    for name in WORKER_MODULES:
+        importlib.import_module(name)
 
 
 def _price_structures(jobs: list) -> list:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -39,6 +40,33 @@ from layers.axes import GatherWeights
 from layers.config import ModelConfig
 
 
+class StateSpecs(NamedTuple):
+    """How a step's state is laid out on the mesh: the role axes, the ZeRO level, the
+    params' specs as the table shards them over fsdp (`shard_specs`), as stored between
+    steps (`specs`), their grads' and the optimizer state's."""
+
+    axes: object
+    zero: object
+    shard_specs: dict
+    specs: dict
+    grad_specs: dict
+    opt_specs: object
+
+
+def state_specs(cfg: ModelConfig, tcfg: TrainConfig, layout: Layout,
+                parallel: ParallelConfig = ParallelConfig()) -> StateSpecs:
+    """The `StateSpecs` of a `Trainer(cfg, tcfg, layout, mesh, parallel)`, without one
+    (the memory model reads them for every program a plan checks)."""
+    axes = layout.role_axes(tp_comm=collectives.TP_COMMS[parallel.tp_comm],
+                            cp_comm=parallel.cp_comm, prefetch=parallel.prefetch,
+                            grad_reduce=parallel.grad_reduce)
+    level = zero.level(parallel.zero, axes.fsdp)
+    shard = param_specs(cfg, layout)  # sharded over fsdp as the table says
+    specs = level.storage_specs(shard, axes.fsdp)  # between steps
+    return StateSpecs(axes, level, shard, specs, level.grad_specs(specs, shard),
+                      optim.opt_state_specs(tcfg, cfg, shard))
+
+
 class Trainer:
     """The model, layout and optimizer bound to a mesh.
 
@@ -60,15 +88,9 @@ class Trainer:
         check(cfg, tcfg, parallel, layout)
         self.cfg, self.tcfg, self.layout, self.mesh = cfg, tcfg, layout, mesh
         self.parallel = parallel
-        self.axes = layout.role_axes(tp_comm=collectives.TP_COMMS[parallel.tp_comm],
-                                     cp_comm=parallel.cp_comm, prefetch=parallel.prefetch,
-                                     grad_reduce=parallel.grad_reduce)
-        self.zero = zero.level(parallel.zero, self.axes.fsdp)
-        self.shard_specs = param_specs(cfg, layout)  # sharded over fsdp as the table says
-        self.specs = self.zero.storage_specs(self.shard_specs, self.axes.fsdp)  # between steps
-        self.grad_specs = self.zero.grad_specs(self.specs, self.shard_specs)
+        (self.axes, self.zero, self.shard_specs, self.specs, self.grad_specs,
+         self.opt_specs) = state_specs(cfg, tcfg, layout, parallel)
         self.tx = optim.make_optimizer(tcfg)
-        self.opt_specs = optim.opt_state_specs(tcfg, cfg, self.shard_specs)
         self.batch_spec = activation_spec("tokens", layout)
         self._dims = fsdp_dims()
         self._model_axes = self.zero.model_axes(self.axes)  # what the model sees
