@@ -286,3 +286,49 @@ def test_flash_kernels_forward_runs_again_under_remat(remat):
     phases = {k: v / n for k, v in bound.attention_phases(cfg, tcfg, hw).items()}
     assert sum(phases.values()) <= flash < sum(phases.values()) + phases["recompute"], (
         phases, flash)
+
+
+def _moved(rows) -> dict:
+    """{(collective kind, axes, in the layers): bytes x count} of a ledger's or the
+    bound's rows, those of the layers' scopes (attention, mlp, zero 3's gathers) apart."""
+    from engine.cost.price import COLLECTIVES
+    from layers import scopes
+
+    layers = (scopes.ATTENTION, scopes.MLP, scopes.GATHER_PARAMS)
+    out: dict = {}
+    for r in rows:
+        kind = COLLECTIVES.get(r.primitive) if r.kind == "collective" else None
+        if kind is not None and r.axis_size > 1:
+            key = kind, r.axes, r.scope in layers
+            out[key] = out.get(key, 0.0) + r.bytes * r.count
+    return out
+
+
+def test_exposed_rows_are_in_the_ledger(sample):
+    """Every flat kind of the sample: the bound's collectives (`bound.exposed_rows`, the
+    backward's gathers again and the forward's tp collectives it runs again among
+    them) move no more, kind by kind and axis by axis, than the traced step's; where
+    the step runs them all (tp's all-gathers under `sequence`, zero 3's weight gathers,
+    the tp ring's shifts) exactly as much."""
+    from engine.cost import cache
+
+    tp, fsdp = ("all-gather", ("tp",), True), ("all-gather", ("fsdp",), True)
+    tight = {("tiny", "tp2xfsdp2 zero 3 tp_comm sequence remat full"): [tp, fsdp],
+             ("tiny", "fsdp4 zero 3 prefetch remat dots"): [fsdp],
+             ("tiny", "dp2xfsdp2 zero 3 remat full"): [fsdp],
+             ("tiny", "tp4 tp_comm ring remat dots"): [("collective-permute", ("tp",), True)]}
+    checked = 0
+    for (model, _, name), c in zip(KINDS, sample):
+        if c.layout.degree("pp") > 1:
+            continue
+        rows, _ = cache.step_ledger(c.cfg, TCFG, c.layout, c.parallel, False)
+        traced = _moved(rows)
+        bounded = _moved(bound.exposed_rows(c.cfg, TCFG, c.layout, c.parallel))
+        for kind, axes in {(k, a) for k, a, _ in bounded}:  # the bound's scopes are nominal
+            moved, most = (sum(v for (k, a, _), v in d.items() if (k, a) == (kind, axes))
+                           for d in (bounded, traced))
+            assert moved <= most * (1 + 1e-9), (name, kind, axes, moved, most)
+        for key in tight.get((model, name), []):
+            assert bounded[key] == pytest.approx(traced[key], rel=1e-9), (name, key)
+            checked += 1
+    assert checked == 5

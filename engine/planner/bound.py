@@ -280,6 +280,8 @@ def activation_rows(cfg, tcfg, layout, parallel, axes, level, sizes) -> list:
     residual = batch * seq * cfg.d_model * act.itemsize  # the tp group's whole residual
     tp = sizes["tp"]
     rows += _by_comm("tp", parallel.tp_comm, residual, act.name, 4 * n_layers, sizes)
+    if pp == 1:
+        rows += _tp_rerun(cfg, parallel.tp_comm, residual, act.name, n_layers, sizes)
     # a pipeline's stage shifts: each tick one forward and one backward, M ticks at least
     rows.append(_all_reduce(("pp",), sizes, residual // tp, act.name, 2 * m,
                             scopes.scope_of(()), "fwd", "ppermute"))
@@ -287,7 +289,9 @@ def activation_rows(cfg, tcfg, layout, parallel, axes, level, sizes) -> list:
     kv = batch * tcfg.seq * kv_heads * cfg.head_dim * compute.itemsize  # K or V, whole L
     rows += _by_comm("cp", parallel.cp_comm, kv, compute.name, 2 * n_layers, sizes)
     if axes.fsdp is not None and level.level == 3 and pp == 1:
-        rows += _fsdp_rows(cfg, layout, sizes, compute, n_layers)
+        again = _regathers(cfg, parallel.prefetch) and (
+            "bwd" if parallel.prefetch else "recompute")  # prefetched, or in the recompute
+        rows += _fsdp_rows(cfg, layout, sizes, compute, n_layers, again or None)
     return rows
 
 
@@ -336,9 +340,46 @@ def _by_comm(axis: str, comm: str, nbytes: int, dtype: str, times: int, sizes) -
                         scopes.ATTENTION, "fwd", "ppermute")]
 
 
-def _fsdp_rows(cfg, layout, sizes, compute, n_layers) -> list:
-    """Zero 3's per-layer gathers of the block weights it shards (forward) and the
-    reduce-scatters of their grads (backward), each of the layer's fsdp-whole shards."""
+def _tp_rerun(cfg, comm: str, nbytes: int, dtype: str, n_layers: int, sizes) -> list:
+    """The forward's tp collectives the backward runs again, `n_layers` layers of them
+    (layers/block.py: a column's gathered input is recomputed, not kept, and under remat
+    `full` a row's reduction too; read off traced steps, tests/test_plan_bound.py):
+    `sequence` 2 all-gathers a layer under every policy and 1 reduce-scatter more under
+    `full`; `allreduce` 1 all-reduce a layer under `full`; `ring` the shifts of 2 ring
+    gathers a layer under `dots`, of 3 under `full`."""
+    n = sizes["tp"]
+    if n <= 1:
+        return []
+    full = cfg.remat == "full"
+    if comm == "sequence":
+        out = [_all_reduce(("tp",), sizes, nbytes, dtype, 2 * n_layers, scopes.ATTENTION,
+                           "recompute", "all_gather")]
+        if full:
+            out.append(_all_reduce(("tp",), sizes, nbytes, dtype, n_layers, scopes.ATTENTION,
+                                   "recompute", "reduce_scatter"))
+        return out
+    if comm == "allreduce":
+        return [_all_reduce(("tp",), sizes, nbytes, dtype, n_layers, scopes.ATTENTION,
+                            "recompute")] if full else []
+    passes = {"dots": 2, "full": 3}.get(cfg.remat, 0)
+    return [_all_reduce(("tp",), sizes, nbytes // n, dtype, passes * (n - 1) * n_layers,
+                        scopes.ATTENTION, "recompute", "ppermute")] if passes else []
+
+
+def _regathers(cfg, prefetch: bool) -> bool:
+    """Whether zero 3's backward gathers each layer's weights again (layers/block.py
+    `blocks`): they are saved only without remat and without prefetch, or where the
+    prefetched weights are carried as the scan differentiates it (a model with experts;
+    one layer under `dots` or `none`)."""
+    if not prefetch:
+        return cfg.remat != "none"
+    return not cfg.moe and (cfg.remat == "full" or cfg.n_layers > 1)
+
+
+def _fsdp_rows(cfg, layout, sizes, compute, n_layers, again: str | None = None) -> list:
+    """Zero 3's per-layer gathers of the block weights it shards (forward), the
+    reduce-scatters of their grads (backward), and with `again` (a phase) their gathers
+    again in that phase, each of the layer's fsdp-whole shards."""
     dims = param_table._dims(cfg)
     specs = param_table.param_specs(cfg, layout)
     whole = 0
@@ -349,11 +390,15 @@ def _fsdp_rows(cfg, layout, sizes, compute, n_layers) -> list:
         kept = P(*(None if e in ("fsdp", "pp") else e for e in spec))  # one whole layer
         whole += _local(tuple(dims[c] for c in letters), kept, sizes) // cfg.n_layers
     nbytes = whole * np.dtype(compute).itemsize
-    gather = _all_reduce(("fsdp",), sizes, nbytes, np.dtype(compute).name, n_layers,
-                         scopes.GATHER_PARAMS, "fwd", "all_gather")
-    scatter = _all_reduce(("fsdp",), sizes, nbytes, np.dtype(compute).name, n_layers,
-                          scopes.GATHER_PARAMS, "bwd", "reduce_scatter")
-    return [gather, scatter]
+    dtype = np.dtype(compute).name
+    rows = [_all_reduce(("fsdp",), sizes, nbytes, dtype, n_layers, scopes.GATHER_PARAMS,
+                        "fwd", "all_gather"),
+            _all_reduce(("fsdp",), sizes, nbytes, dtype, n_layers, scopes.GATHER_PARAMS,
+                        "bwd", "reduce_scatter")]
+    if again:
+        rows.append(_all_reduce(("fsdp",), sizes, nbytes, dtype, n_layers,
+                                scopes.GATHER_PARAMS, again, "all_gather"))
+    return rows
 
 
 _SECONDS: dict = {}
