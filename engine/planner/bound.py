@@ -139,11 +139,12 @@ def ring_phases(cfg, tcfg, hw) -> dict:
 def attention_phases(cfg, tcfg, hw, tiles: bool = False) -> dict:
     """{phase: seconds} of the step's attention on all devices together, by phase (fwd,
     bwd, recompute). Under cp's dense tiles (`tiles`: `dense_tiles`; an accelerator
-    profile: `hw.fusion`) `ring_phases`; with the reference kernel (`ModelConfig.attention`, the [B, H, L,
-    L] scores materialized) its dots as `price.compute_seconds` prices a matmul: per
-    layer the forward's 2 (scores, values), the backward's 4, the forward's again under
-    remat `full`, each of 2 B L L H K FLOPs and moving at least one bf16 score matrix
-    (B H L L x 2 bytes) where the profile prices a dot's own bytes (no epilogue fusion);
+    profile: `hw.fusion`) `ring_phases`; with the reference kernel
+    (`ModelConfig.attention`, the [B, H, L, L] scores materialized) its dots as
+    `price.compute_seconds` prices a matmul: per layer the forward's 2 (scores,
+    values), the backward's 4, the forward's again under remat `full`, each of 2 B L L
+    H K FLOPs and moving at least one bf16 score matrix (B H L L x 2 bytes) where the
+    profile prices a dot's own bytes (no epilogue fusion);
     else with a flash kernel (`hw.flash`) as `price.compute_seconds` prices a
     `kind="attention"` row (`price.attention_flops` at `price.attention_rate`): the
     forward's 4 B L L H K FLOPs, the backward's 8, the forward again where the backward

@@ -86,9 +86,10 @@ class Priced:
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """ranked: fitting candidates, fastest first; refused: [(candidate, reason)] by
-    engine.parallel.validate; over: [(candidate, predicted peak bytes)] over `capacity` bytes
-    per device, in the order the workers' results came in; programs: distinct programs priced; cached: how many of them came from
-    the ledger cache; workers: processes that traced; seconds: wall clock of `plan`;
+    engine.parallel.validate; over: [(candidate, predicted peak bytes)] over `capacity`
+    bytes per device, in the order the workers' results came in; programs: distinct
+    programs priced; cached: how many of them came from the ledger cache; workers:
+    processes that traced; seconds: wall clock of `plan`;
     hw: the profile the first candidates are priced with (with their timed matmuls,
     `Hardware.dot_seconds`, when `refine` ran); refined: candidates `refine` re-priced."""
 
