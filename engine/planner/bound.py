@@ -262,11 +262,13 @@ def activation_rows(cfg, tcfg, layout, parallel, axes, level, sizes) -> list:
     Without pp: the loss's scalar all-reduce over the data axes the model sees; tp's
     per layer, forward and backward, by `tp_comm`: 2
     all-reduces of the residual (allreduce), 2 all-gathers and 2 reduce-scatters of it
-    (sequence), 4 (tp - 1) ring shifts of its 1/tp chunks (ring, hideable); cp's per
+    (sequence), 4 (tp - 1) ring shifts of its 1/tp chunks (ring, hideable), and those
+    of the forward's that the backward runs again (`_tp_rerun`); cp's per
     layer: K and V all-gathered in the forward and their grads reduce-scattered in the
     backward (allgather), or shifted cp - 1 times each way (ring, hideable); zero 3's
-    per layer: its block weights all-gathered in the forward (hideable with prefetch)
-    and their grads reduce-scattered in the backward (hideable), in the compute dtype."""
+    per layer: its block weights all-gathered in the forward (hideable with prefetch),
+    again in the backward where it does not keep them (`_regathers`), and their grads
+    reduce-scattered in the backward (hideable), in the compute dtype."""
     m, pp = parallel.microbatches, sizes["pp"]
     n_layers = cfg.n_layers // pp * m  # per step, every layer of every microbatch
     rows = []
