@@ -267,13 +267,9 @@ def derive_cost(cfg, tcfg, mine) -> int:
     return 0
 
 
-def _nth(k: int) -> str:
-    """1st, 2nd, 3rd, 10th, 21st, ..."""
-    tail = {1: "st", 2: "nd", 3: "rd"}.get(k % 10, "th") if k % 100 not in (11, 12, 13) else "th"
-    return f"{k}{tail}"
-
-
 def whole_plan(cfg, tcfg, mine) -> int:
+    from engine.planner.search import ordinal
+
     top = {}
     for exhaustive in (False, True) if mine.compare else (False,):
         got, wall, cpu = _cold_plan(cfg, tcfg, mine, exhaustive)
@@ -284,10 +280,10 @@ def whole_plan(cfg, tcfg, mine) -> int:
               f"CPU-s ({len(got.ranked) / wall:.1f} a second); {got.programs} programs: "
               f"{traced} traced, {got.derived} derived; of {ranked} candidates "
               f"{len(got.refused)} refused, {len(got.over)} over memory, {got.pruned} "
-              f"pruned by bound (cannot beat the {_nth(mine.top)}), {got.deferred} programs "
+              f"pruned by bound (cannot beat the {ordinal(mine.top)}), {got.deferred} programs "
               f"put back by their bound as they run; load average {os.getloadavg()[0]:.1f}")
         if len(got.ranked) >= mine.top:
-            print(f"  1st {got.ranked[0].step_s:.4g} s, {_nth(mine.top)} "
+            print(f"  1st {got.ranked[0].step_s:.4g} s, {ordinal(mine.top)} "
                   f"{got.ranked[mine.top - 1].step_s:.4g} s: "
                   f"{got.ranked[0].candidate.describe()}")
         top[exhaustive] = [(p.candidate.describe(), p.step_s) for p in got.ranked[:mine.top]]

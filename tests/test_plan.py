@@ -276,8 +276,11 @@ def test_progress_is_said_only_for_slow_plans():
     cfg, tcfg = model_config("tiny", remat="full"), TrainConfig(batch=4, seq=32)
     calls, said = [], []
     plan.plan(cfg, tcfg, 2, hardware.get("h100"), pinned={"remat": "full"},
-              progress=lambda done, total: calls.append((done, total)))
+              progress=lambda done, total, front=None: calls.append((done, total, front)))
     assert calls and calls[-1][0] == calls[-1][1] == len(calls)
+    top, tenth, bound = calls[-1][2]()  # best-first: where the search stands
+    assert top == 10 and tenth is not None and tenth < bound
+    calls = [c[:2] for c in calls]
     quiet = plan.progress_line(said.append, every_s=3600)
     for done, total in calls:
         quiet(done, total)
@@ -291,6 +294,13 @@ def test_progress_is_said_only_for_slow_plans():
     timed(3, 6)  # 12 s in: quiet
     timed(4, 6)  # 30 s in: 7.5 s per program so far, 2 left
     assert said[-1] == "planning: 4/6 programs priced (30 s, about 15 s left)"
+    best = plan.progress_line(said.append, every_s=0)  # best-first: no time left guessed
+    best(832, 33582, lambda: (10, 15.81, 15.2))
+    assert said[-1] == ("planning: 832 of 33582 programs checked (0 s); 10th best step "
+                        "15.81 s, least bound left 15.2 s (done when it passes the step)")
+    best(2, 33582, lambda: (3, None, 12.0))
+    assert said[-1].endswith("; fewer than 3 priced, least bound left 12 s (done when it "
+                             "passes the step)")
 
 
 def test_the_reason_line_skips_the_first_choice_in_another_order():

@@ -50,7 +50,9 @@ def best_first(groups: list, jobs_of, take, steps, tcfg, hw, top: int, within: f
     The first batch of `FIRST` programs runs in this process while a pool of `workers`
     (or `executor`) starts; then one batch per worker is in flight, `FIRST` programs
     while the last batch priced one, twice as many as the last (up to `MOST`) while
-    every one came back over memory or deferred. Sets counts["pruned"] to the
+    every one came back over memory or deferred. `progress(done, total, front)` is
+    called per program priced or over memory, `front()` giving (top, the top-th best
+    step so far or None, the least bound left). Sets counts["pruned"] to the
     candidates never priced and counts["deferred"] to the programs put back; returns
     the workers used."""
     from concurrent.futures import FIRST_COMPLETED, wait
@@ -58,7 +60,7 @@ def best_first(groups: list, jobs_of, take, steps, tcfg, hw, top: int, within: f
     from engine.planner.bound import compute_bound, lower_bound
     from engine.planner.search import Pool, _price_structures, warm
 
-    progress = progress or (lambda done, total: None)
+    progress = progress or (lambda done, total, front=None: None)
     groups = list(groups)
     total = len(groups)
     # every program enters the queue at its compute bound alone (microseconds), and
@@ -101,8 +103,14 @@ def best_first(groups: list, jobs_of, take, steps, tcfg, hw, top: int, within: f
         deferred += len(back)
         for _ in range(len(part) - len(back)):  # once per program priced or over memory
             done += 1
-            progress(done, total)
+            progress(done, total, where)
         return len(steps()) > before
+
+    def where() -> tuple:
+        """(top, the top-th best step so far or None, the least bound left)."""
+        ranked = sorted(steps())
+        return (top, ranked[top - 1] if len(ranked) >= top else None,
+                front()[0][0] if front() else math.inf)
 
     pool, own = executor, None
     if pool is None and workers > 1 and len(groups) > FIRST:

@@ -300,18 +300,34 @@ def _run(jobs: list, workers: int, executor=None, progress=None) -> list:
 def progress_line(say, every_s: float = 15.0, clock=time.perf_counter):
     """A `progress` for `plan` that says how many programs are priced and, at the mean
     time per program so far, about how long the rest will take, at most once every
-    `every_s` seconds and never for a plan that takes less."""
+    `every_s` seconds and never for a plan that takes less. A best-first plan passes
+    `front()`: (K, the K-th best step so far or None, the least bound left); it stops
+    when the bound passes the step, so no time left is guessed."""
     start = last = clock()
 
-    def report(done: int, total: int):
+    def report(done: int, total: int, front=None):
         nonlocal last
         now = clock()
-        if now - last >= every_s:
-            last = now
+        if now - last < every_s:
+            return
+        last = now
+        if front is None:
             left = (now - start) / max(done, 1) * (total - done)
             say(f"planning: {done}/{total} programs priced ({now - start:.0f} s, about "
                 f"{left:.0f} s left)")
+            return
+        k, kth, bound = front()
+        best = (f"{ordinal(k)} best step {kth:.4g} s" if kth is not None
+                else f"fewer than {k} priced")
+        say(f"planning: {done} of {total} programs checked ({now - start:.0f} s); {best}, "
+            f"least bound left {bound:.4g} s (done when it passes the step)")
     return report
+
+
+def ordinal(k: int) -> str:
+    """1st, 2nd, 3rd, 10th, 21st, ..."""
+    tail = {1: "st", 2: "nd", 3: "rd"}.get(k % 10, "th") if k % 100 not in (11, 12, 13) else "th"
+    return f"{k}{tail}"
 
 
 def by_program(cands: list) -> dict:
