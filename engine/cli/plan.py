@@ -166,12 +166,11 @@ def main(argv=None) -> int:
           f"{tcfg.batch}; {mine.devices} devices, {gib(result.capacity)} per device{space}"
           f"{grads}")
     traced = result.programs - result.cached - result.derived
-    print(f"priced {total} candidates ({result.programs} distinct programs: "
-          f"{traced} traced with {result.workers} worker(s), {result.derived} derived from "
-          f"their structure's shapes, {result.cached} from the ledger cache) in "
-          f"{result.seconds:.1f} s; {len(result.refused)} refused by "
-          f"engine.parallel.validate, {len(result.over)} over memory, {result.pruned} "
-          f"pruned by bound")
+    every = total + len(result.refused) + result.pruned
+    print(f"ranked {len(result.ranked)} of {every} candidates ({result.programs} programs "
+          f"priced: {traced} traced with {result.workers} worker(s), {result.derived} "
+          f"derived from their structure's shapes, {result.cached} from the ledger cache) "
+          f"in {result.seconds:.1f} s")
     print(searched(result))
     if result.refined:
         print(f"the first {result.refined} priced again with their matmuls timed on "
