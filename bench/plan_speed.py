@@ -43,9 +43,6 @@ from engine.cli.args import (
 )
 from engine.parallel.layout import AXIS_ROLES  # noqa: E402
 
-WORKER_IMPORTS = ("engine.planner.search", "engine.cost.cache", "engine.cost.ledger", "engine.cost.price",
-                  "engine.cost.fit", "engine.cost.memory", "engine.run.step")
-
 
 def build_parser() -> argparse.ArgumentParser:
     own = argparse.ArgumentParser(add_help=False)
@@ -102,7 +99,7 @@ def main(argv=None) -> int:
     # what a fresh worker imports before its first job
     imports = float(subprocess.run(
         [sys.executable, "-c", "import time; t = time.process_time(); import "
-         + ", ".join(WORKER_IMPORTS) + "; print(time.process_time() - t)"],
+         + ", ".join(plan.WORKER_MODULES) + "; print(time.process_time() - t)"],
         capture_output=True, text=True, check=True, cwd=Path(__file__).resolve().parents[1],
         env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}).stdout)
 

@@ -118,13 +118,12 @@ def best_first(groups: list, jobs_of, take, steps, tcfg, hw, top: int, within: f
         for _ in range(workers):  # its imports, while the first batch runs here
             pool.submit(warm)
     try:
-        if more():
+        while more():  # here: the first batch, or every batch without a pool
             part, jobs = batch_of(FIRST)
             record(part, _price_structures(jobs))
+            if pool is not None:
+                break
         if pool is None:
-            while more():
-                part, jobs = batch_of(FIRST)
-                record(part, _price_structures(jobs))
             return 1
         size, flight = FIRST, {}
         while flight or more():

@@ -227,9 +227,11 @@ class Pool(ProcessPoolExecutor):
         self.workers = workers
 
 
-# what a worker's jobs run: jax, the traced step, the cost model
-WORKER_MODULES = ("engine.cost.fit", "engine.cost.ledger", "engine.planner.bound",
-                  "engine.planner.ledgers", "engine.run.step")
+# what a worker imports for its jobs: this module (to unpickle them), jax, the traced
+# step, the cost model
+WORKER_MODULES = ("engine.planner.search", "engine.cost.cache", "engine.cost.ledger",
+                  "engine.cost.price", "engine.cost.fit", "engine.cost.memory",
+                  "engine.planner.bound", "engine.planner.ledgers", "engine.run.step")
 
 
 def warm() -> None:
