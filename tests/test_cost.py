@@ -439,3 +439,41 @@ def test_row_replace_is_dataclasses_replace():
         assert got is not row and row.count == 2 and row.kernel == ""
         with pytest.raises(dataclasses.FrozenInstanceError):
             got.count = 1
+
+
+def test_a_cond_counts_its_costliest_branch():
+    """A device runs one branch of a cond: the ledger holds the rows of the branch with
+    the most FLOPs (two dots against one), in a scan's body too (its count)."""
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+
+    from engine.cost.ledger import ledger
+
+    def step(p, x_BD, w_DD):
+        return lax.cond(p, lambda x: jnp.tanh(x @ w_DD),
+                        lambda x: (x @ w_DD) @ w_DD, x_BD)
+
+    def scanned(p, x_BD, w_DD):
+        return lax.scan(lambda c, _: (step(p, c, w_DD), None), x_BD, None, length=3)[0]
+
+    x, w = jnp.ones((16, 32), jnp.float32), jnp.ones((32, 32), jnp.float32)
+    for f, count in ((step, 1), (scanned, 3)):
+        rows = ledger(jax.make_jaxpr(f)(True, x, w), Layout.parse("single"))
+        dots = [r for r in rows if r.primitive == "dot_general"]
+        assert [r.count for r in dots] == [count, count]
+        assert not [r for r in rows if r.primitive == "tanh"]
+
+
+def test_cp_ring_counts_one_remote_tile_a_step():
+    """The cp ring's forward score tiles, per device: its own chunk's [L, L] tile, then
+    at each of the cp - 1 remote steps one of two [L, L/2] tiles (a `lax.cond`: the
+    remote block's first keys against every query, or every key against the second
+    queries), each tile two dots (scores, values) of 2 B H K FLOPs a score."""
+    cfg, cp = _cfg(remat="none"), 4
+    rows = step_ledger(cfg, TCFG, Layout.parse(f"cp{cp}"), ParallelConfig(cp_comm="ring"))
+    L = TCFG.seq // cp
+    scores = L * L + (cp - 1) * L * L // 2
+    want = 2 * 2 * TCFG.batch * cfg.n_heads * cfg.head_dim * scores * cfg.n_layers
+    tiles = [r for r in rows if r.kind == "matmul" and r.phase == "fwd" and len(r.shape) == 5]
+    assert sum(r.total_flops for r in tiles) == want

@@ -304,6 +304,19 @@ def _inherit_unit(rows: list[Row], start: int) -> None:
             rows[i] = rows[i].replace(pp=(*pp[:at], unit, *pp[at:]))
 
 
+def _costliest(rows: list[Row], bounds: list[int]) -> list[Row]:
+    """The rows of a cond's costliest branch (most FLOPs, then most bytes), the
+    branches being rows[bounds[k]:bounds[k + 1]]: a device runs one branch per
+    execution. The cp ring's two (layers/kernels/context.py: a remote block's first
+    keys against every query, or every key against the second queries) are alike in
+    cost and one or the other runs at each ring step; a kernel's skip of a masked block
+    (layers/kernels/blocked.py) has no rows, so its visible branch is counted, as for
+    every execution it bounds."""
+    parts = [rows[a:b] for a, b in zip(bounds, bounds[1:])]
+    return max(parts, key=lambda part: (sum(r.total_flops for r in part),
+                                        sum(r.total_bytes for r in part)))
+
+
 def _walk(jaxpr, stack, count, mesh_shape, rows, domain=None, alias=None, site=0,
           in_loop=False):
     """Rows of `jaxpr`'s equations into `rows`; compute rows join `domain` (a new one
@@ -343,12 +356,16 @@ def _walk(jaxpr, stack, count, mesh_shape, rows, domain=None, alias=None, site=0
         if subs:
             start = len(rows)
             slot = name == "cond" and _tick_own(pp)
+            branches = []
             for sub, mult in subs:
                 branch = len(rows)
                 _walk(sub, here, count * mult, mesh_shape, rows,
                       in_loop=in_loop or name == "scan")
+                branches.append(branch)
                 if slot:
                     _inherit_unit(rows, branch)
+            if name == "cond" and not slot:
+                rows[start:] = _costliest(rows, [*branches, len(rows)])
             if name == "scan":
                 rows.extend(scan_copy_rows(eqn, phase, scope, count, pp))
                 rows.extend(carry_copy_rows(eqn, phase, scope, count, pp))
@@ -400,7 +417,9 @@ def ledger(closed: jcore.ClosedJaxpr, layout) -> list[Row]:
     """Rows of every equation in the traced step, per device, with trip counts.
 
     while bodies count once (the step has none: layers scan, optax is loop-free) and
-    every branch of a cond is counted (an upper bound). The pipeline's tick scan
+    a cond counts its costliest branch (`_costliest`), but the pipeline tick's own
+    conds (its slots, one unit or idle) count every branch, which
+    engine/cost/pipeline.py prices unit by unit. The pipeline's tick scan
     (engine/parallel/pipeline.py) is a switch over units and conds on the stage: its rows carry
     the pipeline scopes (`Row.pp`) that engine/cost/pipeline.py prices per unit."""
     rows: list[Row] = []
