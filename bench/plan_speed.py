@@ -21,7 +21,7 @@ the ledger cache, runs every `len(programs) / --sample`-th program through the p
 worker runs: the memory model (engine/cost/fit.py), the trace on an AbstractMesh
 (engine/cost/ledger.py `trace_step`), the walk into ledger rows (`ledger`) and the
 pricing of each class of axis orders as a plan's worker prices them
-(engine/planner/search.py `_priced`; a pp step along its schedule, engine/cost/pipeline.py),
+(engine/planner/worker.py `priced`; a pp step along its schedule, engine/cost/pipeline.py),
 over memory or not; `--kind pp` or `flat` samples only the programs with or without a
 pp axis. Prints CPU seconds (process time, so
 other jobs on shared cores inflate it less than wall clock) per program for each, the
@@ -94,12 +94,12 @@ def main(argv=None) -> int:
 
     from engine.cost import fit, hardware
     from engine.cost.ledger import ledger, trace_step
-    from engine.planner import ledgers, search as plan
+    from engine.planner import ledgers, search as plan, worker
 
     # what a fresh worker imports before its first job
     imports = float(subprocess.run(
         [sys.executable, "-c", "import time; t = time.process_time(); import "
-         + ", ".join(plan.WORKER_MODULES) + "; print(time.process_time() - t)"],
+         + ", ".join(worker.WORKER_MODULES) + "; print(time.process_time() - t)"],
         capture_output=True, text=True, check=True, cwd=Path(__file__).resolve().parents[1],
         env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}).stdout)
 
@@ -123,16 +123,16 @@ def main(argv=None) -> int:
     picked = kinds[::every][:mine.sample]
     phases = dict(memory=0.0, trace=0.0, ledger=0.0, price=0.0)
     for cands in picked:
-        # as a plan's worker: memory, then each order class priced (engine/planner/search.py)
+        # as a plan's worker: memory, then each order class priced (engine/planner/worker.py)
         t = [time.process_time()]
-        cands, peaks, mem_of, _ = plan._fitting(cands, tcfg, hw, capacity, True)
+        cands, peaks, mem_of, _ = worker.fitting(cands, tcfg, hw, capacity, True)
         c = cands[0]
         t.append(time.process_time())
         jaxpr = trace_step(c.cfg, tcfg, c.layout, c.parallel, hw.bf16_collectives_in_f32)
         t.append(time.process_time())
         rows = ledger(jaxpr, c.layout)
         t.append(time.process_time())
-        plan._priced(rows, cands, peaks, mem_of, hw, None)
+        worker.priced(rows, cands, peaks, mem_of, hw, None)
         t.append(time.process_time())
         for name, a, b in zip(phases, t, t[1:]):
             phases[name] += b - a

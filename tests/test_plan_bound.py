@@ -18,7 +18,7 @@ sys.path.insert(0, str(ROOT))
 
 from engine.config import TrainConfig, model_config  # noqa: E402
 from engine.cost import hardware  # noqa: E402
-from engine.planner import best, bound, search  # noqa: E402
+from engine.planner import best, bound, search, worker  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("own_ledger_cache")
 TCFG = TrainConfig(batch=16, seq=32)
@@ -159,7 +159,7 @@ def test_order_bound_takes_the_least_order_and_stays_below_it():
 
 
 def test_orders_priced_once_per_link_class(monkeypatch):
-    """`search._priced` prices a program's axis orders once per class that puts every
+    """`worker.priced` prices a program's axis orders once per class that puts every
     collective group on the same links: each candidate's step equals its own
     `predict_step`, and fewer steps are priced than there are orders."""
     from engine.cost import cache, pipeline
@@ -176,7 +176,7 @@ def test_orders_priced_once_per_link_class(monkeypatch):
     calls = []
     real = pipeline.predict_step
     monkeypatch.setattr(pipeline, "predict_step", lambda *a, **k: calls.append(1) or real(*a, **k))
-    got = search._priced(rows, cands, [None] * 6, {cands[0].parallel: None}, hw, None)
+    got = worker.priced(rows, cands, [None] * 6, {cands[0].parallel: None}, hw, None)
     assert [g[0] for g in got] == want
     assert len(set(want)) > 1 and len(calls) < len(cands)
 

@@ -41,7 +41,7 @@ def best_first(groups: list, jobs_of, take, steps, tcfg, hw, top: int, within: f
     """Price the programs `groups` (each one program's candidates) best-first by their
     lower bound (`bound.compute_bound` alone until a program first reaches the front of
     the queue, then `bound.lower_bound`): `jobs_of(groups, cutoff)` makes a batch's
-    jobs, `take(results)` receives `search._price_structure`'s results and returns the
+    jobs, `take(results)` receives `worker.price_structure`'s results and returns the
     programs deferred, `steps()` the priced steps so far. Before tracing a program that
     fits (grown into more microbatches where it must), the worker bounds it again as it
     will run (`bound.order_bound`: its microbatches, its axes in the order least costly
@@ -58,7 +58,7 @@ def best_first(groups: list, jobs_of, take, steps, tcfg, hw, top: int, within: f
     from concurrent.futures import FIRST_COMPLETED, wait
 
     from engine.planner.bound import compute_bound, lower_bound
-    from engine.planner.search import Pool, _price_structures, warm
+    from engine.planner.worker import Pool, price_structures, warm
 
     progress = progress or (lambda done, total, front=None: None)
     groups = list(groups)
@@ -120,7 +120,7 @@ def best_first(groups: list, jobs_of, take, steps, tcfg, hw, top: int, within: f
     try:
         while more():  # here: the first batch, or every batch without a pool
             part, jobs = batch_of(FIRST)
-            record(part, _price_structures(jobs))
+            record(part, price_structures(jobs))
             if pool is not None:
                 break
         if pool is None:
@@ -129,7 +129,7 @@ def best_first(groups: list, jobs_of, take, steps, tcfg, hw, top: int, within: f
         while flight or more():
             while len(flight) < pool.workers and more():
                 part, jobs = batch_of(size)
-                flight[pool.submit(_price_structures, jobs)] = part
+                flight[pool.submit(price_structures, jobs)] = part
             finished, _ = wait(flight, return_when=FIRST_COMPLETED)
             for f in finished:
                 priced = record(flight.pop(f), f.result())
