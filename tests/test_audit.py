@@ -71,13 +71,14 @@ def test_audit_clean_sequence_regather():
     assert gathers == 6 * cfg.n_layers + 2
 
 
-def test_audit_clean_cp_ring():
+@pytest.mark.parametrize("remat", ["none", "full"])
+def test_audit_clean_cp_ring(remat):
     """--cp-comm ring on cp4xfsdp2: the compiled step holds exactly the ledger's
     collective-permutes (per layer: 2(cp-1) K/V shifts forward, 2(cp-1) K/V and 2cp
-    dK/dV shifts backward). Remat none: under remat, XLA merges the recomputed
-    forward's K/V shifts with the backward's identical ones, which the ledger counts
-    twice."""
-    cfg, par = _cfg(remat="none"), ParallelConfig(cp_comm="ring")
+    dK/dV shifts backward). Under remat the recomputed forward's K/V shifts and the
+    backward's are the same shifts of the same blocks in one loop body: XLA sends them
+    once, and the ledger counts them once (`ledger.MERGED_COLLECTIVES`)."""
+    cfg, par = _cfg(remat=remat), ParallelConfig(cp_comm="ring")
     result = _audit_step(cfg, "cp4xfsdp2", par)
     assert result.clean, (result.missing, result.extra)
     permutes = sum(n for k, n in result.matched.items() if k[0] == "collective-permute")

@@ -75,6 +75,11 @@ COLLECTIVES = {
     "all_to_all": "all-to-all",
     "pvary": None,
 }
+# Collectives XLA's common-subexpression elimination merges when one fusion scope holds
+# two alike (same params, same operands): under remat the cp ring's recomputed forward
+# and its backward shift the same K/V blocks in one loop body, and the compiled step
+# sends them once (tests/test_audit.py `test_audit_clean_cp_ring`, remat full)
+MERGED_COLLECTIVES = ("ppermute",)
 # The kinds XLA:CPU runs in f32 when they are bf16 (its float normalization wraps them in
 # converts; collective-permute and all-to-all move bf16 as it is): the audit's
 # `cpu_bf16_collectives_in_f32` rule and the ledger's cast rows (`Row.widen`).
@@ -379,7 +384,16 @@ def _walk(jaxpr, stack, count, mesh_shape, rows, domain=None, alias=None, site=0
                 rows.append(_kernel_row(eqn, phase, scope, count, body, pp))
             continue
         if name in COLLECTIVES:
+            ins = [canon(v, alias, site) for v in eqn.invars]
+            twin = domain.twin(name, eqn.params, ins) if name in MERGED_COLLECTIVES else None
+            if twin is not None:  # XLA's CSE: the same shift of the same blocks, sent once
+                for v, key in zip(eqn.outvars, twin):
+                    alias[v] = key
+                continue
             rows.extend(_collective_rows(eqn, phase, scope, count, mesh_shape, pp))
+            if name in MERGED_COLLECTIVES:
+                domain.remember(name, eqn.params, ins,
+                                [canon(v, alias, site) for v in eqn.outvars])
         else:
             rows.append(_compute_row(eqn, phase, scope, count,
                                      loop_fusion_bytes(eqn, fused, spilled), pp))
