@@ -13,6 +13,7 @@ from __future__ import annotations
 import multiprocessing
 from concurrent.futures import ProcessPoolExecutor
 
+from engine.cost.ledger import paused_gc
 from engine.planner.space import accumulated
 
 
@@ -69,6 +70,7 @@ def priced(rows: list, cands: list, peaks: list, mem_of: dict, hw, capacity) -> 
     return out
 
 
+@paused_gc()  # as a trace is: its memory checks and pricing allocate as much
 def price_structure(job) -> list:
     """The programs of one structure (engine/planner/ledgers.py: they differ only in
     axis sizes): `fitting` each, the ledgers of those that fit from the cache, derived
