@@ -87,6 +87,18 @@ def test_audit_clean_cp_ring(remat):
 
 
 
+def test_audit_clean_cp_ring_bf16():
+    """--cp-comm ring in bf16 on cp4xfsdp2: XLA:CPU computes the ring's tiles in f32
+    and moves the K/V blocks' upcast ahead of their permutes, which then send f32
+    (`cpu_permute_sent_in_f32`: each of the 4(cp-1) K/V shifts a layer; the dK/dV
+    accumulators are f32 in the ledger too)."""
+    cfg, par = _cfg("bf16", remat="none"), ParallelConfig(cp_comm="ring")
+    result = _audit_step(cfg, "cp4xfsdp2", par)
+    assert result.clean, (result.missing, result.extra)
+    cp = Layout.parse("cp4xfsdp2").degree("cp")
+    assert result.rules["cpu_permute_sent_in_f32"] == cfg.n_layers * 4 * (cp - 1)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", ["fsdp4xtp2", "tp8"])
 def test_audit_clean_bf16(layout):

@@ -15,6 +15,13 @@ with how many ops each touched:
   the same replica groups into one tuple-shaped op. Each tuple element is compared as
   its own collective (same kind, groups, dtype, bytes), so combining changes nothing
   in the comparison; the number of merged ops is reported.
+- `cpu_permute_sent_in_f32` (CPU only): where every use of a bf16 value a
+  collective-permute receives is in f32 (the cp ring's K/V blocks, whose tiles XLA:CPU
+  computes in f32), the compiler moves the upcast ahead of the permute, which then
+  sends f32: the same elements, twice the bytes. Whether it does depends on the
+  receiver's uses, so the rule is applied after comparing: a bf16 permute the ledger
+  placed and an f32 one of twice its bytes over the same axes in the compiled step are
+  paired as one. (The ledger prices the bf16 bytes.)
 - `cpu_all_to_all_as_tuple` (CPU only): XLA:CPU runs an array all-to-all over n devices
   as a tuple all-to-all of its n slices along the split dimension (one per peer: the
   HLO shows `all-to-all(slice_0, ..., slice_{n-1})` of [1, ...] pieces). The bytes
@@ -90,6 +97,26 @@ def expected(rows: list[Row], platform: str) -> tuple[collections.Counter, dict,
     return counts, names, rules
 
 
+def _pair_upcast_permutes(missing: collections.Counter, extra: collections.Counter,
+                          want: collections.Counter, rules: collections.Counter) -> None:
+    """`cpu_permute_sent_in_f32` (module doc): each bf16 collective-permute the ledger
+    placed that the compiled step sends as f32 (same axes, twice the bytes) leaves
+    `missing` and `extra`, and counts as matched under the compiled key in `want`."""
+    for (kind, axes, dtype, nbytes), n in list(missing.items()):
+        sent = (kind, axes, "f32", 2 * nbytes)
+        if kind != "collective-permute" or dtype != "bf16" or not extra.get(sent):
+            continue
+        k = min(n, extra[sent])
+        missing[(kind, axes, dtype, nbytes)] -= k
+        extra[sent] -= k
+        want[(kind, axes, dtype, nbytes)] -= k
+        want[sent] += k
+        rules["cpu_permute_sent_in_f32"] += k
+    for counter in (missing, extra, want):
+        for key in [key for key, n in counter.items() if n <= 0]:
+            del counter[key]
+
+
 def canonical_axes(axes: tuple, mesh_axes) -> tuple:
     """`axes` in mesh order (the order `axes_by_groups` names them in)."""
     order = [n for n, _ in mesh_axes]
@@ -116,6 +143,8 @@ def audit(rows: list[Row], hlo_text: str, mesh_axes, platform: str) -> Audit:
     if combined:
         rules["all_reduce_combiner"] = len(combined)
     missing, extra = want - got, got - want
+    if platform == "cpu":
+        _pair_upcast_permutes(missing, extra, want, rules)
     all_names = {k: sorted(names.get(k, set()) | hlo_names.get(k, set()))
                  for k in set(want) | set(got)}
     return Audit(not missing and not extra, dict(want & got), dict(missing), dict(extra),

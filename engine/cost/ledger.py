@@ -81,7 +81,9 @@ COLLECTIVES = {
 # sends them once (tests/test_audit.py `test_audit_clean_cp_ring`, remat full)
 MERGED_COLLECTIVES = ("ppermute",)
 # The kinds XLA:CPU runs in f32 when they are bf16 (its float normalization wraps them in
-# converts; collective-permute and all-to-all move bf16 as it is): the audit's
+# converts; collective-permute and all-to-all move bf16 as it is, but where every use of
+# a permuted bf16 value is in f32 XLA moves the upcast ahead of the permute: the audit's
+# `cpu_permute_sent_in_f32`, priced as bf16 here): the audit's
 # `cpu_bf16_collectives_in_f32` rule and the ledger's cast rows (`Row.widen`).
 WIDENED_KINDS = frozenset({"all-gather", "reduce-scatter", "all-reduce"})
 # Elementwise / reduction ops costing one FLOP per element (of the larger side).
