@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import itertools
 import math
 
 import jax
@@ -319,7 +320,7 @@ def _costliest(rows: list[Row], bounds: list[int]) -> list[Row]:
     cost and one or the other runs at each ring step; a kernel's skip of a masked block
     (layers/kernels/blocked.py) has no rows, so its visible branch is counted, as for
     every execution it bounds."""
-    parts = [rows[a:b] for a, b in zip(bounds, bounds[1:])]
+    parts = [rows[a:b] for a, b in itertools.pairwise(bounds)]
     return max(parts, key=lambda part: (sum(r.total_flops for r in part),
                                         sum(r.total_bytes for r in part)))
 
