@@ -82,10 +82,10 @@ COLLECTIVES = {
 # sends them once (tests/test_audit.py `test_audit_clean_cp_ring`, remat full)
 MERGED_COLLECTIVES = ("ppermute",)
 # The kinds XLA:CPU runs in f32 when they are bf16 (its float normalization wraps them in
-# converts; collective-permute and all-to-all move bf16 as it is, but where every use of
-# a permuted bf16 value is in f32 XLA moves the upcast ahead of the permute: the audit's
-# `cpu_permute_sent_in_f32`, priced as bf16 here): the audit's
-# `cpu_bf16_collectives_in_f32` rule and the ledger's cast rows (`Row.widen`).
+# converts): the audit's `cpu_bf16_collectives_in_f32` rule and the ledger's cast rows
+# (`Row.widen`). A collective-permute or all-to-all moves bf16 as it is, except a permute
+# whose received value is used in f32 alone: XLA moves that upcast ahead of it (the
+# audit's `cpu_permute_sent_in_f32`; priced here as bf16).
 WIDENED_KINDS = frozenset({"all-gather", "reduce-scatter", "all-reduce"})
 # Elementwise / reduction ops costing one FLOP per element (of the larger side).
 ARITH = {"add", "add_any", "sub", "mul", "div", "neg", "max", "min", "exp", "exp2", "log",
