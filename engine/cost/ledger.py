@@ -387,16 +387,16 @@ def _walk(jaxpr, stack, count, mesh_shape, rows, domain=None, alias=None, site=0
                 rows.append(_kernel_row(eqn, phase, scope, count, body, pp))
             continue
         if name in COLLECTIVES:
-            ins = [canon(v, alias, site) for v in eqn.invars]
-            twin = domain.twin(name, eqn.params, ins) if name in MERGED_COLLECTIVES else None
-            if twin is not None:  # XLA's CSE: the same shift of the same blocks, sent once
-                for v, key in zip(eqn.outvars, twin):
-                    alias[v] = key
-                continue
-            rows.extend(_collective_rows(eqn, phase, scope, count, mesh_shape, pp))
             if name in MERGED_COLLECTIVES:
+                ins = [canon(v, alias, site) for v in eqn.invars]
+                twin = domain.twin(name, eqn.params, ins)
+                if twin is not None:  # XLA's CSE: the same shift of the same blocks, sent once
+                    for v, key in zip(eqn.outvars, twin):
+                        alias[v] = key
+                    continue
                 domain.remember(name, eqn.params, ins,
                                 [canon(v, alias, site) for v in eqn.outvars])
+            rows.extend(_collective_rows(eqn, phase, scope, count, mesh_shape, pp))
         else:
             rows.append(_compute_row(eqn, phase, scope, count,
                                      loop_fusion_bytes(eqn, fused, spilled), pp))
