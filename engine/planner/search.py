@@ -20,10 +20,11 @@ engine/cost/pipeline.py).
 Speed: a step's ledger depends on the axis sizes and the switches, not on the order of
 the axes (the order only picks, in pricing, the link tier a collective runs over), so
 each distinct program (`Candidate.program`) gets its ledger once, in a pool of worker
-processes (engine/planner/worker.py), and is priced there for every order. Programs that differ only in
-axis sizes (a structure) go to one worker in one job, which derives what it can of their
-ledgers from a few traces (engine/planner/ledgers.py; a worker keeps what it learnt of a
-structure for its later jobs) and traces the rest on an AbstractMesh.
+processes (engine/planner/worker.py), and is priced there for every order. Programs
+that differ only in axis sizes (a structure) go to one worker in one job, which
+derives what it can of their ledgers from a few traces (engine/planner/ledgers.py; a
+worker keeps what it learnt of a structure for its later jobs) and traces the rest on
+an AbstractMesh.
 `price` takes any candidate list, so a restricted search (`layouts` over some roles,
 `neighbours`) reuses it.
 """

@@ -115,8 +115,8 @@ def price_structure(job) -> list:
 class Pool(ProcessPoolExecutor):
     """A process pool of `workers` spawned processes (fresh interpreters: safe whatever
     jax backend this process started). Each imports jax and the traced step once, then
-    takes jobs. Workers forked from a forkserver that had imported them instead traced
-    ~25% slower (the 8-device plan of `small`, 129 vs 101 s at load ~2), so spawn."""
+    takes jobs. Workers forked from a forkserver that had imported them traced slower
+    (bench/results/2026-11-26-plan-speed-cpu.md), so spawn."""
 
     def __init__(self, workers: int):
         super().__init__(workers, mp_context=multiprocessing.get_context("spawn"))
@@ -168,9 +168,9 @@ def run(jobs: list, workers: int, executor=None, progress=None) -> list:
     """`price_structure` over jobs, its results one list: in `executor` (a `Pool`) if
     given, else in a `Pool` of `workers` (here when 1). Jobs (one structure each) go out
     in their order, in `chunks` of consecutive ones, largest first: a worker tracing
-    programs of the same shapes in a row reuses jax's tracing caches (a longest-first
-    order without chunks measured ~20% slower on the 8-device plan of `small`), and the
-    single jobs at the end keep every worker busy to the last. `progress(done, total)` is
+    programs of the same shapes in a row reuses jax's tracing caches, and the single
+    jobs at the end keep every worker busy to the last
+    (bench/results/2026-11-26-plan-speed-cpu.md). `progress(done, total)` is
     called as results come in."""
     progress = progress or (lambda done, total: None)
     total = sum(len(j[0]) for j in jobs)  # programs
