@@ -122,6 +122,21 @@ def test_matches_single_and_stores_as_the_level_says(zero, prefetch, layout, sin
     assert mu_wq.addressable_shards[0].data.shape[1] == CFG.d_model // fsdp
 
 
+@pytest.mark.parametrize("zero,prefetch,layout", [
+    (1, False, "fsdp4xtp2"), (2, False, "fsdp4xtp2"), (3, True, "fsdp4xtp2"),
+    (2, False, "pp2xfsdp2xtp2")])
+def test_evaluation_loss_matches_single_under_each_level(zero, prefetch, layout, single):
+    """`Trainer.loss` (what --eval-every and --eval-only run) reads the params as the
+    level stores them: under zero 2 the model takes `Resident` weights, made as the
+    step makes them. Its value is the single-device loss of the same params."""
+    par = ParallelConfig(zero=zero, prefetch=prefetch,
+                         microbatches=2 if layout.startswith("pp") else 1)
+    t = zero_trainer(layout, zero, prefetch) if par.microbatches == 1 else trainer(
+        layout, CFG, par)
+    got = float(t.loss(place(t, single["init"])[0], t.put_batch(tokens())))
+    assert abs(got - single["loss"]) <= RTOL * abs(single["loss"])
+
+
 def test_init_stores_zero2_params_whole_over_fsdp(single):
     t = zero_trainer("fsdp4xtp2", 2, False)
     params, opt_state = t.init(TCFG.seed)

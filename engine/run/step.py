@@ -140,10 +140,15 @@ class Trainer:
         return loss + router, {"ce_loss": loss, **metrics}
 
     def _loss(self, params, tokens_BL):
+        """The cross-entropy of a batch (evaluation): the params made what the model sees
+        as the step makes them (`ZeroLevel.differentiate`: under zero 2 the model reads
+        `Resident` weights), nothing differentiated."""
+        diff, seen = self.zero.differentiate(params, self.specs, self.shard_specs, self.axes,
+                                             self.cfg.compute_dtype)
         if self.axes.pp is not None:
-            return self._pipeline(params, tokens_BL, self.forward_plan)
-        loss, metrics = self._objective(params, tokens_BL)
-        return metrics.get("ce_loss", loss)  # evaluation: the cross-entropy
+            return self._pipeline(diff, tokens_BL, self.forward_plan, seen)
+        loss, metrics = self._objective(seen(diff), tokens_BL)
+        return metrics.get("ce_loss", loss)
 
     def _loss_and_grads(self, params, tokens_BL, with_metrics=False):
         diff, seen = self.zero.differentiate(params, self.specs, self.shard_specs, self.axes,
