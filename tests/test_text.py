@@ -265,6 +265,23 @@ def test_eval_only_on_a_checkpoint_equals_the_training_evaluation(corpus, tmp_pa
         assert alone[k] == pytest.approx(trained[k], rel=1e-6), k  # the same batches, params
 
 
+def test_eval_only_runs_the_layouts_switches(tmp_path, capsys):
+    """--eval-only on a pipelined zero 2 layout takes its --microbatches, --zero and
+    --pp-schedule as training does (it built the trainer with the defaults, and refused
+    any pp layout: one microbatch < pp), and gives the loss training's evaluation gave."""
+    common = ["--model", "tiny", "--seq", "8", "--batch", "4", "--eval-batches", "1",
+              "--layout", "pp2xfsdp2xtp2", "--zero", "2", "--microbatches", "2",
+              "--checkpoint-dir", str(tmp_path / "ck")]
+    assert train_cli.main([*common, "--steps", "1", "--eval-every", "1", "--metrics-file",
+                           str(tmp_path / "m.jsonl")]) == 0
+    trained = json.loads((tmp_path / "m.jsonl").read_text().splitlines()[-1])
+    capsys.readouterr()
+    assert train_cli.main([*common, "--eval-only", "--metrics-file",
+                           str(tmp_path / "e.jsonl")]) == 0
+    alone = json.loads((tmp_path / "e.jsonl").read_text())
+    assert alone["val_loss"] == pytest.approx(trained["val_loss"], rel=1e-6)
+
+
 # -- generation ------------------------------------------------------------------------
 def test_top_p_keeps_the_smallest_set_reaching_p():
     import jax.numpy as jnp

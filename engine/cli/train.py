@@ -82,7 +82,7 @@ def run(cfg, tcfg, parallel, layout, args) -> int:
     keep_freed_memory()  # after initialize: it asks jax for the backend
     try:
         if args.eval_only:
-            return _eval_only(cfg, tcfg, layout, args, data)
+            return _eval_only(cfg, tcfg, parallel, layout, args, data)
         return _train(cfg, tcfg, parallel, layout, args, data)
     except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -221,9 +221,10 @@ def setup(cfg, tcfg, parallel, layout, args, data, say):
     return Session(trainer, step_fn, params, opt_state, batch, start, tcfg.steps, peak, tcfg)
 
 
-def _eval_only(cfg, tcfg, layout, args, data) -> int:
+def _eval_only(cfg, tcfg, parallel, layout, args, data) -> int:
     """Evaluate the newest checkpoint of --checkpoint-dir: --eval-batches validation
-    batches of --batch x --seq; one line (and one metrics record)."""
+    batches of --batch x --seq on --layout with its switches (--zero, --microbatches,
+    --pp-schedule, ...); one line (and one metrics record)."""
     import json
 
     from jax.sharding import NamedSharding
@@ -238,7 +239,7 @@ def _eval_only(cfg, tcfg, layout, args, data) -> int:
         raise UsageError(f"no checkpoint in {args.checkpoint_dir} to evaluate")
     is_main = distributed.is_main()
     mesh = layout.mesh()
-    trainer = Trainer(cfg, tcfg, layout, mesh)
+    trainer = Trainer(cfg, tcfg, layout, mesh, parallel)
     params = checkpoint.restore_params(ckpt, trainer)
     sharding = NamedSharding(mesh, trainer.batch_spec)
     batch = lambda index, split: device_batch(data, sharding, tcfg.seed, index, tcfg.batch,
