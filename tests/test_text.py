@@ -266,11 +266,11 @@ def test_eval_only_on_a_checkpoint_equals_the_training_evaluation(corpus, tmp_pa
 
 
 def test_eval_only_runs_the_layouts_switches(tmp_path, capsys):
-    """--eval-only on a pipelined zero 2 layout takes its --microbatches, --zero and
-    --pp-schedule as training does (it built the trainer with the defaults, and refused
-    any pp layout: one microbatch < pp), and gives the loss training's evaluation gave."""
+    """--eval-only builds its trainer with the run's switches (--microbatches here; it
+    took the defaults, and refused every pp layout: one microbatch < pp), and gives the
+    loss training's evaluation gave (zero 2's evaluation: tests/test_zero.py)."""
     common = ["--model", "tiny", "--seq", "8", "--batch", "4", "--eval-batches", "1",
-              "--layout", "pp2xfsdp2xtp2", "--zero", "2", "--microbatches", "2",
+              "--layout", "pp2", "--microbatches", "2",
               "--checkpoint-dir", str(tmp_path / "ck")]
     assert train_cli.main([*common, "--steps", "1", "--eval-every", "1", "--metrics-file",
                            str(tmp_path / "m.jsonl")]) == 0
