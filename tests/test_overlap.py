@@ -103,4 +103,4 @@ def test_on_a_shared_host_what_would_hide_is_exposed_and_contends_with_the_compu
     assert plain.exposed_comm_s == pytest.approx((1 + beside) * bwd + fwd + tp)
     assert ahead.exposed_comm_s == pytest.approx((1 + beside) * (bwd + fwd) + tp)
     assert ahead.step_s == pytest.approx(comp + ahead.exposed_comm_s)
-    assert calibration.cpu_defaults().beside_cost == 0.88  # CPU_DEFAULTS, measured here
+    assert calibration.cpu_defaults().beside_cost == calibration.CPU_DEFAULTS["beside_cost"]

@@ -218,8 +218,10 @@ def test_orders_share_one_traced_program():
 def test_pp_candidates_choose_a_schedule_and_share_its_trace():
     """pp layouts come with every schedule at 4·pp microbatches (interleaved with 2
     chunks per device where the layers divide); gpipe and 1f1b are one program: the
-    gpipe step's ledger priced along 1f1b's table is 1f1b's own prediction (the stash's
-    zero fill outside the ticks is all that differs: < 0.1%)."""
+    gpipe step's ledger priced along 1f1b's table is 1f1b's own prediction up to the
+    stash's zero fill before the ticks (gpipe's M slots against 1f1b's fewer): < 0.1% of
+    the step on the h100, < 0.5% on the cpu profile, whose out-of-cache rate
+    (`hbm_cold`) prices a whole stack's fill (0.38% on this program)."""
     from engine.cost.pipeline import predict_step
 
     cfg, tcfg = model_config("small"), TrainConfig(batch=32, seq=256)
@@ -234,9 +236,9 @@ def test_pp_candidates_choose_a_schedule_and_share_its_trace():
           and c.parallel.tp_comm == "ring" and c.parallel.zero == 3 and not c.parallel.prefetch}
     assert by["gpipe"].program == by["1f1b"].program != by["interleaved"].program
     rows = {s: step_ledger(cfg, tcfg, lay, by[s].parallel) for s in ("gpipe", "1f1b")}
-    for hw in (calibration.cpu_defaults(), hardware.get("h100")):
+    for hw, rel in ((calibration.cpu_defaults(), 5e-3), (hardware.get("h100"), 1e-3)):
         own = predict_step(rows["1f1b"], hw, lay, by["1f1b"].parallel)[0].step_s
         shared = predict_step(rows["gpipe"], hw, lay, by["1f1b"].parallel)[0].step_s
-        assert shared == pytest.approx(own, rel=1e-3)
+        assert shared == pytest.approx(own, rel=rel)
         gpipe = predict_step(rows["gpipe"], hw, lay, by["gpipe"].parallel)[0].step_s
         assert gpipe != pytest.approx(own, rel=1e-3)  # the tables do price differently

@@ -12,27 +12,20 @@ from engine.cost.hardware import Hardware, Link
 CALIBRATION_PATH = Path(os.environ.get("SHARDWISE_CPU_PROFILE",
                                        Path.home() / ".cache" / "shardwise" / "cpu_profile.json"))
 
-# The cpu profile used only when no calibration file exists. Each figure's command and
-# host are in the bench result named beside it:
-# peak_flops (the median rate of `small`'s matmul shapes as the step writes them, their
-# operands' relayout copies inside), hbm (one device, out of cache; no hbm_cold) and
-# collective_fit (kind -> (latency per ring hop s, bandwidth B/s)) but all-to-all:
-#   `python bench/calibrate.py`, bench/results/2026-11-22-calibrate-zen5c2.md
-# mfu_peak (engine/run/mfu.py's 2048^3 matmul) and all-to-all (`microbench_comm.collective_times`
-#   + `fit`; as pessimistic as that run's all-gather): bench/results/2026-11-23-calibrate-cpu.md
-# vector_flops, transcendental_flops: bench/calibrate.py's one-device rates,
-#   bench/results/2026-11-25-calibrate-cpu.md
-# beside_cost (`microbench_comm.beside_cost`), fault_cost (`microbench.fault_cost`), relayout_bw
-#   (`python bench/calibrate.py`): the middle of three runs each,
-#   bench/results/2026-11-27-microbench-xeon2c.md
+# The cpu profile used only when no calibration file exists: every figure the median of
+# three `python bench/calibrate.py` runs on the project's 2-core Intel Xeon host, so all
+# of them mean what a calibration file's do (`hbm` the host's rate summed over its 8
+# forced devices on data its caches hold, `hbm_cold` on data they do not, the matmul rate
+# the step's own dots with all devices at once); the runs and their spread:
+# bench/results/2026-11-29-calibrate-defaults-xeon2c.md
 CPU_DEFAULTS = {
-    "peak_flops": {"float32": 6.5e10, "bfloat16": 4.5e10},
-    "mfu_peak": {"float32": 9.71e10, "bfloat16": 5.39e10},
-    "vector_flops": 3.62e10, "transcendental_flops": 2.17e9, "hbm": 2.5e9, "beside_cost": 0.88,
-    "fault_cost": 6.59e-10, "relayout_bw": 6.07e9,
-    "collective_fit": {"all-gather": (1.0e-4, 1.9e9), "reduce-scatter": (9.2e-5, 1.4e9),
-                       "all-reduce": (4.1e-5, 1.1e9), "collective-permute": (7.1e-5, 8.1e8),
-                       "all-to-all": (1.9e-5, 1.5e8)},
+    "peak_flops": {"float32": 1.49e11, "bfloat16": 2.78e11},
+    "mfu_peak": {"float32": 2.5e11, "bfloat16": 1.2e12},
+    "vector_flops": 4.19e10, "transcendental_flops": 1.49e9, "hbm": 5.54e10,
+    "hbm_cold": 1.18e10, "beside_cost": 0.0358, "fault_cost": 5.02e-10, "relayout_bw": 4.77e9,
+    "collective_fit": {"all-gather": (3.07e-5, 1.1e9), "reduce-scatter": (3.11e-5, 1.32e9),
+                       "all-reduce": (1.94e-5, 1.66e9), "collective-permute": (3.28e-5, 1.12e9),
+                       "all-to-all": (1.53e-5, 3.5e8)},
 }
 
 
@@ -95,7 +88,7 @@ def cpu_profile(path: Path | str | None = None) -> Hardware:
     collective's time is `collective_fit[kind] = (latency, bandwidth)` fitted from
     measured times vs bytes on the 8-device mesh. Memory: `hbm` is the host's rate on
     data its caches hold, `hbm_cold` on data they do not (`Hardware.cold_hbm`); a file
-    without `hbm_cold` (and CPU_DEFAULTS) prices all traffic at `hbm`."""
+    without `hbm_cold` prices all traffic at `hbm`."""
     if path is None and not CALIBRATION_PATH.exists():
         return cpu_defaults()
     path = Path(path) if path else CALIBRATION_PATH
