@@ -173,6 +173,16 @@ def test_cpu_defaults_mfu_peak_is_not_below_the_pricing_rate():
         assert d["mfu_peak"][dtype] >= d["peak_flops"][dtype]
 
 
+def test_cpu_defaults_carry_every_rate_a_calibration_file_does():
+    """The defaults price as a calibration file does, not with the fallbacks kept for an
+    older file: an out-of-cache rate for the scans' stacks, the transcendental rate, the
+    page faults, the dot operands' relayout copies and the MFU peak each their own."""
+    hw = calibration.cpu_defaults()
+    assert 0 < hw.cold_hbm < hw.hbm
+    assert hw.transcendental_flops > 0 and hw.fault_cost > 0
+    assert hw.relayout_bw != hw.hbm and set(hw.mfu_peak) == set(hw.peak_flops)
+
+
 def _points_and_roofs(hw, layout):
     from engine.cost import report
 
