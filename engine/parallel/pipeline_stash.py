@@ -91,26 +91,31 @@ def pullback_parts(f_vjp, params):
 
 
 class Residuals(NamedTuple):
-    """A unit's pullback leaves less its params (`pullback_parts`), traced once for the
-    step as a function of (item, params, x): `jaxpr`'s inputs are `consts`, the item,
-    the params' `n_params` leaves, then x's; its outputs the leaves."""
+    """A unit's forward traced once for the step as a function of (item, params, x):
+    `jaxpr`'s inputs are `consts`, the item, the params' `n_params` leaves, then x's;
+    its outputs the unit's `lead` outputs (its output x and loss), then its pullback's
+    leaves less its params (`pullback_parts`)."""
 
     jaxpr: core.Jaxpr
     consts: list
     n_params: int
+    lead: int
 
     @property
     def avals(self) -> list:
-        return [v.aval for v in self.jaxpr.outvars]
+        """The pullback leaves' avals."""
+        return [v.aval for v in self.jaxpr.outvars[self.lead:]]
 
 
-def trace_residuals(residuals, item, params, x) -> Residuals:
-    """`residuals(item, params, x)` (a list of arrays) traced once (`Residuals`); the
-    step reads what it holds from the jaxpr (`params_only`, the stash's shapes) and
-    rebuilds from it (`rebuild`) rather than tracing the unit again for each."""
-    closed = jax.make_jaxpr(residuals)(item, params, x)
+def trace_residuals(unit, item, params, x, lead: int) -> Residuals:
+    """`unit(item, params, x)` (a list of arrays: `lead` outputs, then the pullback's
+    leaves) traced once (`Residuals`); the step reads what the pullback holds from the
+    jaxpr (`params_only`, the stash's shapes), runs each tick's forward from it
+    (`forward`) and rebuilds from it (`rebuild`) rather than tracing the unit's vjp again
+    for each."""
+    closed = jax.make_jaxpr(unit)(item, params, x)
     return Residuals(pe.convert_constvars_jaxpr(closed.jaxpr), closed.consts,
-                     len(jax.tree.leaves(params)))
+                     len(jax.tree.leaves(params)), lead)
 
 
 def params_only(traced: Residuals) -> tuple[bool, ...]:
@@ -122,21 +127,35 @@ def params_only(traced: Residuals) -> tuple[bool, ...]:
     it once per microbatch in flight. One of the constants or the item alone (the RoPE
     tables, the unit's item) stays in the slot: rebuilt, XLA's sin and cos in another
     fusion moved bf16 grads by an ulp."""
-    jaxpr, consts, n_params = traced
+    jaxpr, consts, n_params, lead = traced
     n = len(consts) + 1  # the constants and the item
     which = []
-    for k in range(len(jaxpr.outvars)):
+    for k in range(lead, len(jaxpr.outvars)):
         _, used = pe.dce_jaxpr(jaxpr, [j == k for j in range(len(jaxpr.outvars))])
         which.append(any(used[n:n + n_params]) and not any(used[n + n_params:]))
     return tuple(which)
 
 
+def _run(traced: Residuals, outs, item, params, x) -> list[jax.Array]:
+    """The traced jaxpr's outputs marked in `outs`, from the live item, params and x:
+    the jaxpr cut to the equations they need, its equations bound here (under the
+    caller's scopes, each with the scopes it was traced under)."""
+    cut, used = pe.dce_jaxpr(traced.jaxpr, list(outs))
+    ins = [*traced.consts, item, *jax.tree.leaves(params), *jax.tree.leaves(x)]
+    return core.jaxpr_as_fun(core.ClosedJaxpr(cut, ()))(*(v for v, u in zip(ins, used) if u))
+
+
+def forward(traced: Residuals, which, item, params, x) -> tuple[list, list]:
+    """(the unit's `lead` outputs, the pullback leaves `which` does not mark: what its
+    stash slot holds) of `item` from the live params and x."""
+    got = _run(traced, [True] * traced.lead + [not w for w in which], item, params, x)
+    return got[:traced.lead], got[traced.lead:]
+
+
 def rebuild(traced: Residuals, which, item, params, x) -> list[jax.Array]:
     """The residuals `which` marks (`params_only`) made again from the live `params`
     for `item`: the traced jaxpr cut to the equations they need, which read no x."""
-    cut, used = pe.dce_jaxpr(traced.jaxpr, list(which))
-    ins = [*traced.consts, item, *jax.tree.leaves(params), *jax.tree.leaves(x)]
-    return core.jaxpr_as_fun(core.ClosedJaxpr(cut, ()))(*(v for v, u in zip(ins, used) if u))
+    return _run(traced, [False] * traced.lead + list(which), item, params, x)
 
 
 def split(leaves, which):

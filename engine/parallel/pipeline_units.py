@@ -5,8 +5,9 @@ pipeline_stash.py keeps what they leave each other).
 A unit is item i = m·V + v: microbatch m through the device's chunk v. The forward runs
 `jax.vjp` of the chunk (the embedding on the model's first chunk, the head and loss on
 its last) and stashes the pullback's leaves but the weights as it uses them (rebuilt by
-the backward from the params, `pipeline_stash.params_only`, off the one trace of what a
-unit stashes: `Units.trace_stash`); the backward applies them to the cotangent from the
+the backward from the params, `pipeline_stash.params_only`). The vjp is traced once a
+step (`Units.trace_stash`): each tick's forward binds that trace's equations
+(`pipeline_stash.forward`) and the backward rebuilds from it; the backward applies them to the cotangent from the
 next stage (or the loss's seed) and adds the params' grads to the carry. Under
 a cp ring the forward stashes its input and the backward recomputes the unit under
 `jax.vjp`. A split plan (zb1) runs each backward as B (the input cotangent) and W (the
@@ -150,18 +151,22 @@ class Units:
                               (self.pp,))
 
     def pullback_leaves(self, i, q, x_BLD):
-        """The leaves of unit i's pullback from (q, x) less the params q (`own`'s)."""
-        held, self.traced["structure"] = slots.pullback_parts(jax.vjp(
-            lambda q, x: self.unit(q, x, i, with_head=not self.apart), q, x_BLD)[1], q)
-        return held
+        """[unit i's output x, its loss, the leaves of its pullback from (q, x) less the
+        params q (`own`'s)]."""
+        (y_BLD, loss), f_vjp = jax.vjp(
+            lambda q, x: self.unit(q, x, i, with_head=not self.apart), q, x_BLD)
+        held, self.traced["structure"] = slots.pullback_parts(f_vjp, q)
+        return [y_BLD, loss, *held]
 
     def trace_stash(self, i):
         """The avals of what a unit's forward stashes, traced once on item i (one
         varying over pp, as the ticks' items do): its pullback's leaves, less the params
         and less what is made of the params alone (`pipeline_stash.params_only`: the
-        weights as the unit uses them), which the backward rebuilds from the same trace."""
+        weights as the unit uses them), which the backward rebuilds from the same trace.
+        Each tick's forward runs from this trace too (`forward`), not from a vjp of its
+        own: the same equations, the unit's linearization traced once for the step."""
         self.traced["residuals"] = traced = slots.trace_residuals(
-            self.pullback_leaves, i, self.own(self.params, i), self.zeros_x)
+            self.pullback_leaves, i, self.own(self.params, i), self.zeros_x, lead=2)
         self.traced["which"] = slots.params_only(traced)
         return slots.split(traced.avals, self.traced["which"])[0]
 
@@ -231,13 +236,11 @@ class Units:
             y_BLD, _ = self.unit(self.own(self.params, i), x_BLD, i, with_loss=False)
             return y_BLD, dict(c, stash=c["stash"].at[slot].set(
                 slots.keep(active, x_BLD, c["stash"][slot])))
-        q = self.own(self.params, i)
-        (y_BLD, loss), f_vjp = jax.vjp(
-            lambda q, x: self.unit(q, x, i, with_head=not self.apart), q, x_BLD)
-        # the backward's pullback is `trace_stash`'s (traced outside the ticks' scopes:
-        # its transposed equations are the backward's, not named as this forward's)
-        leaves, _ = slots.pullback_parts(f_vjp, q)
-        leaves, _ = slots.split(leaves, self.traced["which"])  # the rest rebuilt (`trace_stash`)
+        # the unit's forward and the leaves its pullback holds, from its one trace
+        # (`trace_stash`, outside the ticks' scopes: the backward's transposed equations
+        # are not named as this forward's), less those the backward rebuilds
+        (y_BLD, loss), leaves = slots.forward(self.traced["residuals"], self.traced["which"],
+                                              i, self.own(self.params, i), x_BLD)
         assert [(r.shape, r.dtype) for r in leaves] == [
             (b.shape[1:], b.dtype) for b in c["stash"]], "the stash's residuals are the unit's"
         stash = slots.write(c["stash"], slot, leaves, active)
