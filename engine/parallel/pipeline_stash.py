@@ -39,9 +39,12 @@ def like(x: jax.Array, axes) -> jax.Array:
 
 def keep(active, new, old):
     """`new`, or where this stage's unit is not `active` (a unit a uniform plan runs
-    only to keep the devices' programs alike) `old`."""
+    only to keep the devices' programs alike) `old`: the values, or a function making
+    them, called only where a unit may be inactive (a slot's read or zeros made only to
+    be dropped would cost their trace)."""
     if active is True:
         return new
+    old = old() if callable(old) else old
     return jax.tree.map(lambda a, b: jnp.where(active, a, b), new, old)
 
 
@@ -76,7 +79,7 @@ def read(buffers: list[jax.Array], slot) -> list[jax.Array]:
 
 def write(buffers: list[jax.Array], slot, values, active=True) -> list[jax.Array]:
     """`buffers` with `values` in `slot` (kept as they were where not `active`)."""
-    return [b.at[slot].set(keep(active, v, b[slot])) for b, v in zip(buffers, values)]
+    return [b.at[slot].set(keep(active, v, lambda b=b: b[slot])) for b, v in zip(buffers, values)]
 
 
 def pullback_parts(f_vjp, params):

@@ -87,7 +87,8 @@ class Units:
     def add_own(self, grads, d_own, i, active=True):
         """`grads` (blocks', rest's) plus unit i's `d_own` (`own`'s shapes; zero where not
         `active`): the blocks' into their chunk's rows only, the rest's in f32."""
-        d_blocks, _, d_rest = slots.keep(active, d_own, jax.tree.map(jnp.zeros_like, d_own))
+        d_blocks, _, d_rest = slots.keep(active, d_own,
+                                       lambda: jax.tree.map(jnp.zeros_like, d_own))
         blocks, rest = grads
         rest = jax.tree.map(lambda g, d: g + d.astype(g.dtype), rest, d_rest)
         if self.V == 1:
@@ -235,7 +236,7 @@ class Units:
         if not self.residuals:  # the loss is taken in the backward, which recomputes it
             y_BLD, _ = self.unit(self.own(self.params, i), x_BLD, i, with_loss=False)
             return y_BLD, dict(c, stash=c["stash"].at[slot].set(
-                slots.keep(active, x_BLD, c["stash"][slot])))
+                slots.keep(active, x_BLD, lambda: c["stash"][slot])))
         # the unit's forward and the leaves its pullback holds, from its one trace
         # (`trace_stash`, outside the ticks' scopes: the backward's transposed equations
         # are not named as this forward's), less those the backward rebuilds
