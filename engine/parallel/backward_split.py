@@ -311,8 +311,9 @@ def _scan_part(eqn, i, s: ScanPlan, env, part: str):
 @dataclasses.dataclass(frozen=True)
 class Split:
     """A function's jaxpr cut into B and W (module doc), on f's flat inputs (leaves of
-    its args): b(flat) -> (B's outputs, the crossing values); w(flat, cross) -> W's
-    outputs, reading only the inputs `w_reads` flags (the others may be None); outputs
+    its args): b(flat) -> (B's outputs, the crossing values), reading only the inputs
+    `b_reads` flags; w(flat, cross) -> W's outputs, reading only the inputs `w_reads`
+    flags (the others may be None in either); outputs
     in f's flat order, None for the other part's."""
 
     closed: object
@@ -327,6 +328,11 @@ class Split:
     def w(self, flat, cross):
         return run_part(self.closed.jaxpr, self.closed.consts, self.plan, flat,
                         self.need_w, "W", cross)[0]
+
+    @property
+    def b_reads(self) -> list:
+        """[bool] per flat input: read by B (the others may be None)."""
+        return self.plan.b_in
 
     @property
     def w_reads(self) -> list:

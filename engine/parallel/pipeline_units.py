@@ -280,9 +280,12 @@ class Units:
         slot, v = self.stash_slot_I[i], i % V
         last = (self.stage == self.n - 1) & (v == V - 1)
         ct_BLD = jnp.where(last, 0.0, c["ct"][i % plan.ct_slots])
-        stashed = slots.read(c["stash"], slot) if self.residuals else c["stash"][slot]
         if self.split:  # B: the input cotangent now, what W needs into its slot
-            flat = jax.tree.leaves((stashed, self.own(self.params, i), ct_BLD, i))
+            # B's flat inputs (`split_backward`'s): of the stash slot only the leaves B
+            # reads (W reads its own from the slot at its tick)
+            buffers = c["stash"] if self.residuals else [c["stash"]]
+            stashed = [b[slot] if m else None for b, m in zip(buffers, self.the_split.b_reads)]
+            flat = [*stashed, *jax.tree.leaves(self.own(self.params, i)), ct_BLD, i]
             outs, cross = self.the_split.b(flat)
             n_params = self.n_params
             dx_BLD, loss = outs[n_params], outs[n_params + 1]
@@ -294,6 +297,7 @@ class Units:
                                  [*cross, *(flat[k] for k in self.w_held)], active)
             return dx_BLD, dict(c, wstash=wstash,
                                 loss=c["loss"] + slots.keep(active, loss, 0.0))
+        stashed = slots.read(c["stash"], slot) if self.residuals else c["stash"][slot]
         if self.apart:  # the head's pullback from its slot gives the last chunk's ct
             def head():
                 held = slots.read(c["head"], (i // V) % plan.head_slots)
@@ -322,10 +326,9 @@ class Units:
             flat[k] = value
         if self.w_stashed:
             slot = self.stash_slot_I[i]
-            stashed = jax.tree.leaves(slots.read(c["stash"], slot) if self.residuals
-                                      else c["stash"][slot])
-            for k in self.w_stashed:
-                flat[k] = stashed[k]
+            buffers = c["stash"] if self.residuals else [c["stash"]]
+            for k in self.w_stashed:  # the slot's leaves W reads, no others
+                flat[k] = buffers[k][slot]
         grads = self.add_flat(c["grads"],
                               self.the_split.w(flat, held[:n_cross])[:self.n_params])
         return self.zeros_x, dict(c, grads=slots.keep(active, grads, c["grads"]))
