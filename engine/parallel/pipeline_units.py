@@ -7,11 +7,12 @@ A unit is item i = m·V + v: microbatch m through the device's chunk v. The forw
 its last) and stashes the pullback's leaves but the weights as it uses them (rebuilt by
 the backward from the params, `pipeline_stash.params_only`). The vjp is traced once a
 step (`Units.trace_stash`): each tick's forward binds that trace's equations
-(`pipeline_stash.forward`) and the backward rebuilds from it; the backward applies them to the cotangent from the
-next stage (or the loss's seed) and adds the params' grads to the carry. Under
-a cp ring the forward stashes its input and the backward recomputes the unit under
-`jax.vjp`. A split plan (zb1) runs each backward as B (the input cotangent) and W (the
-params' grads) from the pullback's jaxpr cut by engine/parallel/backward_split.py."""
+(`pipeline_stash.forward`) and the backward rebuilds from it. The backward applies the
+leaves to the cotangent from the next stage (or the loss's seed) and adds the params'
+grads to the carry. Under a cp ring the forward stashes its input and the backward
+recomputes the unit under `jax.vjp`. A split plan (zb1) runs each backward as B (the
+input cotangent) and W (the params' grads) from the pullback's jaxpr cut by
+engine/parallel/backward_split.py."""
 from __future__ import annotations
 
 import jax
