@@ -268,6 +268,11 @@ class Units:
             c, loss = dict(c, head=held), loss + head_loss
         return y_BLD, dict(c, stash=stash, loss=c["loss"] + slots.keep(active, loss, 0.0))
 
+    def stash_leaves(self, c) -> list:
+        """The stash's buffers, one per flat leaf of what a slot holds (the pullback's
+        stashed leaves, or under a cp ring the unit's input)."""
+        return c["stash"] if self.residuals else [c["stash"]]
+
     def add_flat(self, grads, d_flat):
         """`grads` plus a part's grads, given as params' leaves (None: none from it)."""
         return jax.tree.unflatten(jax.tree.structure(grads), [
@@ -284,8 +289,8 @@ class Units:
         if self.split:  # B: the input cotangent now, what W needs into its slot
             # B's flat inputs (`split_backward`'s): of the stash slot only the leaves B
             # reads (W reads its own from the slot at its tick)
-            buffers = c["stash"] if self.residuals else [c["stash"]]
-            stashed = [b[slot] if m else None for b, m in zip(buffers, self.the_split.b_reads)]
+            stashed = [b[slot] if m else None
+                       for b, m in zip(self.stash_leaves(c), self.the_split.b_reads)]
             flat = [*stashed, *jax.tree.leaves(self.own(self.params, i)), ct_BLD, i]
             outs, cross = self.the_split.b(flat)
             n_params = self.n_params
@@ -327,7 +332,7 @@ class Units:
             flat[k] = value
         if self.w_stashed:
             slot = self.stash_slot_I[i]
-            buffers = c["stash"] if self.residuals else [c["stash"]]
+            buffers = self.stash_leaves(c)
             for k in self.w_stashed:  # the slot's leaves W reads, no others
                 flat[k] = buffers[k][slot]
         grads = self.add_flat(c["grads"],

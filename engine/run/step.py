@@ -139,20 +139,24 @@ class Trainer:
                                             self.cfg, self.axes.data)
         return loss + router, {"ce_loss": loss, **metrics}
 
+    def _differentiate(self, params):
+        """(what the step differentiates, seen: it -> the params the model reads) of the
+        stored params, as the ZeRO level makes them (`ZeroLevel.differentiate`: under
+        zero 2 the model reads `Resident` weights)."""
+        return self.zero.differentiate(params, self.specs, self.shard_specs, self.axes,
+                                       self.cfg.compute_dtype)
+
     def _loss(self, params, tokens_BL):
         """The cross-entropy of a batch (evaluation): the params made what the model sees
-        as the step makes them (`ZeroLevel.differentiate`: under zero 2 the model reads
-        `Resident` weights), nothing differentiated."""
-        diff, seen = self.zero.differentiate(params, self.specs, self.shard_specs, self.axes,
-                                             self.cfg.compute_dtype)
+        as the step makes them (`_differentiate`), nothing differentiated."""
+        diff, seen = self._differentiate(params)
         if self.axes.pp is not None:
             return self._pipeline(diff, tokens_BL, self.forward_plan, seen)
         loss, metrics = self._objective(seen(diff), tokens_BL)
         return metrics.get("ce_loss", loss)
 
     def _loss_and_grads(self, params, tokens_BL, with_metrics=False):
-        diff, seen = self.zero.differentiate(params, self.specs, self.shard_specs, self.axes,
-                                             self.cfg.compute_dtype)
+        diff, seen = self._differentiate(params)
         loss, metrics, grads = self._accumulate(diff, seen, tokens_BL)
         with jax.named_scope(scopes.REDUCE_GRADS):
             grads = all_reduce_grads(grads, self.grad_specs, self.axes)
@@ -187,7 +191,7 @@ class Trainer:
         loss, grads = jax.tree.map(lambda x: x / m, (loss, grads))
         return loss, jax.tree.map(lambda x: x.mean(0), metrics_M), grads
 
-    def _pipeline(self, params, tokens_BL, the_plan, seen=lambda p, rows=None: p):
+    def _pipeline(self, params, tokens_BL, the_plan, seen):
         """The loss (and with a backward plan the grads) over the pp stages
         (engine/parallel/pipeline.py), the local batch cut into `parallel.microbatches`."""
         m = self.parallel.microbatches
